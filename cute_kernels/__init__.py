@@ -1,0 +1,3 @@
+"""CuTe DSL kernel families, one file per family, each with its compile-time parameters, the
+kernel, `variants()` and a NumPy `reference()`. Imported only at build time by
+`build_kernels.py` (and by tests for the references); the runtime never imports it."""

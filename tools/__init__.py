@@ -1,0 +1,2 @@
+"""Offline tools: `convert` (Hugging Face checkpoints -> `.infernix`), `make_tiny` (tiny
+random-weight models for tests and demos), `chat_templates/` (our maintained Jinja templates)."""
