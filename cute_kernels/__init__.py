@@ -1,3 +1,6 @@
 """CuTe DSL kernel families, one file per family, each with its compile-time parameters, the
 kernel, `variants()` and a NumPy `reference()`. Imported only at build time by
 `build_kernels.py` (and by tests for the references); the runtime never imports it."""
+
+# Family modules `build_kernels.py` compiles, in build order (names of modules in this package).
+FAMILIES = ("rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemm_sm90")

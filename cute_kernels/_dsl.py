@@ -1,0 +1,85 @@
+"""Helpers shared by the kernel families' `build()` functions (imports the CuTe DSL).
+
+Only `build()` functions import this module, so the DSL is needed at build time only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from runtime.cuda.expr import evaluate
+
+from .variant import Variant
+
+__all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "NAME_PREFIX"]
+
+NAME_PREFIX = "infx"
+
+
+def dtype(name: str) -> type:
+    """The DSL numeric type of a manifest dtype name."""
+    return {
+        "bf16": cutlass.BFloat16,
+        "f16": cutlass.Float16,
+        "f32": cutlass.Float32,
+        "i32": cutlass.Int32,
+        "i64": cutlass.Int64,
+        "u8": cutlass.Uint8,
+        "e4m3": cutlass.Float8E4M3FN,
+    }[name]
+
+
+def fake_ptr(dtype_name: str, align: int = 16) -> Any:
+    """A global-memory pointer argument for compiling (its value is never used)."""
+    return make_ptr(dtype(dtype_name), 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def stream() -> Any:
+    return cuda_driver.CUstream(0)
+
+
+def example_args(variant: Variant, aligns: Mapping[str, int] | None = None) -> list[Any]:
+    """Compile-time arguments for a kernel whose launch function takes exactly its params.
+
+    Pointers get 16-byte alignment (every buffer the runtime hands out is 256-byte aligned;
+    a family may lower a buffer's promise with `aligns`), int32 params an Int32, f32 a Float32,
+    and the CUDA stream comes last.
+    """
+    args: list[Any] = []
+    for p in variant.params:
+        if p.kind == "ptr":
+            assert p.buffer is not None
+            args.append(fake_ptr(variant.tensors[p.buffer].dtype, (aligns or {}).get(p.buffer, 16)))
+        elif p.kind == "i32":
+            args.append(cutlass.Int32(1))
+        elif p.kind == "f32":
+            args.append(cutlass.Float32(0.0))
+        else:
+            raise ValueError(f"{variant.name}: example_args cannot make a {p.kind} parameter")
+    args.append(stream())
+    return args
+
+
+def grid(variant: Variant, env: Mapping[str, Any]) -> list[Any]:
+    """The launch grid from the variant's formulas, evaluated on DSL values while tracing."""
+    return [evaluate(g, env) for g in variant.grid]
+
+
+def warp_sum(value: Any, width: int) -> Any:
+    """Butterfly sum over groups of `width` consecutive lanes (width a power of two <= 32)."""
+    offset = width // 2
+    while offset >= 1:
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
+        offset //= 2
+    return value
+
+
+def silu_f32(x: Any) -> Any:
+    """x * sigmoid(x) in fp32."""
+    return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))

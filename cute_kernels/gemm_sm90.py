@@ -1,0 +1,243 @@
+"""Prefill GEMM for Hopper: `out[M, N] = x[M, K] @ W[N, K]^T`, BF16 in, FP32 accumulate, BF16 out.
+
+A warp-specialised TMA + WGMMA kernel with a dynamic M (tokens) and static N, K (one variant per
+weight shape):
+
+- CTA tile 128 x 256 x 64; 384 threads: warpgroup 0 is the producer (its first warp issues the
+  TMA loads; registers lowered to 40), warpgroups 1 and 2 are consumers (registers raised to 232),
+  each owning 64 rows of the tile with a 64 x 256 fp32 accumulator;
+- a 4-stage shared-memory ring (48 KiB per stage, 128-byte swizzle) guarded by a `PipelineTmaAsync`
+  (full barriers counted in TMA bytes, empty barriers released by the 8 consumer warps);
+- each k-tile is 4 WGMMAs (K = 16 each); one k-tile of WGMMAs stays in flight
+  (`wait_group(1)`) and the stage it finished reading is released to the producer;
+- tiles are rasterised in bands of 8 M-tiles so a wave of CTAs shares activation and weight
+  tiles in L2;
+- the epilogue converts to bf16 and stores straight from registers, predicated on M and N (TMA
+  clips the loads: rows past M and columns past N read zeros).
+
+The TMA descriptors are encoded by the runtime (`cuTensorMapEncodeTiled`) with the settings in the
+manifest, which come from the same constants this module compiles with.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from runtime.cuda.manifest import TmaEncode
+
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor, tma
+
+FAMILY = "gemm_sm90"
+BM, BN, BK = 128, 256, 64
+STAGES = 4
+GROUP_M = 8  # M-tiles per raster band
+THREADS = 384
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+
+# (name, N, K): the 27B's prefill linear layers.
+SHAPES = [
+    ("gdn_in", 16480, 5120),
+    ("o_proj", 5120, 6144),
+    ("attn_qkv", 14336, 5120),
+    ("gate_up", 34816, 5120),
+    ("down", 5120, 17408),
+    ("test", 328, 192),  # small and ragged (N not a multiple of the tile) for tests
+]
+
+
+def _variant(name: str, n: int, k: int) -> Variant:
+    num_n = -(-n // BN)
+    enc_a = TmaEncode(dtype="BFLOAT16", dims=(k, "M"), strides_bytes=(k * 2,), box=(BK, BM), elem_strides=(1, 1))
+    enc_b = TmaEncode(dtype="BFLOAT16", dims=(k, n), strides_bytes=(k * 2,), box=(BK, BN), elem_strides=(1, 1))
+    return Variant(
+        family=FAMILY,
+        key=f"{name}_n{n}_k{k}",
+        config={"N": n, "K": k, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M, "threads": THREADS,
+                "regs": [PRODUCER_REGS, CONSUMER_REGS]},
+        # The TMA coordinate tensor of x carries its dynamic M as an int32 right after the descriptor.
+        params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("out"), i32("M")],
+        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
+        sizes=("M",),
+        block=(THREADS, 1, 1),
+        grid=(f"cdiv(M, {BM}) * {num_n}", 1, 1),
+        requires=("M >= 1", "M <= 2147483647 // 2"),
+        arches=HOPPER,
+        note=f"prefill x[M,{k}] @ W[{n},{k}]^T, TMA + WGMMA, tile {BM}x{BN}x{BK}",
+        example_sizes={"M": 8192},
+    )
+
+
+def variants() -> list[Variant]:
+    return [_variant(*s) for s in SHAPES]
+
+
+def reference(x: np.ndarray, w: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    if exact:
+        return x.astype(np.float64) @ w.astype(np.float64).T
+    return round_bf16((x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32))
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.tensor_utils.layout import LayoutEnum
+
+    from . import _dsl
+
+    n, k = variant.config["N"], variant.config["K"]
+    num_n = -(-n // BN)
+    k_tiles = -(-k // BK)
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    k_major = LayoutEnum.ROW_MAJOR
+    stage_bytes = (BM + BN) * BK * 2
+
+    def smem_layouts() -> tuple[Any, Any]:
+        a = sm90.make_smem_layout_a(k_major, (BM, BN, BK), bf16, STAGES)
+        b = sm90.make_smem_layout_b(k_major, (BM, BN, BK), bf16, STAGES)
+        for what, lay in (("x", a), ("w", b)):
+            # The manifest promises 128-byte swizzle to the runtime's descriptor encode.
+            if "S<3,4,3>" not in str(lay.inner):
+                raise ValueError(f"{variant.name}: {what} smem layout is {lay.inner}, expected 128-byte swizzle")
+        return a, b
+
+    def make_mma() -> Any:
+        return sm90.make_trivial_tiled_mma(
+            bf16, bf16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), f32, (2, 1, 1),
+            tiler_mn=(64, BN),
+        )
+
+    @cute.kernel
+    def kernel(tma_x: cute.CopyAtom, m_x: cute.Tensor, tma_w: cute.CopyAtom, m_w: cute.Tensor,
+               out: cute.Pointer, m: cutlass.Int32):
+        a_layout, b_layout = smem_layouts()
+        tiled_mma = make_mma()
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_x)
+            cpasync.prefetch_descriptor(tma_w)
+
+        @cute.struct
+        class Storage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sa: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(a_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_layout)], 1024]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+
+        # Raster: bands of GROUP_M M-tiles, M fastest within a band.
+        num_m = (m + BM - 1) // BM
+        per_band = GROUP_M * num_n
+        first_m = (bid // per_band) * GROUP_M
+        band_rows = cutlass.min(num_m - first_m, GROUP_M)
+        local = bid % per_band
+        m_tile = first_m + local % band_rows
+        n_tile = local // band_rows
+
+        g_x = cute.local_tile(m_x, (BM, BK), (m_tile, None))  # (BM, BK, k_tiles)
+        g_w = cute.local_tile(m_w, (BN, BK), (n_tile, None))  # (BN, BK, k_tiles)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                t_sx, t_gx = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
+                                                   cute.group_modes(g_x, 0, 2))
+                t_sw, t_gw = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
+                                                   cute.group_modes(g_w, 0, 2))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ring.producer_acquire(state)
+                    bar = ring.producer_get_barrier(state)
+                    cute.copy(tma_x, t_gx[(None, kt)], t_sx[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
+                    ring.producer_commit(state)
+                    state.advance()
+                ring.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tid - 128
+            wg_mma = tiled_mma.get_slice((ctid // 128) * 128)
+            thr_mma = tiled_mma.get_slice(ctid)
+            t_ca = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
+            t_cb = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
+            coords = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+            acc = cute.make_rmem_tensor(coords.shape, f32)
+            k_blocks = cute.size(t_ca, mode=[2])
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            ring.consumer_wait(read)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, t_ca[(None, None, kb, read.index)], t_cb[(None, None, kb, read.index)], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            read.advance()
+            for kt in cutlass.range(1, k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, t_ca[(None, None, kb, read.index)], t_cb[(None, None, kb, read.index)],
+                              acc)
+                warpgroup.commit_group()
+                # The previous k-tile's WGMMAs are done once at most one group is pending.
+                warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            ring.consumer_release(release)
+
+            result = cute.make_rmem_tensor(coords.shape, bf16)
+            result.store(acc.load().to(bf16))
+            g_out = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+            row0 = m_tile * BM
+            col0 = n_tile * BN
+            if row0 + BM <= m and col0 + BN <= n:
+                for i in cutlass.range_constexpr(cute.size(result)):
+                    r, c = coords[i]
+                    g_out[row0 + r, col0 + c] = result[i]
+            else:
+                for i in cutlass.range_constexpr(cute.size(result)):
+                    r, c = coords[i]
+                    if row0 + r < m and col0 + c < n:
+                        g_out[row0 + r, col0 + c] = result[i]
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemm_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Tensor, w: cute.Tensor, out: cute.Pointer, m: cutlass.Int32, stream: Any):
+        a_layout, b_layout = smem_layouts()
+        tma_x, t_x = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(a_layout, (None, None, 0)), (BM, BK)
+        )
+        tma_w, t_w = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(b_layout, (None, None, 0)), (BN, BK)
+        )
+        kernel(tma_x, t_x, tma_w, t_w, out, m).launch(
+            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream
+        )
+
+    m_sym = cute.sym_int32(divisibility=1)
+    x_fake = make_fake_compact_tensor(bf16, (m_sym, k), stride_order=(1, 0), assumed_align=16)
+    w_fake = make_fake_compact_tensor(bf16, (n, k), stride_order=(1, 0), assumed_align=16)
+    return launch, [x_fake, w_fake, _dsl.fake_ptr("bf16"), cutlass.Int32(1), _dsl.stream()]

@@ -1,0 +1,163 @@
+"""Decode GEMV / skinny GEMM: `out[M, N] = x[M, K] @ W[N, K]^T` for M = 1..16, BF16, fp32 accumulate.
+
+At decode the weights are read once per step and M is tiny, so the kernel is built to stream W at
+memory bandwidth, not to use the tensor cores fully. The weights are the MMA's M side ("swap AB"):
+
+- a CTA owns 16 rows of W and 8 warps split K among themselves (so even N = 5120 puts ~19 warps
+  on every SM, enough bytes in flight), each warp walking its K range in 128-column chunks;
+- per chunk, lane (r, q) = (lane / 4, lane % 4) loads 32 contiguous bytes of rows r and r + 8 (the
+  4 lanes of a row cover one full 128-byte line) and the same 16 columns of token r's activation;
+- those columns feed four `mma.sync.m16n8k16` (BF16 in, FP32 accumulate) per 8 tokens. The MMA
+  fragment's K slots are a permutation of the physical columns, the same one for A and B, so the
+  dot products are exact sums over the chunk while every load stays a 16-byte vector;
+- the 8 warps' 16 x M partial sums meet in shared memory, are added in a fixed order
+  (deterministic) and written as bf16.
+
+Tokens past M read token M - 1 again (valid memory); their MMA columns are never stored. `MB` (8
+or 16) is the largest M a variant accepts.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "gemv"
+WARPS = 8  # warps per CTA, splitting K
+ROWS = 16  # weight rows per CTA (the MMA's M)
+CHUNK = 64  # K columns per warp step: 4 lanes x 32 bytes = one 128-byte line per row
+
+# (name, N, K): every linear layer of the 27B at decode (BF16 weights).
+SHAPES = [
+    ("gdn_in", 16480, 5120),  # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a
+    ("o_proj", 5120, 6144),  # GDN out_proj and attention o_proj
+    ("attn_qkv", 14336, 5120),  # q (with gate) + k + v
+    ("gate_up", 34816, 5120),
+    ("down", 5120, 17408),
+    ("lm_head", 248320, 5120),
+]
+
+
+def _variant(name: str, n: int, k: int, mb: int) -> Variant:
+    return Variant(
+        family=FAMILY,
+        key=f"{name}_n{n}_k{k}_m{mb}",
+        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": ROWS, "chunk": CHUNK},
+        params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
+        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
+        sizes=("M",),
+        block=(32 * WARPS, 1, 1),
+        grid=(n // ROWS, 1, 1),
+        requires=("M >= 1", f"M <= {mb}"),
+        arches=HOPPER,
+        note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once",
+        example_sizes={"M": 1 if mb == 8 else 16},
+    )
+
+
+def variants() -> list[Variant]:
+    out = []
+    for name, n, k in SHAPES:
+        if n % ROWS or k % (CHUNK * WARPS):
+            raise ValueError(f"gemv shape {name} {n}x{k} does not tile by {ROWS} rows and {CHUNK * WARPS} columns")
+        for mb in (8, 16):
+            out.append(_variant(name, n, k, mb))
+    return out
+
+
+def reference(x: np.ndarray, w: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    """x @ w.T for bf16-valued inputs: float64 when exact, else fp32 accumulate + bf16 output."""
+    if exact:
+        return x.astype(np.float64) @ w.astype(np.float64).T
+    return round_bf16((x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32))
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    n, k, mb = variant.config["N"], variant.config["K"], variant.config["MB"]
+    groups = mb // 8  # 8-token MMA column groups
+    per_warp = k // WARPS
+    chunks = per_warp // CHUNK
+    unroll = min(chunks, 4)
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+
+    @cute.kernel
+    def kernel(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        r = lane // 4
+        q = lane % 4
+        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        frag_a = mma.make_fragment_A(mma.partition_shape_A((16, 16)))
+        frag_b = mma.make_fragment_B(mma.partition_shape_B((8, 16)))
+        accs = []
+        for g in cutlass.range_constexpr(groups):
+            acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+            acc.fill(0.0)
+            accs.append(acc)
+        row0 = bid * ROWS
+        col0 = warp * per_warp + q * 16
+        vec = cute.make_layout((16,))
+        w_lo = w + cutlass.Int64(row0 + r) * k + col0
+        w_hi = w + cutlass.Int64(row0 + r + 8) * k + col0
+        x_rows = []
+        for g in cutlass.range_constexpr(groups):
+            token = cutlass.min(g * 8 + r, m - 1)
+            x_rows.append(x + cutlass.Int64(token) * k + col0)
+        for c in cutlass.range(chunks, unroll=unroll):
+            a_lo = cute.make_tensor(w_lo + c * CHUNK, vec).load()
+            a_hi = cute.make_tensor(w_hi + c * CHUNK, vec).load()
+            for g in cutlass.range_constexpr(groups):
+                b = cute.make_tensor(x_rows[g] + c * CHUNK, vec).load()
+                for j in cutlass.range_constexpr(4):
+                    # Physical columns 4j..4j+3 of this lane fill the fragment's K slots
+                    # (2q, 2q+1, 2q+8, 2q+9) in A and B alike.
+                    frag_a[0] = a_lo[4 * j]
+                    frag_a[1] = a_lo[4 * j + 1]
+                    frag_a[4] = a_lo[4 * j + 2]
+                    frag_a[5] = a_lo[4 * j + 3]
+                    frag_a[2] = a_hi[4 * j]
+                    frag_a[3] = a_hi[4 * j + 1]
+                    frag_a[6] = a_hi[4 * j + 2]
+                    frag_a[7] = a_hi[4 * j + 3]
+                    frag_b[0] = b[4 * j]
+                    frag_b[1] = b[4 * j + 1]
+                    frag_b[2] = b[4 * j + 2]
+                    frag_b[3] = b[4 * j + 3]
+                    cute.gemm(mma, accs[g], frag_a, frag_b, accs[g])
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(
+            f32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)), byte_alignment=16
+        )
+        for g in cutlass.range_constexpr(groups):
+            # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
+            partial[r, g * 8 + 2 * q, warp] = accs[g][0]
+            partial[r, g * 8 + 2 * q + 1, warp] = accs[g][1]
+            partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
+            partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
+        cute.arch.sync_threads()
+        if tid < ROWS * mb:
+            row = tid % ROWS
+            token = tid // ROWS
+            if token < m:
+                total = f32(0.0)
+                for i in cutlass.range_constexpr(WARPS):
+                    total = total + partial[row, token, i]
+                dst = cute.make_tensor(out + cutlass.Int64(token) * n + row0 + row, cute.make_layout(1))
+                dst[0] = total.to(bf16)
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32, stream: Any):
+        kernel(x, w, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
