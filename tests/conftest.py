@@ -37,3 +37,38 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"GPU test skipped: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models (tools/make_tiny.py), generated once per test session. Each fixture returns the
+# path of a `.infernix` artifact; its Hugging Face directory sits next to it as `<stem>-hf`.
+
+def _tiny(tmp_path_factory, family: str, vocab: str = "small"):
+    from tools.make_tiny import make_tiny
+    directory = tmp_path_factory.mktemp(f"tiny-{family}-{vocab}")
+    return make_tiny(directory / f"tiny-{family}.infernix", family=family, vocab=vocab, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_path(tmp_path_factory):
+    """Qwen3.5 dense tiny model, 512-token vocabulary."""
+    return _tiny(tmp_path_factory, "dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory):
+    """Qwen3.5-MoE tiny model (8 experts, top-2, shared expert), 512-token vocabulary."""
+    return _tiny(tmp_path_factory, "moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_next_path(tmp_path_factory):
+    """Qwen3-Next tiny model (MoE, fused GDN projections on disk), 512-token vocabulary."""
+    return _tiny(tmp_path_factory, "next")
+
+
+@pytest.fixture(scope="session")
+def tiny_real_vocab_path(tmp_path_factory):
+    """Qwen3.5 dense tiny model with the real Qwen3.5 tokenizer (248,320 rows, tied
+    embeddings; ~130 MB, a few seconds to build)."""
+    return _tiny(tmp_path_factory, "dense", "real")

