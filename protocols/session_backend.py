@@ -1,0 +1,373 @@
+"""The backend over a `ModelSession`: renders a `GenerationJob`, compiles its constraint,
+submits it to the engine and turns the engine's token increments into parser events on the
+event loop.
+
+Threads: rendering, tokenizing and constraint compilation run in the default executor (they
+can take tens of milliseconds on long prompts), never on the event loop. The engine calls our
+sink on its own thread; the sink only hands the increment to the loop with
+`call_soon_threadsafe`. Parsing (detokenizer, stop strings, Qwen output parser) then runs on
+the loop, per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from protocols.errors import ApiError, invalid
+from protocols.generation import Generation, GenerationResult, LogprobsDelta
+from protocols.job import Capabilities, GenerationJob
+from runtime.engine.api import EngineOutput, FinishReason, RequestRejected
+from runtime.engine.presets import SamplingOverrides
+from runtime.log import get_logger
+
+log = get_logger("serve")
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+           FinishReason.CONTEXT: "context", FinishReason.CANCELLED: "cancelled",
+           FinishReason.ERROR: "error"}
+_REJECTED_STATUS = {"queue_full": 503, "engine_unavailable": 503}
+CALL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
+
+
+@dataclass
+class _Prepared:
+    """A job rendered and ready to submit (built off the event loop)."""
+
+    request: Any
+    prompt_tokens: int
+    thinking: bool
+    tools: tuple = ()
+
+
+@dataclass
+class _Running:
+    """Per-request state kept on the event loop."""
+
+    generation: Generation
+    parser: Any
+    submitted_at: float
+    received_at: float
+    top_logprobs: Optional[int] = None
+    stop_hit: Any = None
+    logprobs: list = field(default_factory=list)
+
+
+def open_backend(settings) -> "SessionBackend":
+    """Load the model named by the serve settings. Raises ConfigError for option mistakes;
+    loading failures raise the artifact / model / text layers' own errors."""
+    from runtime.session import ModelSession
+
+    return SessionBackend(ModelSession.open(settings), settings)
+
+
+class SessionBackend:
+    """Implements `protocols.generation.Backend` on a model session."""
+
+    def __init__(self, session, settings, *, model_id: Optional[str] = None):
+        self.session = session
+        self.settings = settings
+        self.model_id = model_id or getattr(settings, "model_id", None) or session.model_name
+        self.max_context = session.max_context
+        self.capabilities = Capabilities(logprobs=True, constraints=_constraints_available())
+        self._running: dict[str, _Running] = {}
+        self._closing = False
+        if self.capabilities.constraints:
+            # Built now, before serving: the build takes seconds and holds the GIL throughout,
+            # so doing it on first use would stall the event loop (every stream) meanwhile.
+            started = time.monotonic()
+            try:
+                session.constraint_compiler
+            except Exception as exc:  # noqa: BLE001 - constrained requests will fail with it
+                log.warning("constrained output unavailable: %s", exc)
+                self.capabilities = Capabilities(logprobs=True, constraints=False)
+            else:
+                log.info("constraint compiler ready (%.1f s)", time.monotonic() - started)
+
+    # --- Backend interface ------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        return self.session.engine.error is None
+
+    def gauges(self) -> dict[str, float]:
+        snapshot = self.session.engine.snapshot()
+        return {"requests_waiting": snapshot.get("waiting", 0),
+                "engine_requests_running": snapshot.get("running", 0),
+                "kv_pages_total": snapshot.get("kv_pages_total", 0),
+                "kv_pages_in_use": snapshot.get("kv_pages_total", 0)
+                - snapshot.get("kv_pages_free", 0),
+                "engine_preemptions_total": snapshot.get("preemptions", 0)}
+
+    async def count_tokens(self, job: GenerationJob) -> int:
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(None, self._render, job)
+        return len(prompt.ids)
+
+    async def start(self, job: GenerationJob, request_id: str,
+                    received_at: float) -> Generation:
+        if self._closing:
+            raise ApiError(503, "the server is shutting down", retry_after=1)
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(None, self._prepare, job, request_id)
+        session = self.session
+        parser = self._parser(job, prepared)
+        seed = prepared.request.sampling.seed if prepared.request else 0
+        generation = Generation(request_id, prompt_tokens=prepared.prompt_tokens, seed=seed,
+                                max_tokens=prepared.request.max_new_tokens if prepared.request
+                                else 0, cancel=lambda: session.engine.cancel(request_id),
+                                started_at=received_at)
+        if prepared.request is None:  # max tokens 0: the prompt is checked, nothing generated
+            generation.finish(GenerationResult(finish_reason="length",
+                                               prompt_tokens=prepared.prompt_tokens))
+            return generation
+        running = _Running(generation, parser, time.monotonic(), received_at,
+                           top_logprobs=job.top_logprobs)
+
+        def sink(output: EngineOutput) -> None:  # engine thread
+            loop.call_soon_threadsafe(self._on_output, running, output)
+
+        try:
+            session.engine.submit(prepared.request, sink)
+        except RequestRejected as exc:
+            raise _rejected(exc) from None
+        self._running[request_id] = running
+        return generation
+
+    def shutdown(self) -> None:
+        """End everything in flight with an in-band error (the server is stopping)."""
+        self._closing = True
+        for request_id, running in list(self._running.items()):
+            generation = running.generation
+            generation.finish(GenerationResult(
+                finish_reason="error", error="the server is shutting down", error_status=503,
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens))
+            self.session.engine.cancel(request_id)
+        self._running.clear()
+
+    def close(self) -> None:
+        self.session.close()
+
+    # --- preparing (executor thread) --------------------------------------------------------
+
+    def _render(self, job: GenerationJob):
+        from runtime.text.chat import ChatTemplateError
+
+        settings = self.settings
+        enable = job.enable_thinking
+        if enable is None and settings.no_thinking:
+            enable = False
+        effort = job.reasoning_effort or (settings.reasoning_effort if enable is not False
+                                          else None)
+        preserve = job.preserve_thinking if job.preserve_thinking is not None else \
+            bool(settings.preserve_thinking)
+        try:
+            prompt = self.session.render(
+                list(job.messages), tools=list(job.tools) or None, enable_thinking=enable,
+                reasoning_effort=effort, preserve_thinking=preserve,
+                add_generation_prompt=not job.continue_final, **job.template_kwargs)
+        except ChatTemplateError as exc:
+            raise invalid("messages", f"cannot render the chat template: {exc}",
+                          "invalid_prompt") from None
+        if job.continue_final:
+            prompt = self._continue_final(prompt)
+        return prompt
+
+    def _continue_final(self, prompt):
+        """A final assistant message is a prefill: drop the turn end the template wrote after
+        it, so generation continues the message."""
+        from runtime.session import RenderedPrompt
+
+        ids = list(prompt.ids)
+        im_end = self.session.tokenizer.special.im_end
+        for index in range(len(ids) - 1, -1, -1):
+            if ids[index] == im_end:
+                ids = ids[:index]
+                break
+        return RenderedPrompt(ids=tuple(ids), thinking=self.session.ends_in_thinking(ids))
+
+    def _prepare(self, job: GenerationJob, request_id: str) -> _Prepared:
+        session, settings = self.session, self.settings
+        prompt = self._render(job)
+        prompt_tokens = len(prompt.ids)
+        if prompt_tokens >= self.max_context:
+            raise ApiError(400, f"prompt is too long: {prompt_tokens} tokens > "
+                                f"{self.max_context - 1} maximum", param="messages",
+                           code="context_length_exceeded")
+        room = self.max_context - prompt_tokens
+        wanted = job.max_tokens if job.max_tokens is not None else settings.max_new
+        if wanted == 0:
+            return _Prepared(None, prompt_tokens, prompt.thinking, job.tools)
+        max_new = min(wanted, room)
+        constraint = self._constraint(job, prompt.thinking)
+        overrides = SamplingOverrides(
+            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, min_p=job.min_p,
+            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+            seed=job.seed)
+        sampling = session.sampling(prompt.thinking, overrides,
+                                    constrained=constraint is not None)
+        budget = job.thinking_budget if job.thinking_budget is not None else \
+            settings.thinking_budget
+        if budget is not None and prompt.thinking and budget + len(
+                session.thinking_close_ids) + 1 > max_new:
+            budget = None if max_new <= len(session.thinking_close_ids) + 1 else \
+                max_new - len(session.thinking_close_ids) - 1
+        logprobs = 0
+        if job.top_logprobs is not None:
+            logprobs = max(1, job.top_logprobs)
+        request = session.build_request(
+            prompt, max_new_tokens=max_new, sampling=sampling,
+            stop_token_ids=settings.stop_token_id, thinking_budget=budget,
+            loop_guard=settings.reasoning_loop, constraint=constraint, logprobs=logprobs,
+            request_id=request_id)
+        return _Prepared(request, prompt_tokens, prompt.thinking, job.tools)
+
+    def _constraint(self, job: GenerationJob, thinking: bool):
+        from runtime.text.constraints import ConstraintError
+
+        param = _constraint_param(job)
+        try:
+            spec, param = constraint_spec(job)
+            if spec is None:
+                return None
+            return self.session.compile_constraint(spec, thinking)
+        except ConstraintError as exc:
+            raise invalid(param, str(exc), "invalid_constraint") from None
+
+    def _parser(self, job: GenerationJob, prepared: _Prepared):
+        from runtime.text.parser import QwenOutputParser
+        from runtime.text.stops import StopConditions
+
+        settings = self.settings
+        stops = StopConditions.build(tuple(settings.stop) + tuple(job.stop),
+                                     settings.reasoning_stop, settings.stop_token_id)
+        return QwenOutputParser(self.session.tokenizer, tools=list(prepared.tools) or None,
+                                starts_in_reasoning=prepared.thinking,
+                                tolerant_tool_calls=settings.tolerant_tool_calls,
+                                call_id_prefix=CALL_ID_PREFIX.get(job.api, "call_"),
+                                stop=stops)
+
+    # --- outputs (event loop) ---------------------------------------------------------------
+
+    def _on_output(self, running: _Running, output: EngineOutput) -> None:
+        generation = running.generation
+        if output.finished:
+            self._running.pop(generation.request_id, None)
+        if generation.done:  # ended on our side already (client gone, server stopping)
+            return
+        parser = running.parser
+        events = parser.feed(output.token_ids) if output.token_ids else []
+        if output.logprobs and running.top_logprobs is not None:
+            events = events + [self._logprobs(output.logprobs, running.top_logprobs)]
+        if parser.stopped is not None and running.stop_hit is None:
+            running.stop_hit = parser.stopped
+            if not output.finished:
+                self.session.engine.cancel(generation.request_id)
+        generation.publish(events, new_tokens=len(output.token_ids))
+        if output.finished:
+            self._finish(running, output)
+
+    def _finish(self, running: _Running, output: EngineOutput) -> None:
+        generation = running.generation
+        reason = _FINISH.get(output.finish_reason, "error")
+        stop_sequence = None
+        if running.stop_hit is not None:
+            reason = "stop"  # our cancel after a stop string, or the engine's own stop
+            if running.stop_hit.kind == "stop_string":
+                stop_sequence = str(running.stop_hit.value)
+        truncated = reason in ("length", "context", "cancelled", "error")
+        tail = running.parser.finish(truncated)
+        if tail:
+            generation.publish(tail)
+        stats = output.stats
+        delay = running.submitted_at - running.received_at
+        generation.finish(GenerationResult(
+            finish_reason=reason, stop_sequence=stop_sequence,
+            prompt_tokens=output.prompt_tokens or generation.prompt_tokens,
+            cached_prompt_tokens=output.cached_prompt_tokens,
+            completion_tokens=stats.output_tokens if stats else generation.completion_tokens,
+            reasoning_tokens=stats.thinking_tokens if stats else 0,
+            error=output.error, error_status=500,
+            queue_wait_s=stats.queue_s if stats else None,
+            ttft_s=(stats.ttft_s + delay) if stats and stats.output_tokens else None,
+            decode_s=stats.decode_s if stats else None))
+
+    def _logprobs(self, entries, top: int) -> LogprobsDelta:
+        token_bytes = self.session.tokenizer.token_bytes
+        converted = []
+        for entry in entries:
+            converted.append(_logprob_entry(token_bytes, entry["token_id"], entry["logprob"],
+                                            [(alt["token_id"], alt["logprob"])
+                                             for alt in entry.get("top_logprobs", [])[:top]]))
+        return LogprobsDelta(tuple(converted))
+
+
+def _logprob_entry(token_bytes, token_id: int, logprob: float, top: list) -> dict:
+    def one(tid: int, value: float) -> dict:
+        data = token_bytes[tid] if 0 <= tid < len(token_bytes) else b""
+        return {"token": data.decode("utf-8", "replace"), "logprob": value,
+                "bytes": list(data)}
+
+    entry = one(token_id, logprob)
+    entry["top_logprobs"] = [one(tid, value) for tid, value in top]
+    return entry
+
+
+def constraint_spec(job: GenerationJob) -> tuple[Any, str]:
+    """The output constraint a job asks for, and the request field it came from."""
+    from runtime.text.constraints import ConstraintSpec
+    from runtime.text.constraints_tools import json_or_tool_calls_spec, tool_call_spec
+
+    param = _constraint_param(job)
+    answer = None
+    if job.output_format is not None:
+        if job.output_format.kind == "json_object":
+            answer = ConstraintSpec.json_object()
+        else:
+            answer = ConstraintSpec.json_schema(job.output_format.schema or {},
+                                                strict=job.output_format.strict)
+    choice = job.tool_choice
+    tools = list(job.tools)
+    if choice.mode in ("required", "named"):
+        return tool_call_spec(tools, required=True, name=choice.name,
+                              parallel=job.parallel_tool_calls), "tool_choice"
+    if answer is not None and tools:
+        return json_or_tool_calls_spec(answer, tools, parallel=job.parallel_tool_calls), param
+    if answer is not None:
+        return answer, param
+    if tools and any(tool["function"].get("strict") for tool in tools):
+        return tool_call_spec(tools, required=False, parallel=job.parallel_tool_calls), "tools"
+    return None, param
+
+
+def _constraint_param(job: GenerationJob) -> str:
+    if job.tool_choice.mode in ("required", "named"):
+        return "tool_choice"
+    return {"chat": "response_format", "responses": "text.format",
+            "messages": "output_config.format"}[job.api]
+
+
+def _constraints_available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rejected(exc: RequestRejected) -> ApiError:
+    code = exc.code
+    status = _REJECTED_STATUS.get(code, 400)
+    if code == "queue_full":
+        return ApiError(503, f"the server is busy: {exc}; retry later", code="server_overloaded",
+                        retry_after=1)
+    if code == "engine_unavailable":
+        return ApiError(503, str(exc), code="engine_unavailable")
+    if code in ("context_length_exceeded", "kv_capacity_exceeded"):
+        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if code == "thinking_budget_capacity_insufficient":
+        return ApiError(400, str(exc), param="max_tokens", code=code)
+    return ApiError(status, str(exc), code=code)
+
