@@ -1,0 +1,412 @@
+"""`NumpyRunner`: the exact NumPy forward pass behind the `ModelRunner` protocol.
+
+It is the oracle for the CUDA kernels and the `--device cpu` backend for tiny models. The maths
+lives in `reference_layers`; this module owns storage and the batch layout:
+
+- recurrent states `[linear layers, slots, Hv, dk, dv]` and conv windows
+  `[linear layers, slots, Kc-1, conv_dim]` (the last Kc-1 pre-conv `[q|k|v]` inputs);
+- K and V pages `[attention layers (+ MTP layers), pages, PAGE_SIZE, Hkv, D]`, post-norm and
+  post-RoPE, addressed through each sequence's page table (the contract in `runner.py`).
+
+Prefill runs Gated DeltaNet in the chunked form, decode in the recurrent form. Everything is
+computed in the runner's dtype (float32, or float64 for tests); the protocol methods return
+float32 logits. A prefill or decode call is checked completely before any state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from runtime.model import reference_layers as ref
+from runtime.model.config import LINEAR_ATTENTION, ModelConfig
+from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
+                                   bind_mtp, bind_text)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Logits [rows, V] and final-normed hidden states [rows', H], both in the runner's dtype.
+
+    For prefill, `logits` has one row per token if `all_logits` else one, while `hidden` always
+    has one row per token (the MTP head needs them all). For decode both have one row per item.
+    For the MTP head, `hidden` is its output after `mtp.norm` (fed back when chaining drafts).
+    """
+
+    logits: np.ndarray
+    hidden: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Where B sequences of T new tokens each read and write state (T = 1 for decode)."""
+
+    slots: np.ndarray        # [B] state slots
+    positions: np.ndarray    # [B, T] token positions
+    write_rows: np.ndarray   # [B, T] flat KV row (page * PAGE_SIZE + offset) of each new token
+    read_rows: np.ndarray    # [B, S] flat KV rows of positions 0..S-1 (padding rows are masked)
+    visible: np.ndarray      # [B, T, S] causal mask
+    cos: np.ndarray          # [B, T, rotary_dim/2]
+    sin: np.ndarray
+
+
+class NumpyRunner:
+    """The reference model runner (see module docstring).
+
+    config: the model; weights: canonical text tensors (`embed_tokens.weight`, `layers.0...`);
+    mtp_weights: the MTP component's tensors (`fc.weight`, `layers.0...`), or None for no MTP.
+    num_pages / num_slots: KV pages and recurrent-state slots to allocate.
+    dtype: np.float32 (default) or np.float64.
+    gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], *,
+                 num_pages: int, num_slots: int, dtype: Any = np.float32,
+                 mtp_weights: Mapping[str, np.ndarray] | None = None,
+                 gdn_prefill_form: str = "chunked"):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"NumpyRunner computes in float32 or float64, not {self.dtype}")
+        if gdn_prefill_form not in ("chunked", "recurrent"):
+            raise ValueError(f"gdn_prefill_form must be 'chunked' or 'recurrent', "
+                             f"got {gdn_prefill_form!r}")
+        for name, value in (("num_pages", num_pages), ("num_slots", num_slots)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if mtp_weights is not None and config.mtp_num_hidden_layers < 1:
+            raise ValueError("MTP weights given but the config has mtp_num_hidden_layers = 0")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.num_pages = int(num_pages)
+        self.num_slots = int(num_slots)
+        self.gdn_prefill_form = gdn_prefill_form
+        self.text = bind_text(config, weights, self.dtype)
+        self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
+
+        # Compact state indices: the n-th linear layer owns recurrent/conv state n, the n-th
+        # attention layer owns KV array n; MTP layers follow the main attention layers.
+        self._state_index = {layer: n for n, layer in enumerate(config.linear_layers)}
+        self._kv_index = {layer: n for n, layer in enumerate(config.attention_layers)}
+        self._mtp_kv_base = len(config.attention_layers)
+        num_kv = len(config.attention_layers) + (len(self.mtp.layers) if self.mtp else 0)
+        num_linear = len(config.linear_layers)
+        c = config
+        self.recurrent_states = np.zeros(
+            (num_linear, num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
+             c.linear_value_head_dim), self.dtype)
+        self.conv_states = np.zeros(
+            (num_linear, num_slots, c.linear_conv_kernel_dim - 1, c.conv_dim), self.dtype)
+        kv_shape = (num_kv, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
+        self.key_pages = np.zeros(kv_shape, self.dtype)
+        self.value_pages = np.zeros(kv_shape, self.dtype)
+
+    @classmethod
+    def from_artifact(cls, path_or_artifact: Any, *, num_pages: int, num_slots: int,
+                      dtype: Any = np.float32, mtp: bool = False,
+                      gdn_prefill_form: str = "chunked") -> "NumpyRunner":
+        """Build from a `.infernix` file (path) or an already opened artifact.
+
+        Tensors are dequantized to float32 by the reader (`component.f32(name)`), then cast to
+        `dtype`. With mtp=True the artifact's `mtp` component is loaded too.
+        """
+        from runtime.artifact import open_artifact
+
+        opened = isinstance(path_or_artifact, (str, os.PathLike))
+        if opened:
+            artifact = open_artifact(path_or_artifact,
+                                     components=("text", "mtp") if mtp else ("text",))
+        else:
+            artifact = path_or_artifact
+        try:
+            text = artifact.component("text")
+            config = ModelConfig.from_dict(text.config)
+            mtp_weights = _ComponentTensors(artifact.component("mtp")) if mtp else None
+            # The runner keeps its own arrays (dequantized copies), so the file can close.
+            return cls(config, _ComponentTensors(text), num_pages=num_pages,
+                       num_slots=num_slots, dtype=dtype, mtp_weights=mtp_weights,
+                       gdn_prefill_form=gdn_prefill_form)
+        finally:
+            if opened:
+                artifact.close()
+
+    # --- ModelRunner protocol -----------------------------------------------------------------
+
+    def reset_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.recurrent_states[:, slot] = 0
+        self.conv_states[:, slot] = 0
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._check_slot(src)
+        self._check_slot(dst)
+        self.recurrent_states[:, dst] = self.recurrent_states[:, src]
+        self.conv_states[:, dst] = self.conv_states[:, src]
+
+    def prefill(self, chunk: PrefillChunk) -> np.ndarray:
+        return self.prefill_with_hidden(chunk).logits.astype(np.float32, copy=False)
+
+    def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        return self.decode_with_hidden(items).logits.astype(np.float32, copy=False)
+
+    # --- with hidden states (MTP drafting, tests) ---------------------------------------------
+
+    def prefill_with_hidden(self, chunk: PrefillChunk) -> StepOutput:
+        tokens = self._check_tokens(chunk.token_ids)
+        self._check_slot(chunk.slot)
+        batch = self._prefill_batch(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table)
+        hidden = self._forward(tokens[None], batch)[0]
+        rows = hidden if chunk.all_logits else hidden[-1:]
+        return StepOutput(logits=self._logits(rows), hidden=hidden)
+
+    def decode_with_hidden(self, items: Sequence[DecodeItem]) -> StepOutput:
+        batch = self._decode_batch(items)
+        tokens = self._check_tokens([item.token_id for item in items])
+        hidden = self._forward(tokens[:, None], batch)[:, 0]
+        return StepOutput(logits=self._logits(hidden), hidden=hidden)
+
+    # --- MTP head -----------------------------------------------------------------------------
+
+    def mtp_prefill(self, hidden: np.ndarray, token_ids: Sequence[int], start_pos: int,
+                    page_table: Sequence[int], *, layer: int = 0) -> StepOutput:
+        """Run the MTP head over positions start_pos .. start_pos+T-1 of one sequence.
+
+        hidden[i]: the main model's final-normed hidden state at position start_pos+i (or the
+        previous MTP output when chaining); token_ids[i]: the token at position start_pos+i+1.
+        Writes the MTP layer's K/V at those positions. Returns logits [T, V] predicting the
+        token at start_pos+i+2, and the MTP hidden [T, H] after `mtp.norm`.
+        """
+        tokens = self._check_tokens(token_ids)
+        hidden = self._check_mtp_hidden(hidden, len(tokens))
+        batch = self._prefill_batch(None, len(tokens), start_pos, page_table)
+        out = self._mtp_forward(hidden[None], tokens[None], batch, layer)[0]
+        return StepOutput(logits=self._logits(out), hidden=out)
+
+    def mtp_decode(self, items: Sequence[DecodeItem], hidden: np.ndarray, *, layer: int = 0
+                   ) -> StepOutput:
+        """Batched one-position MTP step: item.pos is t, item.token_id is the token at t+1,
+        hidden[b] the hidden state at t. Returns logits [B, V] for t+2 and MTP hidden [B, H]."""
+        batch = self._decode_batch(items, check_slots=False)
+        tokens = self._check_tokens([item.token_id for item in items])
+        hidden = self._check_mtp_hidden(hidden, len(items))
+        out = self._mtp_forward(hidden[:, None], tokens[:, None], batch, layer)[:, 0]
+        return StepOutput(logits=self._logits(out), hidden=out)
+
+    # --- the forward pass ---------------------------------------------------------------------
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [N, H] -> logits [N, V]: the step's main cost for a real vocabulary.
+
+        OpenBLAS runs one row as a GEMV that streams `lm_head_t` once (about 14 ms for
+        248320 x 256 on one core here) but two or three rows as a GEMM that packs it first
+        (about 35-40 ms), so up to two rows go one by one.
+        """
+        if len(hidden) > 2:
+            return hidden @ self.text.lm_head_t
+        rows = [row @ self.text.lm_head_t for row in hidden]
+        return rows[0][None] if len(rows) == 1 else np.stack(rows)
+
+    def _forward(self, tokens: np.ndarray, batch: _Batch) -> np.ndarray:
+        """Tokens [B, T] -> final-normed hidden states [B, T, H]; updates all states."""
+        eps = self.config.rms_norm_eps
+        x = self.text.embed[tokens]
+        for index, layer in enumerate(self.text.layers):
+            h = ref.rms_norm(x, layer.input_norm, eps)
+            if self.config.layer_types[index] == LINEAR_ATTENTION:
+                x = x + self._gdn(layer.mixer, h, self._state_index[index], batch)
+            else:
+                x = x + self._attention(layer.mixer, h, self._kv_index[index], batch)
+            x = x + self._mlp(layer, ref.rms_norm(x, layer.post_norm, eps))
+        return ref.rms_norm(x, self.text.norm, eps)
+
+    def _mtp_forward(self, hidden: np.ndarray, tokens: np.ndarray, batch: _Batch, layer: int
+                     ) -> np.ndarray:
+        if self.mtp is None:
+            raise ValueError("this runner was built without MTP weights")
+        if not 0 <= layer < len(self.mtp.layers):
+            raise ValueError(f"MTP layer {layer} out of range (the head has "
+                             f"{len(self.mtp.layers)})")
+        eps = self.config.rms_norm_eps
+        embedded = ref.rms_norm(self.text.embed[tokens], self.mtp.pre_fc_norm_embedding, eps)
+        normed = ref.rms_norm(hidden, self.mtp.pre_fc_norm_hidden, eps)
+        x = np.concatenate([embedded, normed], axis=-1) @ self.mtp.fc.T
+        weights = self.mtp.layers[layer]
+        h = ref.rms_norm(x, weights.input_norm, eps)
+        x = x + self._attention(weights.mixer, h, self._mtp_kv_base + layer, batch)
+        x = x + self._mlp(weights, ref.rms_norm(x, weights.post_norm, eps))
+        return ref.rms_norm(x, self.mtp.norm, eps)
+
+    def _gdn(self, w: GdnWeights, x: np.ndarray, index: int, batch: _Batch) -> np.ndarray:
+        c = self.config
+        batch_size, steps, _ = x.shape
+        hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim)
+        mixed = x @ w.in_proj_qkv.T                                        # [B, T, conv_dim]
+        z = (x @ w.in_proj_z.T).reshape(batch_size, steps, hv, dv)
+        g, beta = ref.gdn_gates(x @ w.in_proj_a.T, x @ w.in_proj_b.T, w.a_log, w.dt_bias)
+
+        conv_out, window = ref.causal_conv(mixed, self.conv_states[index, batch.slots], w.conv)
+        self.conv_states[index, batch.slots] = window
+        key_dim = c.linear_key_dim
+        q = conv_out[..., :key_dim].reshape(batch_size, steps, hk, dk)
+        k = conv_out[..., key_dim:2 * key_dim].reshape(batch_size, steps, hk, dk)
+        v = conv_out[..., 2 * key_dim:].reshape(batch_size, steps, hv, dv)
+        q = ref.l2_normalize(q) * (dk ** -0.5)
+        k = ref.l2_normalize(k)
+        # Grouped value heads: value head h reads key head h // r.
+        q = np.repeat(q, c.value_heads_per_key_head, axis=2)
+        k = np.repeat(k, c.value_heads_per_key_head, axis=2)
+
+        state = self.recurrent_states[index, batch.slots]                  # [B, Hv, dk, dv]
+        if steps == 1:
+            out, state = ref.gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            out = out[:, None]
+        else:
+            form = ref.gdn_chunked if self.gdn_prefill_form == "chunked" else ref.gdn_recurrent
+            out = np.empty_like(v)
+            for b in range(batch_size):
+                out[b], state[b] = form(q[b], k[b], v[b], g[b], beta[b], state[b])
+        self.recurrent_states[index, batch.slots] = state
+
+        out = ref.gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
+        return out.reshape(batch_size, steps, hv * dv) @ w.out_proj.T
+
+    def _attention(self, w: AttentionWeights, x: np.ndarray, index: int, batch: _Batch
+                   ) -> np.ndarray:
+        c = self.config
+        batch_size, steps, _ = x.shape
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_and_gate = (x @ w.q_proj.T).reshape(batch_size, steps, hq, 2 * d)
+        q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
+        k = (x @ w.k_proj.T).reshape(batch_size, steps, hkv, d)
+        v = (x @ w.v_proj.T).reshape(batch_size, steps, hkv, d)
+        q = ref.apply_rope(ref.rms_norm(q, w.q_norm, c.rms_norm_eps), batch.cos, batch.sin)
+        k = ref.apply_rope(ref.rms_norm(k, w.k_norm, c.rms_norm_eps), batch.cos, batch.sin)
+
+        key_rows = self.key_pages[index].reshape(-1, hkv, d)               # views of the pool
+        value_rows = self.value_pages[index].reshape(-1, hkv, d)
+        key_rows[batch.write_rows] = k
+        value_rows[batch.write_rows] = v
+        out = ref.attention(q, key_rows[batch.read_rows], value_rows[batch.read_rows],
+                            batch.visible)
+        out = out.reshape(batch_size, steps, hq * d) * ref.sigmoid(
+            gate.reshape(batch_size, steps, hq * d))
+        return out @ w.o_proj.T
+
+    def _mlp(self, layer: LayerWeights, x: np.ndarray) -> np.ndarray:
+        w = layer.mlp
+        if not isinstance(w, MoeWeights):
+            return ref.swiglu(x, w.gate_proj, w.up_proj, w.down_proj)
+        c = self.config
+        flat = x.reshape(-1, x.shape[-1])
+        out = ref.moe(flat, w.router, w.gate_up, w.down, w.shared_gate_proj, w.shared_up_proj,
+                      w.shared_down_proj, w.shared_expert_gate, c.num_experts_per_tok,
+                      renormalize=c.norm_topk_prob)
+        return out.reshape(x.shape)
+
+    # --- batch layout and checks --------------------------------------------------------------
+
+    def _prefill_batch(self, slot: int | None, steps: int, start_pos: int,
+                       page_table: Sequence[int]) -> _Batch:
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) \
+                or start_pos < 0:
+            raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
+        end = int(start_pos) + steps
+        pages = self._check_page_table(page_table, end)
+        key_positions = np.arange(end)
+        positions = start_pos + np.arange(steps)
+        rows = pages[key_positions // PAGE_SIZE] * PAGE_SIZE + key_positions % PAGE_SIZE
+        return self._batch(np.array([0 if slot is None else slot]), positions[None],
+                           rows[None], rows[None, start_pos:],
+                           key_positions[None, None, :] <= positions[None, :, None])
+
+    def _decode_batch(self, items: Sequence[DecodeItem], check_slots: bool = True) -> _Batch:
+        if len(items) == 0:
+            raise ValueError("decode needs at least one item")
+        slots = np.array([item.slot for item in items], dtype=np.int64)
+        if check_slots:
+            for slot in slots:
+                self._check_slot(int(slot))
+            if len(set(slots.tolist())) != len(slots):
+                raise ValueError(f"decode items must use distinct slots, got {slots.tolist()}")
+        positions = []
+        for item in items:
+            if isinstance(item.pos, bool) or not isinstance(item.pos, (int, np.integer)) \
+                    or item.pos < 0:
+                raise ValueError(f"decode position must be a non-negative integer, "
+                                 f"got {item.pos!r}")
+            positions.append(int(item.pos))
+        positions = np.array(positions, dtype=np.int64)
+        length = int(positions.max()) + 1
+        key_positions = np.arange(length)
+        rows = np.zeros((len(items), length), dtype=np.int64)
+        for b, item in enumerate(items):
+            pages = self._check_page_table(item.page_table, positions[b] + 1)
+            visible_positions = key_positions[:positions[b] + 1]
+            rows[b, :positions[b] + 1] = (pages[visible_positions // PAGE_SIZE] * PAGE_SIZE
+                                          + visible_positions % PAGE_SIZE)
+        write_rows = rows[np.arange(len(items)), positions][:, None]
+        visible = (key_positions[None, :] <= positions[:, None])[:, None, :]
+        return self._batch(slots, positions[:, None], rows, write_rows, visible)
+
+    def _batch(self, slots, positions, read_rows, write_rows, visible) -> _Batch:
+        cos, sin = ref.rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta,
+                                    self.dtype)
+        return _Batch(slots=slots, positions=positions, write_rows=write_rows,
+                      read_rows=read_rows, visible=visible, cos=cos, sin=sin)
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) \
+                or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
+
+    def _check_page_table(self, page_table: Sequence[int], end: int) -> np.ndarray:
+        pages = np.asarray(page_table, dtype=np.int64).reshape(-1)
+        needed = -(-end // PAGE_SIZE)
+        if len(pages) < needed:
+            raise ValueError(f"page table has {len(pages)} pages; positions up to {end - 1} "
+                             f"need {needed}")
+        pages = pages[:needed]
+        if np.any(pages < 0) or np.any(pages >= self.num_pages):
+            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {pages.tolist()}")
+        return pages
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("no tokens given")
+        if np.any(tokens < 0) or np.any(tokens >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return tokens
+
+    def _check_mtp_hidden(self, hidden: np.ndarray, rows: int) -> np.ndarray:
+        hidden = np.asarray(hidden, dtype=self.dtype)
+        if hidden.shape != (rows, self.config.hidden_size):
+            raise ValueError(f"MTP hidden states must be [{rows}, {self.config.hidden_size}], "
+                             f"got {list(hidden.shape)}")
+        return hidden
+
+
+class _ComponentTensors(Mapping[str, np.ndarray]):
+    """A read-only mapping over an artifact component: tensors dequantized on access."""
+
+    def __init__(self, component: Any):
+        self._component = component
+        self._names = tuple(component.tensor_names())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._component.f32(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
