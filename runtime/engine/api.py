@@ -65,6 +65,8 @@ class ThinkingControl:
     budget: most model-origin thinking tokens; None = unlimited.
     close_ids: ids appended without sampling when the budget is hit (guidance + `</think>`).
     loop_guard: "off" | "stop" | "conclude" (the reasoning-loop check).
+    word_kinds: int8 [vocab] table for the loop guard (`runtime.engine.thinking.WORD_*`): how
+        each token's text relates to word boundaries; None = every token is a word.
     """
 
     starts_in_thinking: bool = False
@@ -72,6 +74,7 @@ class ThinkingControl:
     budget: Optional[int] = None
     close_ids: tuple[int, ...] = ()
     loop_guard: str = "off"
+    word_kinds: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,62 @@ class EngineRequest:
     logprobs: int = 0  # number of top logprobs to return per token (0 = none)
 
 
+class RequestRejected(Exception):
+    """`Engine.submit` refused a request; nothing was queued. `code` is machine-readable:
+    invalid_request, context_length_exceeded, kv_capacity_exceeded, queue_full,
+    duplicate_request, thinking_budget_capacity_insufficient, engine_unavailable."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Timings and counters of one finished request (on its final `EngineOutput`).
+
+    Times are seconds from `time.perf_counter()`; durations are derived from them.
+    queue_s: submit -> first admission to a lane.
+    ttft_s: submit -> first output token committed.
+    prefill_s: first admission -> first output token (prompt computation).
+    decode_s: first output token -> finish.
+    output_tokens: committed output tokens (inserted ones included).
+    inserted_tokens: tokens the engine inserted without sampling.
+    preemptions / replayed_tokens: times paused under KV pressure / tokens recomputed on resume.
+    thinking_tokens: model-origin tokens while the think block was open.
+    thinking_closed_by: "model", "budget", "loop" or "" (still open / no thinking).
+    """
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    inserted_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    preemptions: int = 0
+    replayed_tokens: int = 0
+    thinking_tokens: int = 0
+    thinking_closed_by: str = ""
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Sampled tokens after the first one over the time after the first one (inserted
+        tokens are computed in one chunk and would inflate the rate)."""
+        sampled = self.output_tokens - self.inserted_tokens - 1
+        return sampled / self.decode_s if self.decode_s > 0 and sampled > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     """An increment for one request. `token_ids` are newly committed ids (sampled or inserted);
-    `inserted` marks which of them the engine inserted without sampling (thinking budget)."""
+    `inserted` marks which of them the engine inserted without sampling (thinking budget).
+    The final increment has `finished=True`, the reason, and `stats`."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -100,3 +155,4 @@ class EngineOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     logprobs: Optional[Sequence[dict]] = None
+    stats: Optional[RequestStats] = None

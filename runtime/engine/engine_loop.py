@@ -1,0 +1,413 @@
+"""The engine: one thread that owns the model runner and steps the scheduler.
+
+Other threads talk to it only through two thread-safe channels:
+- commands in (`submit`, `cancel`, `shutdown`), a `queue.SimpleQueue` the loop drains before
+  every step (and blocks on when idle);
+- outputs out: each request's `EngineOutput` increments go to its sink, by default a
+  `RequestStream` (a blocking iterator over a queue); the server passes its own sink that
+  hands increments to the asyncio loop with `call_soon_threadsafe`. Sinks run on the engine
+  thread and must not block.
+
+A step: `Scheduler.schedule()` -> runner calls (`reset_slot` + `prefill` per chunk, one batched
+`decode`) -> per request `LiveRequest.step(logits)` (sampling, thinking controls, finish
+decision) -> `Scheduler.update()` -> outputs.
+
+Failure isolation: an exception while sampling, in a constraint, or in a sink ends only that
+request (finish reason `error`). A failed prefill chunk ends its one request. A failed batched
+decode says nothing about which row is at fault, so every member is paused, rebuilt by replaying
+its committed tokens, and decoded alone until a step succeeds: a row that fails alone ends with
+`error`, the others continue. Anything that breaks the loop itself ends every request with
+`error` and marks the engine unavailable (`Engine.error`); later submits are rejected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from runtime.engine.api import EngineOutput, EngineRequest, FinishReason, RequestRejected
+from runtime.engine.request_state import LiveRequest, OutputSink
+from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from runtime.engine.thinking import budget_room_error
+from runtime.model.runner import ModelRunner
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine capacities (fixed at startup).
+
+    num_lanes: sequences resident at once, 1..8 (`--max-concurrency`; the CLI uses 1).
+    max_context: most tokens (prompt + output) of one sequence.
+    prefill_chunk: most prompt tokens computed per chunk.
+    max_waiting: requests that may wait for a lane; with the running ones this bounds the
+        requests in flight (`submit` rejects more with `queue_full`).
+    max_batched_tokens: step token budget (None: prefill_chunk + num_lanes).
+    num_pages: KV pages to use (None: all the runner has).
+    service_turn_tokens: under KV contention, new tokens a sequence produces before it gives
+        way to one blocked by pages (bounded service turns, see the scheduler).
+    """
+
+    num_lanes: int = 1
+    max_context: int = 2048
+    prefill_chunk: int = 1024
+    max_waiting: int = 16
+    max_batched_tokens: Optional[int] = None
+    num_pages: Optional[int] = None
+    service_turn_tokens: int = 128
+
+
+class RequestStream:
+    """The outputs of one request, in order, as a blocking iterator (the default sink)."""
+
+    def __init__(self, engine: "Engine", request_id: str):
+        self._engine = engine
+        self.request_id = request_id
+        self._queue: "queue.SimpleQueue[EngineOutput]" = queue.SimpleQueue()
+        self.done = False
+
+    def put(self, output: EngineOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: Optional[float] = None) -> EngineOutput:
+        """Next increment; raises `queue.Empty` after `timeout` seconds."""
+        output = self._queue.get(timeout=timeout)
+        if output.finished:
+            self.done = True
+        return output
+
+    def __iter__(self) -> Iterator[EngineOutput]:
+        while not self.done:
+            yield self.get()
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.request_id)
+
+
+class Engine:
+    """Owns a `ModelRunner` on its own thread; thread-safe `submit` / `cancel`."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), *,
+                 logger=None, on_thread_start: Optional[Callable[[], None]] = None):
+        """on_thread_start: called first on the engine thread (e.g. to make the runner's CUDA
+        context current there)."""
+        if runner.num_slots < config.num_lanes:
+            raise ValueError(f"the runner has {runner.num_slots} state slots, "
+                             f"{config.num_lanes} lanes were asked for")
+        num_pages = runner.num_pages if config.num_pages is None else config.num_pages
+        if num_pages > runner.num_pages:
+            raise ValueError(f"the runner has {runner.num_pages} KV pages, {num_pages} asked")
+        self.runner = runner
+        self.config = config
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_lanes=config.num_lanes, num_pages=num_pages, max_context=config.max_context,
+            prefill_chunk=config.prefill_chunk, max_batched_tokens=config.max_batched_tokens,
+            max_waiting=config.max_waiting, service_turn_tokens=config.service_turn_tokens))
+        self._logger = logger
+        self._on_thread_start = on_thread_start
+        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._live: dict[str, LiveRequest] = {}          # engine thread only
+        self._lock = threading.Lock()                    # guards the three fields below
+        self._in_flight: set[str] = set()
+        self._error: Optional[str] = None
+        self._accepting = False
+        self._ids = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                         "replayed_tokens": 0, "preemptions": 0, "finished": 0,
+                         "errors": 0, "decode_batches": 0}
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            with self._lock:
+                self._accepting = True
+            self._thread = threading.Thread(target=self._run, name="infernix-engine",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: Optional[float] = 10.0) -> None:
+        """Cancel everything in flight and stop the thread; later submits are rejected."""
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def error(self) -> Optional[str]:
+        """None while healthy; the reason once the loop itself failed."""
+        with self._lock:
+            return self._error
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    # --- caller side ------------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest,
+               on_output: Optional[OutputSink] = None) -> RequestStream:
+        """Queue a request. Raises `RequestRejected` (nothing queued) when it can never run,
+        the queue is full, or the engine is unavailable. Outputs go to `on_output` (called on
+        the engine thread) or, by default, to the returned stream."""
+        self._validate(request)
+        stream = RequestStream(self, request.request_id)
+        sink = on_output if on_output is not None else stream.put
+        with self._lock:
+            if self._error is not None:
+                raise RequestRejected("engine_unavailable", f"the engine failed: {self._error}")
+            if not self._accepting:
+                raise RequestRejected("engine_unavailable", "the engine is not running")
+            if request.request_id in self._in_flight:
+                raise RequestRejected("duplicate_request",
+                                      f"request id {request.request_id!r} is in use")
+            limit = self.config.num_lanes + self.config.max_waiting
+            if len(self._in_flight) >= limit:
+                raise RequestRejected("queue_full", f"{len(self._in_flight)} requests are in "
+                                      f"flight (limit {limit})")
+            self._in_flight.add(request.request_id)
+            # Under the lock: once the loop stops accepting, no submit can slip in behind it.
+            self._commands.put(("submit", request, sink))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """End a request (finish reason `cancelled`) at the next step; unknown ids are ignored."""
+        self._commands.put(("cancel", request_id))
+
+    def _validate(self, request: EngineRequest) -> None:
+        if request.max_new_tokens < 1:
+            raise RequestRejected("invalid_request", "max_new_tokens must be at least 1")
+        self.scheduler.check_admissible(len(request.prompt_ids))   # reads config only
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_ids):
+            raise RequestRejected("invalid_request", f"a prompt token id is outside the "
+                                  f"vocabulary (0..{vocab - 1})")
+        message = budget_room_error(request.thinking, request.max_new_tokens,
+                                    len(request.prompt_ids), self.config.max_context)
+        if message is not None:
+            raise RequestRejected("thinking_budget_capacity_insufficient", message)
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
+            while True:
+                if not self._drain_commands(block=not self.scheduler.has_work()):
+                    break
+                batch = self.scheduler.schedule()
+                self._after_schedule(batch)
+                if not batch.is_empty:
+                    self._execute(batch)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+            message = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._error = message
+            if self._logger is not None:
+                self._logger.error("engine loop failed: %s", message, exc_info=True)
+            for live in list(self._live.values()):
+                self._end(live, FinishReason.ERROR, error=f"engine failure: {message}")
+            self._close_commands(FinishReason.ERROR, f"engine failure: {message}")
+            return
+        for live in list(self._live.values()):
+            self._end(live, FinishReason.CANCELLED)
+        self._close_commands(FinishReason.CANCELLED, None)
+
+    def _close_commands(self, reason: FinishReason, error: Optional[str]) -> None:
+        """End requests submitted while the loop was stopping, so no stream waits forever."""
+        with self._lock:
+            self._accepting = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "submit":
+                live = LiveRequest(command[1], command[2], self.config.max_context)
+                self._end(live, reason, in_scheduler=False, error=error)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self._accept(command[1], command[2])
+            elif kind == "cancel":
+                live = self._live.get(command[1])
+                if live is not None:
+                    self._end(live, FinishReason.CANCELLED)
+
+    def _accept(self, request: EngineRequest, sink: OutputSink) -> None:
+        live = LiveRequest(request, sink, self.config.max_context)
+        self._live[request.request_id] = live
+        try:
+            self.scheduler.add(request.request_id, request.prompt_ids)
+        except RequestRejected as exc:
+            self._end(live, FinishReason.ERROR, error=str(exc))
+
+    def _after_schedule(self, batch: ScheduledBatch) -> None:
+        now = time.perf_counter()
+        for request_id in batch.admitted:
+            live = self._live[request_id]
+            if live.admitted_at is None:
+                live.admitted_at = now
+        for request_id in batch.preempted:
+            self._live[request_id].preemptions += 1
+            self.counters["preemptions"] += 1
+            if self._logger is not None:
+                self._logger.debug("preempted %s under KV pressure (replays later)", request_id)
+        for request_id, reason in batch.failed:
+            live = self._live.get(request_id)
+            if live is not None:
+                self._end(live, reason, in_scheduler=False)
+
+    def _execute(self, batch: ScheduledBatch) -> None:
+        runner = self.runner
+        rows: dict[str, np.ndarray] = {}
+        for work in batch.prefills:
+            live = self._live[work.request_id]
+            try:
+                if work.reset_slot:
+                    runner.reset_slot(work.slot)
+                logits = runner.prefill(work.chunk())
+            except Exception as exc:  # noqa: BLE001 - isolate this request
+                self._end(live, FinishReason.ERROR, error=f"prefill failed: {exc}")
+                continue
+            if work.samples:
+                rows[work.request_id] = logits[-1]
+            self.counters["prefill_tokens"] += work.num_tokens
+            if work.replay:
+                self.counters["replayed_tokens"] += work.num_tokens
+        # Rows under suspicion (their batch failed before) decode alone until one step works.
+        groups = [[w for w in batch.decodes if not self._live[w.request_id].suspect]]
+        groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
+        for group in groups:
+            if not group:
+                continue
+            try:
+                logits = runner.decode([work.item() for work in group])
+            except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
+                self._decode_failed(group, exc)
+                continue
+            for index, work in enumerate(group):
+                rows[work.request_id] = logits[index]
+                self._live[work.request_id].suspect = False
+            self.counters["decode_tokens"] += len(group)
+            self.counters["decode_batches"] += 1
+        self.counters["steps"] += 1
+
+        new_tokens: dict[str, tuple[int, ...]] = {}
+        endings = []
+        for request_id, row in rows.items():
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            try:
+                result = live.step(row)
+            except Exception as exc:  # noqa: BLE001 - sampling / constraint failure
+                self._end(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
+                continue
+            new_tokens[request_id] = result.token_ids
+            endings.append((live, result))
+        self.scheduler.update(batch, new_tokens)
+        for record_id in list(self._live):
+            record = self.scheduler.get(record_id)
+            if record is not None:
+                self._live[record_id].replayed_tokens = record.replayed_tokens
+        for live, result in endings:
+            if result.finish_reason is not None:
+                self._end(live, result.finish_reason, token_ids=result.token_ids,
+                          inserted=result.inserted, logprobs=result.logprobs)
+            else:
+                self._publish(live, EngineOutput(
+                    request_id=live.request_id, token_ids=result.token_ids,
+                    inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
+                    logprobs=result.logprobs))
+
+    def _decode_failed(self, group: list, exc: Exception) -> None:
+        """A decode call failed. Alone, its row is the culprit: end it. In a batch, nobody knows
+        which row broke it, and any row's state may be half-written: pause every member so it
+        is rebuilt by replaying its committed tokens, and decode it alone next time."""
+        if len(group) == 1:
+            live = self._live[group[0].request_id]
+            self._end(live, FinishReason.ERROR, error=f"decode failed: {exc}")
+            return
+        if self._logger is not None:
+            self._logger.warning("batched decode of %d rows failed (%s); replaying them",
+                                 len(group), exc)
+        for work in group:
+            live = self._live[work.request_id]
+            live.suspect = True
+            self.scheduler.preempt(work.request_id)
+            live.preemptions += 1
+
+    # --- outputs ----------------------------------------------------------------------------
+
+    def _publish(self, live: LiveRequest, output: EngineOutput) -> None:
+        try:
+            live.publish(output)
+        except Exception as exc:  # noqa: BLE001 - a broken sink cancels its request only
+            if not output.finished:
+                if self._logger is not None:
+                    self._logger.warning("output sink of %s failed (%s); cancelling it",
+                                         live.request_id, exc)
+                self._end(live, FinishReason.CANCELLED)
+
+    def _end(self, live: LiveRequest, reason: FinishReason, *, in_scheduler: bool = True,
+             token_ids: tuple[int, ...] = (), inserted: tuple[bool, ...] = (),
+             error: Optional[str] = None, logprobs=None) -> None:
+        """Finish a request: free its lane and pages, publish the final increment."""
+        if live.finished:
+            return
+        if in_scheduler:
+            self.scheduler.finish(live.request_id)
+        self._live.pop(live.request_id, None)
+        with self._lock:
+            self._in_flight.discard(live.request_id)
+        self.counters["finished"] += 1
+        if reason is FinishReason.ERROR:
+            self.counters["errors"] += 1
+            if self._logger is not None:
+                self._logger.warning("request %s failed: %s", live.request_id, error)
+        self._publish(live, live.final_output(reason, token_ids=token_ids, inserted=inserted,
+                                              error=error, logprobs=logprobs))
+
+    # --- introspection (any thread; values may be one step old) ------------------------------
+
+    def snapshot(self) -> dict:
+        """Gauges and counters for logs and /metrics."""
+        scheduler = self.scheduler
+        return {
+            "running": scheduler.num_running,
+            "waiting": scheduler.num_waiting,
+            "kv_pages_total": scheduler.config.num_pages,
+            "kv_pages_free": scheduler.pages.num_free,
+            "lanes": scheduler.config.num_lanes,
+            **dict(self.counters),
+        }

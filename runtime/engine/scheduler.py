@@ -1,0 +1,524 @@
+"""The scheduler: which sequences run, which of their tokens are computed this step, with which
+KV pages. Pure Python bookkeeping: no device arrays, no tokenizer, no runner calls.
+
+Token-budget model. Every sequence is a list of token ids (prompt, then committed output) and a
+count of how many of them the model has computed. A step computes, per running sequence, the
+next run of uncomputed tokens: one token is a decode item (batched across sequences), more are a
+prefill chunk. A fresh prompt, a chunk of a long prompt, the replay of a preempted sequence and
+the inserted thinking-close span all take the same path; only the count differs.
+
+Rules, in the order `schedule()` applies them:
+
+1. Admission is strict FIFO over a bounded queue: the head is admitted when a lane (state slot)
+   is free and the pool has the pages of its first unit on top of what the running sequences
+   need for their own next unit; a blocked head is never overtaken. A preempted sequence goes
+   back to the front of the queue (ahead of fresh requests) and resumes only when its whole
+   replay fits.
+   Bounded service turns under KV pressure: when the head is blocked by pages (not by lanes),
+   running sequences that have produced `service_turn_tokens` new tokens since they were last
+   admitted give way: enough of them are paused (longest-served first) for the head's whole
+   sequence to fit, and they queue behind the other paused sequences. Sequences in contention
+   therefore take turns (each turn: the replay that recovers its state, then a bounded amount of
+   new output) instead of the oldest holding the pool until it finishes.
+2. Every running sequence with one pending token decodes this step. Prefill chunks (at most
+   `prefill_chunk` tokens each) share the rest of the step's token budget in rotation: the
+   sequence served longest ago goes first, so chunk boundaries are turns and a long prompt
+   cannot silence a short one, nor stop other sequences from decoding.
+3. Pages are taken per unit in arrival order (oldest first). When the pool runs dry the
+   youngest running sequence is preempted: its pages and lane are freed and it will replay its
+   committed tokens (no token is resampled or republished; the engine keeps its sampler state).
+   If the short sequence is itself the youngest it pauses; if it is alone and still cannot fit,
+   it ends with finish reason `context` instead of waiting forever.
+
+`update()` takes the runner's result as committed token ids per sampled sequence; the engine
+calls `finish()` for sequences that end (stop, length, cancel, error).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+from runtime.engine.api import FinishReason, RequestRejected
+from runtime.engine.kv_pages import PagePool, StateSlots, pages_for
+from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacities fixed at startup.
+
+    num_lanes: sequences resident at once (1..8); each holds one state slot.
+    num_pages: KV pages in the shared pool (64 tokens each).
+    max_context: most tokens (prompt + output) of one sequence.
+    prefill_chunk: most tokens of one prefill chunk.
+    max_batched_tokens: most tokens computed in one step (decode items count one each);
+        None = prefill_chunk + num_lanes, so decoding never shrinks a full chunk.
+    max_waiting: bound of the admission queue (requests not yet holding a lane, preempted ones
+        excluded: they were admitted once and must come back).
+    service_turn_tokens: new output tokens a sequence may produce, under KV contention, before
+        it gives way to a sequence blocked by pages (bounded service turns).
+    """
+
+    num_lanes: int
+    num_pages: int
+    max_context: int
+    prefill_chunk: int = 1024
+    max_batched_tokens: Optional[int] = None
+    max_waiting: int = 16
+    service_turn_tokens: int = 128
+
+    def __post_init__(self):
+        if not 1 <= self.num_lanes <= 8:
+            raise ValueError(f"num_lanes must be in 1..8, got {self.num_lanes}")
+        if self.num_pages < 1 or self.max_context < 2 or self.prefill_chunk < 1:
+            raise ValueError(f"invalid scheduler capacities: {self}")
+        if self.max_batched_tokens is not None and self.max_batched_tokens < self.num_lanes + 1:
+            raise ValueError("max_batched_tokens must exceed num_lanes")
+        if self.max_waiting < 0 or self.service_turn_tokens < 1:
+            raise ValueError("max_waiting must be >= 0 and service_turn_tokens >= 1")
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_batched_tokens is not None:
+            return self.max_batched_tokens
+        return self.prefill_chunk + self.num_lanes
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # queued, never run
+    RUNNING = "running"    # holds a lane and pages
+    PAUSED = "paused"      # preempted: queued again, will replay its committed tokens
+
+
+@dataclass
+class SequenceRecord:
+    """The scheduler's view of one request (mutable; owned by the scheduler)."""
+
+    request_id: str
+    ticket: int                       # arrival order; smaller = older
+    prompt_len: int
+    token_ids: list[int]              # prompt + committed output
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0             # tokens whose KV / state the model holds
+    page_table: list[int] = field(default_factory=list)
+    slot: Optional[int] = None
+    last_prefill_step: int = -1       # for prefill rotation
+    high_water: int = 0               # most tokens ever computed (replay accounting)
+    preemptions: int = 0
+    replayed_tokens: int = 0
+    turn_start_output: int = 0        # num_output when its current service turn began
+    turn_start_step: int = 0
+
+    @property
+    def turn_output(self) -> int:
+        """New tokens produced in the current service turn."""
+        return self.num_output - self.turn_start_output
+
+    @property
+    def pending(self) -> int:
+        """Committed tokens not computed yet (>= 1 for a running sequence)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """A chunk of one sequence: tokens `start_pos .. start_pos + len(token_ids) - 1`.
+
+    reset_slot: the sequence starts from position 0 in a (re)acquired lane; the runner must
+        `reset_slot(slot)` first.
+    samples: the chunk reaches the last committed token, so its last logits give the next token.
+    replay: the chunk recomputes tokens computed before a preemption.
+    """
+
+    request_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    page_table: tuple[int, ...]
+    reset_slot: bool
+    samples: bool
+    replay: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def chunk(self) -> PrefillChunk:
+        return PrefillChunk(slot=self.slot, token_ids=self.token_ids, start_pos=self.start_pos,
+                            page_table=self.page_table, all_logits=False)
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """One sequence's last committed token at position `pos`; always samples the next one."""
+
+    request_id: str
+    slot: int
+    token_id: int
+    pos: int
+    page_table: tuple[int, ...]
+
+    def item(self) -> DecodeItem:
+        return DecodeItem(slot=self.slot, token_id=self.token_id, pos=self.pos,
+                          page_table=self.page_table)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What one engine step computes.
+
+    decodes: one-token items, batched in one runner call.
+    prefills: chunks, one runner call each, in this order.
+    preempted: sequences paused this step (they replay later; their output is kept).
+    admitted: sequences that took a lane this step (fresh or resumed).
+    failed: (request_id, reason) for sequences ended by the scheduler itself: CONTEXT when a
+        sequence cannot get pages even alone. They are already removed.
+    """
+
+    step: int
+    decodes: tuple[DecodeWork, ...] = ()
+    prefills: tuple[PrefillWork, ...] = ()
+    preempted: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = ()
+    failed: tuple[tuple[str, FinishReason], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(p.num_tokens for p in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    def sampling_requests(self) -> list[str]:
+        """Requests whose next token is sampled from this step's logits."""
+        return [d.request_id for d in self.decodes] + [
+            p.request_id for p in self.prefills if p.samples]
+
+
+class Scheduler:
+    """Lanes, the admission queue, the KV page pool and per-sequence page tables."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.pages = PagePool(config.num_pages)
+        self.slots = StateSlots(config.num_lanes)
+        self._seqs: dict[str, SequenceRecord] = {}
+        self._waiting: collections.deque[SequenceRecord] = collections.deque()
+        self._running: list[SequenceRecord] = []     # kept in ticket order
+        self._next_ticket = 0
+        self._step = 0
+        self._rotated: list[str] = []
+        self.total_preemptions = 0
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def get(self, request_id: str) -> Optional[SequenceRecord]:
+        return self._seqs.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_fresh_waiting(self) -> int:
+        return sum(1 for seq in self._waiting if seq.status is SeqStatus.WAITING)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def running_ids(self) -> list[str]:
+        return [seq.request_id for seq in self._running]
+
+    def waiting_ids(self) -> list[str]:
+        return [seq.request_id for seq in self._waiting]
+
+    # --- requests in and out ----------------------------------------------------------------
+
+    def check_admissible(self, prompt_len: int) -> None:
+        """Raise RequestRejected if a prompt of this length can never run."""
+        if prompt_len < 1:
+            raise RequestRejected("invalid_request", "the prompt is empty")
+        if prompt_len >= self.config.max_context:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"the prompt has {prompt_len} tokens; max context is {self.config.max_context} "
+                f"(it must leave room for at least one output token)")
+        if pages_for(prompt_len) > self.config.num_pages:
+            raise RequestRejected(
+                "kv_capacity_exceeded",
+                f"the prompt has {prompt_len} tokens; the KV pool holds "
+                f"{self.config.num_pages * PAGE_SIZE}")
+
+    def add(self, request_id: str, prompt_ids: Sequence[int]) -> SequenceRecord:
+        if request_id in self._seqs:
+            raise RequestRejected("duplicate_request", f"request id {request_id!r} is in use")
+        self.check_admissible(len(prompt_ids))
+        if self.num_fresh_waiting >= self.config.max_waiting + self.slots.num_free:
+            raise RequestRejected("queue_full", f"{self.num_fresh_waiting} requests are already "
+                                 f"waiting (limit {self.config.max_waiting})")
+        seq = SequenceRecord(request_id=request_id, ticket=self._next_ticket,
+                             prompt_len=len(prompt_ids), token_ids=list(prompt_ids))
+        self._next_ticket += 1
+        self._seqs[request_id] = seq
+        self._waiting.append(seq)
+        return seq
+
+    def finish(self, request_id: str) -> bool:
+        """Remove a sequence (any state) and free its lane and pages. False if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SeqStatus.RUNNING:
+            self._running.remove(seq)
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+        return True
+
+    def preempt(self, request_id: str) -> bool:
+        """Pause a running sequence now (its state is discarded and replayed later). The engine
+        uses it to rebuild the state of sequences whose batched runner call failed."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING:
+            return False
+        self._preempt(seq)
+        return True
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        self._step += 1
+        failed: list[tuple[str, FinishReason]] = []
+        self._rotated: list[str] = []
+        admitted = self._admit(failed)
+        preempted: list[str] = list(self._rotated)
+
+        # Plan: every one-pending sequence decodes; chunks share the rest of the budget.
+        plan: dict[str, int] = {}
+        assert all(s.pending > 0 for s in self._running), "a running sequence has no input"
+        decoding = [s for s in self._running if s.pending == 1 and s.num_computed > 0]
+        for seq in decoding:
+            plan[seq.request_id] = 1
+        budget = self.config.token_budget - len(decoding)
+        prefilling = sorted((s for s in self._running if s.request_id not in plan),
+                            key=lambda s: (s.last_prefill_step, s.ticket))
+        for seq in prefilling:
+            count = min(seq.pending, self.config.prefill_chunk, budget)
+            # A sliver of budget is not worth a runner call: wait for a real turn.
+            if count < min(seq.pending, self.config.prefill_chunk, PAGE_SIZE):
+                continue
+            plan[seq.request_id] = count
+            budget -= count
+
+        # Allocate pages oldest first, preempting the youngest on shortage.
+        decodes: list[DecodeWork] = []
+        prefills: list[PrefillWork] = []
+        for seq in list(self._running):
+            count = plan.get(seq.request_id)
+            if count is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            end = seq.num_computed + count
+            if end > self.config.max_context:
+                # The engine ends sequences at the context limit; this is a safety net.
+                self._fail(seq, failed)
+                continue
+            need = pages_for(end) - len(seq.page_table)
+            while need > self.pages.num_free:
+                victim = self._youngest_running_after(seq)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+            if need > self.pages.num_free:
+                if len(self._running) > 1:
+                    self._preempt(seq)           # older sequences keep going; retry later
+                    preempted.append(seq.request_id)
+                else:
+                    self._fail(seq, failed)      # alone and still too big: a capacity limit
+                continue
+            seq.page_table.extend(self.pages.allocate(need, seq.request_id))
+            if count == 1 and seq.num_computed > 0:
+                decodes.append(DecodeWork(seq.request_id, seq.slot, seq.token_ids[seq.num_computed],
+                                          seq.num_computed, tuple(seq.page_table)))
+            else:
+                start = seq.num_computed
+                prefills.append(PrefillWork(
+                    request_id=seq.request_id, slot=seq.slot,
+                    token_ids=tuple(seq.token_ids[start:end]), start_pos=start,
+                    page_table=tuple(seq.page_table), reset_slot=start == 0,
+                    samples=end == len(seq.token_ids), replay=start < seq.high_water))
+                seq.last_prefill_step = self._step
+        # Victims are always younger than the sequence being served and we walk oldest first,
+        # so no preempted sequence has work in the lists above.
+        return ScheduledBatch(step=self._step, decodes=tuple(decodes), prefills=tuple(prefills),
+                              preempted=tuple(preempted), admitted=tuple(admitted),
+                              failed=tuple(failed))
+
+    def update(self, batch: ScheduledBatch, new_tokens: Mapping[str, Sequence[int]]) -> None:
+        """Advance computed counts for the batch's work and append committed tokens.
+
+        new_tokens: request id -> ids committed after this step (the sampled token, plus any
+        inserted ones); only sequences that sampled may appear. Sequences finished since
+        `schedule()` are skipped.
+        """
+        sampled = set()
+        for work in batch.decodes:
+            seq = self._seqs.get(work.request_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                self._advance(seq, 1)
+                sampled.add(work.request_id)
+        for work in batch.prefills:
+            seq = self._seqs.get(work.request_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                self._advance(seq, work.num_tokens)
+                if work.samples:
+                    sampled.add(work.request_id)
+        for request_id, tokens in new_tokens.items():
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            if request_id not in sampled:
+                raise AssertionError(f"{request_id} got tokens but did not sample this step")
+            seq.token_ids.extend(tokens)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _advance(self, seq: SequenceRecord, count: int) -> None:
+        replayed = max(0, min(seq.num_computed + count, seq.high_water) - seq.num_computed)
+        seq.replayed_tokens += replayed
+        seq.num_computed += count
+        seq.high_water = max(seq.high_water, seq.num_computed)
+
+    def _next_unit_pages(self, seq: SequenceRecord) -> int:
+        count = 1 if seq.pending == 1 and seq.num_computed > 0 else min(
+            seq.pending, self.config.prefill_chunk)
+        return max(0, pages_for(seq.num_computed + count) - len(seq.page_table))
+
+    def _admit(self, failed: list[tuple[str, FinishReason]]) -> list[str]:
+        admitted = []
+        while self._waiting and self.slots.num_free > 0:
+            head = self._waiting[0]
+            if head.status is SeqStatus.PAUSED:
+                need = pages_for(len(head.token_ids))          # its whole replay must fit
+            else:
+                need = pages_for(min(len(head.token_ids), self.config.prefill_chunk))
+            if need > self.config.num_pages:
+                # A paused sequence that outgrew the whole pool can never resume.
+                self._waiting.popleft()
+                del self._seqs[head.request_id]
+                failed.append((head.request_id, FinishReason.CONTEXT))
+                continue
+            reserve = sum(self._next_unit_pages(seq) for seq in self._running)
+            if need + reserve > self.pages.num_free and not self._rotate_for(head):
+                break                                          # never overtake a blocked head
+            self._waiting.remove(head)       # (a fresh head may now follow paused victims)
+            head.status = SeqStatus.RUNNING
+            head.slot = self.slots.acquire(head.request_id)
+            head.num_computed = 0
+            head.turn_start_output = head.num_output
+            head.turn_start_step = self._step
+            self._running.append(head)
+            self._running.sort(key=lambda s: s.ticket)
+            admitted.append(head.request_id)
+        return admitted
+
+    def _rotate_for(self, head: SequenceRecord) -> bool:
+        """Bounded service turns: pause running sequences whose turn is used up so that the
+        KV-blocked head fits with its whole sequence. True if it now fits."""
+        expired = sorted((s for s in self._running
+                          if s.turn_output >= self.config.service_turn_tokens),
+                         key=lambda s: (s.turn_start_step, -s.ticket))
+        if not expired:
+            return False
+        need = pages_for(len(head.token_ids) + 1)
+        victims: list[SequenceRecord] = []
+        free = self.pages.num_free
+        for seq in expired:
+            staying = [s for s in self._running if s not in victims]
+            if need + sum(self._next_unit_pages(s) for s in staying) <= free:
+                break
+            victims.append(seq)
+            free += len(seq.page_table)
+        staying = [s for s in self._running if s not in victims]
+        if need + sum(self._next_unit_pages(s) for s in staying) > free:
+            return False                     # even all expired turns would not make room
+        for seq in victims:
+            self._preempt(seq, rotation=True)
+            self._rotated.append(seq.request_id)
+        return True
+
+    def _youngest_running_after(self, seq: SequenceRecord) -> Optional[SequenceRecord]:
+        for candidate in reversed(self._running):
+            if candidate.ticket <= seq.ticket:
+                return None
+            return candidate
+        return None
+
+    def _release(self, seq: SequenceRecord) -> None:
+        self.pages.release(seq.page_table, seq.request_id)
+        seq.page_table = []
+        if seq.slot is not None:
+            self.slots.release(seq.slot, seq.request_id)
+            seq.slot = None
+
+    def _preempt(self, seq: SequenceRecord, rotation: bool = False) -> None:
+        self._running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.PAUSED
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.total_preemptions += 1
+        # Back to the queue ahead of everything that never ran: in arrival order among the
+        # paused, or (a turn that ended) behind every paused sequence, so turns rotate.
+        index = 0
+        while (index < len(self._waiting) and self._waiting[index].status is SeqStatus.PAUSED
+               and (rotation or self._waiting[index].ticket < seq.ticket)):
+            index += 1
+        self._waiting.insert(index, seq)
+
+    def _fail(self, seq: SequenceRecord, failed: list[tuple[str, FinishReason]]) -> None:
+        self._running.remove(seq)
+        self._release(seq)
+        del self._seqs[seq.request_id]
+        failed.append((seq.request_id, FinishReason.CONTEXT))
+
+    # --- invariants (tests and debug builds) --------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Every page and lane is held by exactly one running sequence or is free."""
+        owners = self.pages.owners()
+        held = {}
+        for seq in self._running:
+            assert seq.status is SeqStatus.RUNNING, seq
+            assert seq.slot is not None
+            assert len(seq.page_table) >= pages_for(seq.num_computed), seq
+            for page in seq.page_table:
+                assert page not in held, f"page {page} in two tables"
+                held[page] = seq.request_id
+        assert held == owners, (held, owners)
+        assert self.pages.num_free + len(owners) == self.config.num_pages
+        slot_owners = self.slots.owners()
+        assert slot_owners == {s.slot: s.request_id for s in self._running}
+        for seq in self._waiting:
+            assert seq.status in (SeqStatus.WAITING, SeqStatus.PAUSED)
+            assert not seq.page_table and seq.slot is None and seq.num_computed == 0
+        assert set(self._seqs) == {s.request_id for s in self._running} | {
+            s.request_id for s in self._waiting}
+
+    def iter_records(self) -> Iterable[SequenceRecord]:
+        return iter(self._seqs.values())
