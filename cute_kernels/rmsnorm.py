@@ -32,6 +32,7 @@ _SHAPES = [
     ("zc_h256", "zc", 256, 32, 128),  # q/k norm per head (D = 256), rows = tokens * heads
     ("add_zc_h5120", "add_zc", 5120, 128, 128),
     ("add_zc_h2048", "add_zc", 2048, 128, 128),
+    ("add_zc_h256", "add_zc", 256, 32, 128),  # tiny test model (tools/make_tiny.py) hidden
     ("gated_h128", "gated", 128, 16, 128),  # GDN output norm per value head (dv = 128)
 ]
 

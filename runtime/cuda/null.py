@@ -196,7 +196,10 @@ class NullDevice:
         r = len(dims)
         blob = struct.pack("<Q", address)
         blob += struct.pack(f"<{r}Q", *dims) + struct.pack(f"<{max(r - 1, 0)}Q", *strides_bytes)
-        blob += bytes(box) + f"{dtype}|{swizzle}|{l2}|{oob}".encode()
+        if any(not 1 <= b <= 256 for b in box):
+            # cuTensorMapEncodeTiled rejects boxes outside 1..256 per dimension; so do we.
+            raise ValueError(f"null device: TMA box {tuple(box)} has a side outside 1..256")
+        blob += struct.pack(f"<{len(box)}I", *box) + f"{dtype}|{swizzle}|{l2}|{oob}".encode()
         return blob[:128].ljust(128, b"\0")
 
     def launch_config(self, grid: Sequence[int], block: Sequence[int], smem: int, cluster: Sequence[int]) -> Any:

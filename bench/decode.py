@@ -1,0 +1,173 @@
+"""Decode speed of `CudaRunner` on the Qwen3.6-27B shape with synthetic BF16 weights.
+
+    python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
+
+For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
+GPU time per step (CUDA events around the replays) and wall time per step (host work included:
+metadata upload, replay, logits download); tok/s = batch / wall time. Contexts are set by position
+(the KV pages and states hold synthetic contents; decode cost does not depend on their values).
+The roofline is bytes that must move per step (every weight read once, embedding rows excepted;
+KV read for the context; the GDN state read and written) over the device-to-device copy bandwidth
+measured in the same run. A per-kernel breakdown of one step (events between eager launches) and
+the host overhead per step are reported too. Writes `decode.json` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+QWEN36_27B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "num_attention_heads": 24,
+    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "intermediate_size": 17408, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median of 5)."""
+    src, dst = device.mem_alloc(nbytes), device.mem_alloc(nbytes)
+    try:
+        start, end = device.create_event(), device.create_event()
+        device.memcpy_dtod(dst, src, nbytes, stream)
+        times = []
+        for _ in range(5):
+            start.record(stream)
+            device.memcpy_dtod(dst, src, nbytes, stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(end.elapsed_ms(start) / 1e3)
+        times.sort()
+        return 2 * nbytes / times[2]
+    finally:
+        device.mem_free(src)
+        device.mem_free(dst)
+
+
+def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0) -> Any:
+    from runtime.model.config import ModelConfig
+    from runtime.model.cuda_runner import CudaRunner
+
+    config = ModelConfig.from_dict(QWEN36_27B)
+    pages = max_batch * (-(-max_context // 64) + 1)
+    return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch, max_batch=max_batch,
+                                max_context=max_context + 64, prefill_chunk=prefill_chunk)
+
+
+def step_bytes(runner: Any, batch: int, context: int) -> int:
+    c = runner.config
+    weights = runner.layout.total - runner.layout.globals["embed"].nbytes + batch * c.hidden_size * 2
+    kv = batch * context * len(c.attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    state = batch * len(c.linear_layers) * 2 * runner.state_slot_bytes
+    return weights + kv + state
+
+
+def kernel_breakdown(runner: Any, bucket: int) -> dict[str, float]:
+    """Microseconds per kernel key over one eager decode step (events between launches)."""
+    dev, s = runner.device, runner.stream
+    plan = runner._decode_plan(bucket)
+    events = [dev.create_event() for _ in range(len(plan) + 1)]
+    totals: dict[str, float] = defaultdict(float)
+    for _ in range(3):
+        events[0].record(s)
+        for i, launch in enumerate(plan):
+            launch(s)
+            events[i + 1].record(s)
+        events[-1].synchronize()
+    for i, launch in enumerate(plan):
+        totals[launch.kernel.name] += events[i + 1].elapsed_ms(events[i]) * 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
+    from runtime.model.runner import DecodeItem
+
+    runner = make_runner(max(batches), max(contexts))
+    dev, s = runner.device, runner.stream
+    bw = copy_bandwidth(dev, s)
+    results = []
+    breakdown = {}
+    for context in contexts:
+        for batch in batches:
+            maxp = -(-(context + steps + 2) // 64)
+            items = [DecodeItem(slot=b, token_id=1000 + b, pos=context, page_table=list(range(b * maxp, (b + 1) * maxp)))
+                     for b in range(batch)]
+            runner.decode(items)  # capture
+            runner.decode(items)
+            start, end = dev.create_event(), dev.create_event()
+            gpu_ms = []
+            wall0 = time.perf_counter()
+            for i in range(steps):
+                step = [DecodeItem(it.slot, it.token_id, context + i, it.page_table) for it in items]
+                start.record(s)
+                runner.decode(step)
+                end.record(s)
+                end.synchronize()
+                gpu_ms.append(end.elapsed_ms(start))
+            wall = (time.perf_counter() - wall0) / steps
+            # GPU-only time of the graph (no host work in between): replay back to back.
+            bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
+            graph = runner._graphs[bucket]
+            start.record(s)
+            for _ in range(steps):
+                graph.replay(s)
+            end.record(s)
+            end.synchronize()
+            graph_ms = end.elapsed_ms(start) / steps
+            nbytes = step_bytes(runner, batch, context)
+            floor_ms = nbytes / bw * 1e3
+            row = {"batch": batch, "context": context, "graph_ms": graph_ms, "wall_ms": wall * 1e3,
+                   "tok_s": batch / wall, "host_ms": wall * 1e3 - graph_ms, "bytes": nbytes,
+                   "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
+                   "roofline_fraction_wall": floor_ms / (wall * 1e3)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if batch == 1:
+                breakdown[str(context)] = kernel_breakdown(runner, 1)
+    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "results": results,
+            "breakdown_us": breakdown}
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = [f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write).", "",
+             "| batch | context | GPU ms/step (graph) | wall ms/step | tok/s | host ms/step | floor ms | of roofline (GPU) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["results"]:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {r['wall_ms']:.2f} | {r['tok_s']:.1f} | "
+                     f"{r['host_ms']:.2f} | {r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% |")
+    for ctx, kernels in data["breakdown_us"].items():
+        total = sum(kernels.values())
+        lines += ["", f"One eager decode step at batch 1, context {ctx}: {total:.0f} us of kernels", "",
+                  "| kernel | us per step | share |", "|---|---:|---:|"]
+        for name, us in list(kernels.items())[:14]:
+            lines.append(f"| {name} | {us:.1f} | {100 * us / total:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--contexts", default="1024,32768")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps)
+    data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode.json").write_text(json.dumps(data, indent=1))
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Which compiled kernel runs each step of the forward pass, and the launches of one step.
+
+`KernelChoice` reads the manifest's compile-time configs and picks, for a `ModelConfig`, the
+variant of every family that matches its shapes; a shape nobody compiled is an error naming the
+family, the shape and the build command. Linear layers use the decode GEMV when the row count
+fits one of its variants (M <= 16) and the prefill GEMM otherwise.
+
+`StepBuilder` turns a step (rows, sequences, split sizes) into a list of bound launches
+(`BoundLaunch`): bind once, launch or capture many times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.cuda.errors import KernelMissing
+from runtime.model.config import ModelConfig
+
+
+def _find(library: Any, family: str, **match: Any) -> str | None:
+    for (fam, key), entry in sorted(library.manifest.kernels.items()):
+        if fam != family:
+            continue
+        if all(entry.config.get(k) == v for k, v in match.items()):
+            return key
+    return None
+
+
+def _need(library: Any, family: str, what: str, **match: Any) -> str:
+    key = _find(library, family, **match)
+    if key is None:
+        raise KernelMissing(
+            f"no {family} kernel for {what} ({', '.join(f'{k}={v}' for k, v in match.items())}) in "
+            f"{library.root / 'manifest.json'}; add a variant to cute_kernels/{family}.py and run "
+            f"`python build_kernels.py --arch {library.manifest.arch}`")
+    return key
+
+
+@dataclass
+class KernelChoice:
+    """Variant keys of every kernel the runner launches for one model."""
+
+    library: Any
+    config: ModelConfig
+
+    def __post_init__(self) -> None:
+        c, lib = self.config, self.library
+        h = c.hidden_size
+        self.norm = _need(lib, "rmsnorm", "the hidden norms", mode="zc", H=h)
+        self.add_norm = _need(lib, "rmsnorm", "the residual-add norms", mode="add_zc", H=h)
+        self.embedding = _find(lib, "embedding", V=c.vocab_size, H=h)  # None: gather on the host
+        assert c.intermediate_size is not None
+        self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
+        if c.linear_layers:
+            hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                              c.linear_value_head_dim)
+            self.gdn = _need(lib, "gdn", "Gated DeltaNet", Hk=hk, Hv=hv, dk=dk, dv=dv)
+            stride = lib.manifest.kernels[("gdn", self.gdn)].config["x_stride"]
+            self.conv = _need(lib, "conv1d", "the GDN conv", C=c.conv_dim, x_stride=stride,
+                              Kc=c.linear_conv_kernel_dim)
+            self.gdn_stride = stride
+        if c.attention_layers:
+            hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            self.prep = _need(lib, "attention", "q/k norm + RoPE + KV write", kind="prep", Hq=hq, Hkv=hkv, D=d,
+                              rd=c.rotary_dim)
+            self.split = _need(lib, "attention", "split-KV attention", kind="split", Hq=hq, Hkv=hkv, D=d)
+            self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
+            self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
+
+    def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
+        """(family, key) of the kernel computing x[m, k] @ W[n, k]^T."""
+        lib = self.library
+        if m <= 16:
+            for mb in (8, 16):
+                if m <= mb:
+                    key = _find(lib, "gemv", N=n, K=k, MB=mb)
+                    if key is not None:
+                        return "gemv", key
+        key = _find(lib, "gemm_sm90", N=n, K=k)
+        if key is not None:
+            return "gemm_sm90", key
+        raise KernelMissing(
+            f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
+            f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
+
+    def required(self) -> list[tuple[str, str]]:
+        names = [("rmsnorm", self.norm), ("rmsnorm", self.add_norm), ("silu_mul", self.silu_mul)]
+        if self.embedding:
+            names.append(("embedding", self.embedding))
+        for attr, fam in (("gdn", "gdn"), ("conv", "conv1d"), ("prep", "attention"), ("split", "attention"),
+                          ("combine", "attention")):
+            if hasattr(self, attr):
+                names.append((fam, getattr(self, attr)))
+        return names

@@ -1,0 +1,487 @@
+"""`CudaRunner`: the `ModelRunner` protocol on one NVIDIA GPU, with AOT-compiled CuTe DSL kernels.
+
+Storage (all reserved once at construction, `runtime.cuda.memory.DeviceArenas`):
+- weights: bf16 as stored in the artifact, uploaded once with no repacking (`cuda_weights`);
+- KV pages: per full-attention layer, K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and
+  post-RoPE (the paging contract of `runner.py`); page `num_pages` is a pad page that padded
+  decode rows write into;
+- state slots: per GDN layer the fp32 recurrent state `[num_slots + 1, Hv, dv, dk]` (v-major) and
+  the conv window `[num_slots + 1, Kc - 1, conv_dim]` bf16; slot `num_slots` is the pad slot;
+- workspace: activations for up to `max(prefill_chunk, max_batch)` rows, attention split
+  partials, the logits rows, RoPE tables and one int32 metadata block.
+
+A step (a prefill piece of one sequence, or a decode batch) is a list of launches bound once per
+shape (`_bind_forward`). Per-step values (token ids, positions, KV rows, slots, page tables) live
+in the metadata block, uploaded with one host-to-device copy before the launches, so decode for
+each batch bucket (1, 2, 4, 8) is captured once into a CUDA graph and replayed; `cuda_graphs=False`
+launches the same list eagerly. Logits come back as bf16 and are returned as float32.
+
+Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs its recurrent
+kernel over the piece; attention treats each token as a query row of the split-KV kernel (both
+correct, neither yet the fast prefill form: see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from runtime.cuda.memory import DeviceArenas
+from runtime.model.config import LINEAR_ATTENTION, ModelConfig
+from runtime.model.cuda_plan import KernelChoice
+from runtime.model.cuda_weights import WeightLayout, fill_synthetic, upload_artifact
+from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+
+BUCKETS = (1, 2, 4, 8)
+PREFILL_SPLITS = 16  # most KV splits per query row in prefill
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CudaRunner:
+    """See the module docstring. Build with `from_artifact` or `synthetic`."""
+
+    def __init__(self, config: ModelConfig, *, num_pages: int, num_slots: int, component: Any = None,
+                 synthetic_seed: int | None = None, device: Any = None, library: Any = None,
+                 max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
+                 cuda_graphs: bool = True, decode_split: int = 256,
+                 progress: Callable[[int, int], None] | None = None):
+        from runtime.cuda.kernels import KernelLibrary
+
+        if (component is None) == (synthetic_seed is None):
+            raise ValueError("give exactly one of an artifact component or a synthetic seed")
+        if max_batch not in BUCKETS:
+            raise ValueError(f"max_batch must be one of {BUCKETS}, got {max_batch}")
+        c = config
+        self.config = c
+        self.vocab_size = c.vocab_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.cuda_graphs = cuda_graphs
+        self.max_context = min(max_context or num_pages * PAGE_SIZE, c.max_position_embeddings)
+        self.maxp = _cdiv(self.max_context, PAGE_SIZE)
+        self.decode_split = decode_split
+        self.decode_splits = _cdiv(self.max_context, decode_split)
+        if device is None:
+            from runtime.cuda.device import CudaDevice
+            device = CudaDevice(0)
+        self.device = device
+        self.stream = device.create_stream()
+        self.library = library or KernelLibrary.open(device, required=[])
+        self.kernels = KernelChoice(self.library, c)
+        for fam, key in self.kernels.required():
+            self.library.kernel(fam, key)
+        self.layout = WeightLayout.plan(c)
+        self._component = component
+
+        self.rows = max(prefill_chunk, max_batch)
+        self._reserve()
+        base = self.arenas["weights"].base
+        if component is not None:
+            upload_artifact(self.layout, component, device, base, self.stream, progress)
+        else:
+            fill_synthetic(self.layout, int(synthetic_seed), device, base, self.stream)
+        self._upload_rope()
+        self.stream.synchronize()
+        for n in range(num_slots):
+            self.reset_slot(n)
+        self._plans: OrderedDict[tuple, list] = OrderedDict()
+        self._graphs: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_artifact(cls, path_or_artifact: Any, **kwargs: Any) -> "CudaRunner":
+        from runtime.artifact import open_artifact
+
+        artifact = open_artifact(path_or_artifact) if not hasattr(path_or_artifact, "component") \
+            else path_or_artifact
+        text = artifact.component("text")
+        runner = cls(ModelConfig.from_dict(text.config), component=text, **kwargs)
+        runner._artifact = artifact  # the host embedding fallback reads the mapped table
+        return runner
+
+    @classmethod
+    def synthetic(cls, config: ModelConfig, seed: int, **kwargs: Any) -> "CudaRunner":
+        return cls(config, synthetic_seed=seed, **kwargs)
+
+    def _reserve(self) -> None:
+        c, dev = self.config, self.device
+        h = c.hidden_size
+        rows = self.rows
+        n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
+        kv_bytes = (self.num_pages + 1) * PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2
+        state_bytes = (self.num_slots + 1) * c.linear_num_value_heads * c.linear_value_head_dim \
+            * c.linear_key_head_dim * 4
+        win_bytes = (self.num_slots + 1) * (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
+        self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
+        self.state_slot_bytes = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
+        k = self.kernels
+        proj_w = max(getattr(k, "gdn_stride", 0), getattr(k, "attn_stride", 0), 2 * (c.intermediate_size or 0))
+        hq, d = c.num_attention_heads, c.head_dim
+        part_rows = max(self.max_batch * self.decode_splits, rows * PREFILL_SPLITS) * hq
+        self.rope_positions = min(c.max_position_embeddings, max(self.max_context, 1))
+        self.logit_rows = rows if rows * c.vocab_size * 2 <= (256 << 20) else self.max_batch
+        sizes = {
+            "resid": rows * h * 2, "h": rows * h * 2, "delta": rows * h * 2, "proj": rows * proj_w * 2,
+            "conv_out": rows * c.conv_dim * 2, "gdn_out": rows * c.linear_value_dim * 2,
+            "q": rows * hq * d * 2, "attn_out": rows * hq * d * 2, "act": rows * (c.intermediate_size or 0) * 2,
+            "o_part": part_rows * d * 4, "lse": part_rows * 4,
+            "logits": self.logit_rows * c.vocab_size * 2,
+            "cos": self.rope_positions * (c.rotary_dim // 2) * 2, "sin": self.rope_positions * (c.rotary_dim // 2) * 2,
+            "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
+        }
+        # Metadata (int32): ids, pos, wrow, qseq [rows]; slots, slots_in [max_batch]; err; table.
+        self.meta_off = {}
+        off = 0
+        for name, count in (("ids", rows), ("pos", rows), ("wrow", rows), ("qseq", rows),
+                            ("slots", self.max_batch), ("slots_in", self.max_batch), ("err", 4),
+                            ("table", self.max_batch * self.maxp)):
+            self.meta_off[name] = off
+            off += _cdiv(count, 64) * 64
+        self.meta_count = off
+        sizes["meta"] = off * 4
+        workspace = sum(_cdiv(v, 256) * 256 for v in sizes.values()) + 4096
+        self.arenas = DeviceArenas.reserve(
+            dev, weights=self.layout.total + 256, kv_pages=max(n_attn * 2 * kv_bytes, 256),
+            state_slots=max(n_gdn * (state_bytes + win_bytes), 256), workspace=workspace)
+        ws = self.arenas["workspace"]
+        self.buf = {name: ws.take(max(n, 16), name).ptr for name, n in sizes.items()}
+        kv = self.arenas["kv_pages"]
+        self.k_pages = [kv.take(kv_bytes, f"k{i}").ptr for i in range(n_attn)]
+        self.v_pages = [kv.take(kv_bytes, f"v{i}").ptr for i in range(n_attn)]
+        st = self.arenas["state_slots"]
+        self.states = [st.take(state_bytes, f"state{i}").ptr for i in range(n_gdn)]
+        self.windows = [st.take(win_bytes, f"window{i}").ptr for i in range(n_gdn)]
+        self.meta_host = dev.pinned(self.meta_count * 4)
+        self.logits_host = dev.pinned(self.logit_rows * c.vocab_size * 2)
+        self.embed_host = dev.pinned(rows * h * 2)
+
+    def _upload_rope(self) -> None:
+        from runtime.artifact.formats import f32_to_bf16
+
+        c = self.config
+        rd = c.rotary_dim
+        inv_freq = c.rope_theta ** (-np.arange(0, rd, 2, dtype=np.float64) / rd)
+        angles = np.arange(self.rope_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+        self._rope_host = (f32_to_bf16(np.cos(angles).astype(np.float32)),
+                           f32_to_bf16(np.sin(angles).astype(np.float32)))
+        self.device.memcpy_htod(self.buf["cos"], self._rope_host[0], self.stream)
+        self.device.memcpy_htod(self.buf["sin"], self._rope_host[1], self.stream)
+
+    # ------------------------------------------------------------------ ModelRunner protocol
+
+    def reset_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        for state, window in zip(self.states, self.windows):
+            self.device.memset_d8(state + slot * self.state_slot_bytes, 0, self.state_slot_bytes, self.stream)
+            self.device.memset_d8(window + slot * self.win_slot_bytes, 0, self.win_slot_bytes, self.stream)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._check_slot(src)
+        self._check_slot(dst)
+        for state, window in zip(self.states, self.windows):
+            self.device.memcpy_dtod(state + dst * self.state_slot_bytes, state + src * self.state_slot_bytes,
+                                    self.state_slot_bytes, self.stream)
+            self.device.memcpy_dtod(window + dst * self.win_slot_bytes, window + src * self.win_slot_bytes,
+                                    self.win_slot_bytes, self.stream)
+
+    def prefill(self, chunk: PrefillChunk) -> np.ndarray:
+        tokens = self._check_tokens(chunk.token_ids)
+        self._check_slot(chunk.slot)
+        start = int(chunk.start_pos)
+        if start < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start}")
+        end = start + len(tokens)
+        if end > self.max_context:
+            raise ValueError(f"positions up to {end - 1} exceed this runner's context of {self.max_context}")
+        pages = self._check_pages(chunk.page_table, end)
+        outputs = []
+        for lo in range(0, len(tokens), self.prefill_chunk):
+            piece = tokens[lo:lo + self.prefill_chunk]
+            last = lo + len(piece) == len(tokens)
+            want = "all" if chunk.all_logits else ("last" if last else "none")
+            out = self._prefill_piece(chunk.slot, piece, start + lo, pages, want)
+            if out is not None:
+                outputs.append(out)
+        return np.concatenate(outputs, axis=0)
+
+    def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        b = len(items)
+        if b == 0:
+            raise ValueError("decode needs at least one item")
+        if b > self.max_batch:
+            raise ValueError(f"decode batch of {b} exceeds max_batch {self.max_batch}")
+        slots = [int(item.slot) for item in items]
+        for s in slots:
+            self._check_slot(s)
+        if len(set(slots)) != b:
+            raise ValueError(f"decode items must use distinct slots, got {slots}")
+        tokens = self._check_tokens([item.token_id for item in items])
+        bucket = next(x for x in BUCKETS if x >= b)
+        meta = self._meta_clear()
+        table = meta["table"].reshape(self.max_batch, self.maxp)
+        table[:] = self.num_pages  # pad page
+        for i, item in enumerate(items):
+            pos = int(item.pos)
+            if pos < 0 or pos >= self.max_context:
+                raise ValueError(f"decode position {pos} outside [0, {self.max_context})")
+            pages = self._check_pages(item.page_table, pos + 1)
+            table[i, :len(pages)] = pages
+            meta["pos"][i] = pos
+            meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        meta["ids"][:b] = tokens
+        meta["qseq"][:bucket] = np.arange(bucket)
+        meta["slots"][:bucket] = self.num_slots  # pad slot
+        meta["slots"][:b] = slots
+        meta["slots_in"][:bucket] = meta["slots"][:bucket]
+        meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
+        self._upload_step(tokens, bucket)
+        if self.cuda_graphs:
+            graph = self._graphs.get(bucket)
+            if graph is None:
+                graph = self._capture(bucket)
+            graph.replay(self.stream)
+        else:
+            for launch in self._decode_plan(bucket):
+                launch(self.stream)
+        return self._read_logits(0, b)
+
+    # ------------------------------------------------------------------ steps
+
+    def _prefill_piece(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, want: str
+                       ) -> np.ndarray | None:
+        t = len(tokens)
+        end = start + t
+        split = _cdiv(_cdiv(end, PREFILL_SPLITS), PAGE_SIZE) * PAGE_SIZE
+        splits = _cdiv(end, split)
+        meta = self._meta_clear()
+        positions = np.arange(start, end)
+        meta["pos"][:t] = positions
+        meta["wrow"][:t] = pages[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        meta["ids"][:t] = tokens
+        meta["slots"][0] = slot
+        meta["slots_in"][0] = 0
+        table = meta["table"].reshape(self.max_batch, self.maxp)
+        table[0, :len(pages)] = pages
+        # The conv kernel reads the old windows from a scratch copy (its writers and readers
+        # differ when the piece is longer than one thread's tokens).
+        for n, window in enumerate(self.windows):
+            self.device.memcpy_dtod(self.buf["win_scratch"] + n * self.win_slot_bytes,
+                                    window + slot * self.win_slot_bytes, self.win_slot_bytes, self.stream)
+        self._upload_step(tokens, t)
+        for launch in self._plan(("prefill", t, splits, split), lambda: self._bind_forward(t, 1, t, splits, split,
+                                                                                       prefill=True)):
+            launch(self.stream)
+        if want == "none":
+            return None
+        rows = range(t) if want == "all" else range(t - 1, t)
+        out = []
+        for lo in range(rows.start, rows.stop, self.logit_rows):
+            n = min(self.logit_rows, rows.stop - lo)
+            for launch in self._plan(("lm_head", lo, n), lambda: self._bind_lm_head(lo, n)):
+                launch(self.stream)
+            out.append(self._read_logits(0, n))
+        return np.concatenate(out, axis=0)
+
+    def _decode_plan(self, bucket: int) -> list:
+        def bind() -> list:
+            return self._bind_forward(bucket, bucket, 1, self.decode_splits, self.decode_split, prefill=False) \
+                + self._bind_lm_head(0, bucket)
+        return self._plan(("decode", bucket), bind)
+
+    def _capture(self, bucket: int) -> Any:
+        from runtime.cuda.device import capture_graph
+
+        plan = self._decode_plan(bucket)
+
+        def record() -> None:
+            for launch in plan:
+                launch(self.stream)
+        graph = capture_graph(self.device, self.stream, record)
+        self._graphs[bucket] = graph
+        return graph
+
+    def _plan(self, key: tuple, bind: Callable[[], list]) -> list:
+        """Bound launches of a step shape, bound once. Decode plans stay (graphs replay their
+        parameters); prefill shapes are kept for the 32 most recent."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = bind()
+            self._plans[key] = plan
+            prefill_keys = [k for k in self._plans if k[0] != "decode"]
+            if len(prefill_keys) > 32:
+                del self._plans[prefill_keys[0]]
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    # ------------------------------------------------------------------ binding
+
+    def _bind_forward(self, m: int, nseq: int, t: int, splits: int, split: int, *, prefill: bool) -> list:
+        c, k, lib, buf = self.config, self.kernels, self.library, self.buf
+        wbase = self.arenas["weights"].base
+        meta = buf["meta"]
+
+        def mptr(name: str) -> int:
+            return meta + self.meta_off[name] * 4
+
+        launches: list = []
+
+        def launch(family: str, key: str, bufs: dict, sizes: dict) -> None:
+            launches.append(lib.kernel(family, key).bind(bufs, sizes))
+
+        def w(slot: Any) -> int:
+            return wbase + slot.offset
+
+        def linear(x: int, slot: Any, out: int, rows: int) -> None:
+            n, kk = slot.shape
+            fam, key = k.linear(n, kk, rows)
+            launch(fam, key, {"x": x, "w": w(slot), "out": out}, {"M": rows})
+
+        h = c.hidden_size
+        if k.embedding:
+            launch("embedding", k.embedding, {"ids": mptr("ids"), "table": w(self.layout.globals["embed"]),
+                                              "out": buf["resid"], "err": mptr("err")}, {"M": m})
+        gdn_index = attn_index = 0
+        for i, layer in enumerate(self.layout.layers):
+            if i == 0:
+                launch("rmsnorm", k.norm, {"x": buf["resid"], "w": w(layer["input_norm"]), "out": buf["h"]},
+                       {"M": m})
+            else:
+                launch("rmsnorm", k.add_norm, {"x": buf["delta"], "residual": buf["resid"],
+                                               "w": w(layer["input_norm"]), "out": buf["h"]}, {"M": m})
+            if c.layer_types[i] == LINEAR_ATTENTION:
+                n = gdn_index
+                gdn_index += 1
+                linear(buf["h"], layer["w_in"], buf["proj"], m)
+                win_in = buf["win_scratch"] + n * self.win_slot_bytes if prefill else self.windows[n]
+                launch("conv1d", k.conv, {"x": buf["proj"], "w": w(layer["conv"]), "win_in": win_in,
+                                          "win_out": self.windows[n], "slots_in": mptr("slots_in"),
+                                          "slots_out": mptr("slots"), "out": buf["conv_out"]},
+                       {"B": nseq, "T": t, "NI": 1 if prefill else self.num_slots + 1, "NO": self.num_slots + 1})
+                launch("gdn", k.gdn, {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": w(layer["a_log"]),
+                                      "dt_bias": w(layer["dt_bias"]), "norm_w": w(layer["gdn_norm"]),
+                                      "state": self.states[n], "slots": mptr("slots"), "out": buf["gdn_out"]},
+                       {"B": nseq, "T": t, "NS": self.num_slots + 1})
+                linear(buf["gdn_out"], layer["out_proj"], buf["delta"], m)
+            else:
+                n = attn_index
+                attn_index += 1
+                linear(buf["h"], layer["w_qkv"], buf["proj"], m)
+                pages = {"k_pages": self.k_pages[n], "v_pages": self.v_pages[n]}
+                launch("attention", k.prep, {"x": buf["proj"], "qn_w": w(layer["q_norm"]), "kn_w": w(layer["k_norm"]),
+                                             "cos": buf["cos"], "sin": buf["sin"], "pos": mptr("pos"),
+                                             "wrow": mptr("wrow"), "q_out": buf["q"], **pages},
+                       {"M": m, "P": self.rope_positions, "NP": self.num_pages + 1})
+                launch("attention", k.split, {"q": buf["q"], **pages, "table": mptr("table"), "qseq": mptr("qseq"),
+                                              "pos": mptr("pos"), "o_part": buf["o_part"], "lse": buf["lse"]},
+                       {"M": m, "S": splits, "split": split, "maxp": self.maxp, "R": self.max_batch,
+                        "NP": self.num_pages + 1})
+                launch("attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"], "pos": mptr("pos"),
+                                                "x": buf["proj"], "out": buf["attn_out"]},
+                       {"M": m, "S": splits, "split": split})
+                linear(buf["attn_out"], layer["o_proj"], buf["delta"], m)
+            launch("rmsnorm", k.add_norm, {"x": buf["delta"], "residual": buf["resid"], "w": w(layer["post_norm"]),
+                                           "out": buf["h"]}, {"M": m})
+            linear(buf["h"], layer["w_gate_up"], buf["proj"], m)
+            launch("silu_mul", k.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": m})
+            linear(buf["act"], layer["down"], buf["delta"], m)
+        launch("rmsnorm", k.add_norm, {"x": buf["delta"], "residual": buf["resid"],
+                                       "w": w(self.layout.globals["norm"]), "out": buf["h"]}, {"M": m})
+        del h
+        return launches
+
+    def _bind_lm_head(self, row0: int, rows: int) -> list:
+        c = self.config
+        slot = self.layout.globals.get("lm_head") or self.layout.globals["embed"]
+        n, kk = slot.shape
+        fam, key = self.kernels.linear(n, kk, rows)
+        x = self.buf["h"] + row0 * c.hidden_size * 2
+        return [self.library.kernel(fam, key).bind(
+            {"x": x, "w": self.arenas["weights"].base + slot.offset, "out": self.buf["logits"]}, {"M": rows})]
+
+    # ------------------------------------------------------------------ host <-> device
+
+    def _meta_clear(self) -> dict[str, np.ndarray]:
+        self.stream.synchronize()  # the previous step's upload may still read the pinned block
+        arr = self.meta_host.array(np.int32, self.meta_count)
+        arr[:] = 0
+        sizes = {"ids": self.rows, "pos": self.rows, "wrow": self.rows, "qseq": self.rows,
+                 "slots": self.max_batch, "slots_in": self.max_batch, "err": 4,
+                 "table": self.max_batch * self.maxp}
+        return {name: arr[off:off + sizes[name]] for name, off in self.meta_off.items()}
+
+    def _upload_step(self, tokens: np.ndarray, rows: int) -> None:
+        arr = self.meta_host.array(np.int32, self.meta_count)
+        self.device.memcpy_htod(self.buf["meta"], arr, self.stream)
+        if not self.kernels.embedding:
+            embed = self._embed_table()
+            host = self.embed_host.array(np.uint16, rows * self.config.hidden_size).reshape(rows, -1)
+            host[:len(tokens)] = embed[tokens]
+            host[len(tokens):] = 0
+            self.device.memcpy_htod(self.buf["resid"], host, self.stream)
+
+    def _embed_table(self) -> np.ndarray:
+        if self._component is None:
+            raise RuntimeError("synthetic weights need an embedding kernel for this vocabulary/hidden size")
+        return self._component.raw("embed_tokens.weight")
+
+    def _read_logits(self, row0: int, rows: int) -> np.ndarray:
+        v = self.config.vocab_size
+        host = self.logits_host.array(np.uint16, rows * v)
+        self.device.memcpy_dtoh(host, self.buf["logits"] + row0 * v * 2, self.stream)
+        self.stream.synchronize()
+        return (host.astype(np.uint32) << 16).view(np.float32).reshape(rows, v).copy()
+
+    def read_state(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(recurrent state [Hv, dk, dv] fp32, conv window [Kc-1, conv_dim] fp32) of the n-th GDN
+        layer, in `NumpyRunner`'s layout (tests)."""
+        c = self.config
+        st = np.empty((c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim), np.float32)
+        win = np.empty((c.linear_conv_kernel_dim - 1, c.conv_dim), np.uint16)
+        self.stream.synchronize()
+        self.device.memcpy_dtoh(st, self.states[layer] + slot * self.state_slot_bytes, self.stream)
+        self.device.memcpy_dtoh(win, self.windows[layer] + slot * self.win_slot_bytes, self.stream)
+        self.stream.synchronize()
+        return np.swapaxes(st, 1, 2).copy(), (win.astype(np.uint32) << 16).view(np.float32)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
+
+    def _check_pages(self, page_table: Sequence[int], end: int) -> np.ndarray:
+        pages = np.asarray(page_table, dtype=np.int64).reshape(-1)
+        needed = _cdiv(end, PAGE_SIZE)
+        if len(pages) < needed:
+            raise ValueError(f"page table has {len(pages)} pages; positions up to {end - 1} need {needed}")
+        pages = pages[:needed]
+        if np.any(pages < 0) or np.any(pages >= self.num_pages):
+            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {pages.tolist()}")
+        return pages
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("no tokens given")
+        if np.any(tokens < 0) or np.any(tokens >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return tokens
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        for graph in self._graphs.values():
+            graph.destroy()
+        self._graphs.clear()
+        self._plans.clear()
+        for pinned in (self.meta_host, self.logits_host, self.embed_host):
+            pinned.free()
+        self.arenas.release()
