@@ -196,30 +196,34 @@ def _leading(a, b) -> int:
 
 
 def test_greedy_continuation_matches_reference(runners, tiny_path):
-    """Greedy continuation of NumpyRunner (fp32) against ours and a BF16 torch forward.
+    """Greedy continuation of NumpyRunner (fp32) against ours, teacher-forced.
 
-    The issue asks for 32 identical greedy tokens. On this tiny random model a BF16 computation
-    cannot promise that: measured on the H200, ours (free-running decode) followed NumpyRunner for
-    2 tokens and torch BF16 (teacher-forced on NumpyRunner's tokens) for 21, while our decode
-    logits equal our prefill logits bit for bit (`test_decode_matches_prefill`) and our prefill is
-    within 0.6 % of torch BF16. So this asserts, teacher-forced on NumpyRunner's continuation, that
-    we pick its token at least as often as torch BF16 does (less one), and prints the free run.
+    The issue asks for 32 identical greedy tokens. On this tiny random model the fp32 reference
+    often has near-ties, which any BF16 computation (ours or torch's) may break either way. So
+    every position where our top-1 differs from NumpyRunner's must be a near-tie: the reference's
+    own logit gap between its pick and ours is at most twice the BF16 noise at that position,
+    measured as the largest |torch BF16 - NumpyRunner| logit difference there.
     """
     cuda, ref = runners
     ids = _prompt(2, 40, cuda.vocab_size)
     pages = _pages(1, 2)
-    ours = _greedy(cuda, ids, 1, 32, pages)
+    ours_free = _greedy(cuda, ids, 1, 32, pages)
     want = _greedy(ref, ids, 1, 32, pages)
-    torch_next = _torch_bf16_logits(tiny_path, ids + want[:-1])[len(ids) - 1:].argmax(-1)
+    forced = ids + want[:-1]
+    chunk = PrefillChunk(slot=1, token_ids=forced, start_pos=0, page_table=pages, all_logits=True)
     cuda.reset_slot(1)
-    ours_tf = cuda.prefill(PrefillChunk(slot=1, token_ids=ids + want[:-1], start_pos=0, page_table=pages,
-                                        all_logits=True))[len(ids) - 1:].argmax(-1)
-    want_arr = np.array(want)
-    ours_hits, torch_hits = int((ours_tf == want_arr).sum()), int((torch_next == want_arr).sum())
-    print(f"greedy: free-running ours follows NumpyRunner for {_leading(ours, want)} of 32 tokens; "
-          f"teacher-forced top-1 hits: ours {ours_hits}/32, torch bf16 {torch_hits}/32 "
-          f"(torch leading run {_leading(torch_next.tolist(), want)})")
-    assert ours_hits >= torch_hits - 1
+    ours = cuda.prefill(chunk)[len(ids) - 1:].argmax(-1)
+    ref.reset_slot(1)
+    ref_logits = ref.prefill(chunk)[len(ids) - 1:]
+    torch_logits = _torch_bf16_logits(tiny_path, forced)[len(ids) - 1:]
+    bf16_noise = np.abs(torch_logits - ref_logits).max(axis=-1)
+    rows = np.arange(len(want))
+    gap = ref_logits[rows, np.array(want)] - ref_logits[rows, ours]
+    misses = [int(i) for i in np.flatnonzero(ours != np.array(want))]
+    print(f"greedy: free-running ours follows NumpyRunner for {_leading(ours_free, want)} of 32 "
+          f"tokens; teacher-forced hits {32 - len(misses)}/32; misses (position, reference gap, "
+          f"bf16 noise): {[(i, round(float(gap[i]), 4), round(float(bf16_noise[i]), 4)) for i in misses]}")
+    assert all(gap[i] <= 2.0 * bf16_noise[i] for i in misses)
 
 
 def _prefill_seq(runner, seq, slot, ids):
