@@ -32,7 +32,8 @@ from runtime.cuda.memory import DeviceArenas
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 from runtime.model.cuda_plan import KernelChoice
 from runtime.model.cuda_weights import WeightLayout, fill_synthetic, upload_artifact
-from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_page_table,
+                                  checked_tokens)
 
 BUCKETS = (1, 2, 4, 8)
 PREFILL_SPLITS = 16  # most KV splits per query row in prefill
@@ -193,7 +194,7 @@ class CudaRunner:
                                     self.win_slot_bytes, self.stream)
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
-        tokens = self._check_tokens(chunk.token_ids)
+        tokens = checked_tokens(chunk.token_ids, self.vocab_size)
         self._check_slot(chunk.slot)
         start = int(chunk.start_pos)
         if start < 0:
@@ -201,7 +202,7 @@ class CudaRunner:
         end = start + len(tokens)
         if end > self.max_context:
             raise ValueError(f"positions up to {end - 1} exceed this runner's context of {self.max_context}")
-        pages = self._check_pages(chunk.page_table, end)
+        pages = checked_page_table(chunk.page_table, end, self.num_pages)
         outputs = []
         for lo in range(0, len(tokens), self.prefill_chunk):
             piece = tokens[lo:lo + self.prefill_chunk]
@@ -223,7 +224,7 @@ class CudaRunner:
             self._check_slot(s)
         if len(set(slots)) != b:
             raise ValueError(f"decode items must use distinct slots, got {slots}")
-        tokens = self._check_tokens([item.token_id for item in items])
+        tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
         bucket = next(x for x in BUCKETS if x >= b)
         meta = self._meta_clear()
         table = meta["table"].reshape(self.max_batch, self.maxp)
@@ -232,7 +233,7 @@ class CudaRunner:
             pos = int(item.pos)
             if pos < 0 or pos >= self.max_context:
                 raise ValueError(f"decode position {pos} outside [0, {self.max_context})")
-            pages = self._check_pages(item.page_table, pos + 1)
+            pages = checked_page_table(item.page_table, pos + 1, self.num_pages)
             table[i, :len(pages)] = pages
             meta["pos"][i] = pos
             meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
@@ -457,24 +458,6 @@ class CudaRunner:
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
-
-    def _check_pages(self, page_table: Sequence[int], end: int) -> np.ndarray:
-        pages = np.asarray(page_table, dtype=np.int64).reshape(-1)
-        needed = _cdiv(end, PAGE_SIZE)
-        if len(pages) < needed:
-            raise ValueError(f"page table has {len(pages)} pages; positions up to {end - 1} need {needed}")
-        pages = pages[:needed]
-        if np.any(pages < 0) or np.any(pages >= self.num_pages):
-            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {pages.tolist()}")
-        return pages
-
-    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise ValueError("no tokens given")
-        if np.any(tokens < 0) or np.any(tokens >= self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        return tokens
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -23,7 +23,8 @@ import numpy as np
 
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_page_table,
+                                  checked_tokens)
 from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
                                    bind_mtp, bind_text)
 
@@ -155,7 +156,7 @@ class NumpyRunner:
     # --- with hidden states (MTP drafting, tests) ---------------------------------------------
 
     def prefill_with_hidden(self, chunk: PrefillChunk) -> StepOutput:
-        tokens = self._check_tokens(chunk.token_ids)
+        tokens = checked_tokens(chunk.token_ids, self.vocab_size)
         self._check_slot(chunk.slot)
         batch = self._prefill_batch(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table)
         hidden = self._forward(tokens[None], batch)[0]
@@ -164,7 +165,7 @@ class NumpyRunner:
 
     def decode_with_hidden(self, items: Sequence[DecodeItem]) -> StepOutput:
         batch = self._decode_batch(items)
-        tokens = self._check_tokens([item.token_id for item in items])
+        tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
         hidden = self._forward(tokens[:, None], batch)[:, 0]
         return StepOutput(logits=self._logits(hidden), hidden=hidden)
 
@@ -179,7 +180,7 @@ class NumpyRunner:
         Writes the MTP layer's K/V at those positions. Returns logits [T, V] predicting the
         token at start_pos+i+2, and the MTP hidden [T, H] after `mtp.norm`.
         """
-        tokens = self._check_tokens(token_ids)
+        tokens = checked_tokens(token_ids, self.vocab_size)
         hidden = self._check_mtp_hidden(hidden, len(tokens))
         batch = self._prefill_batch(None, len(tokens), start_pos, page_table)
         out = self._mtp_forward(hidden[None], tokens[None], batch, layer)[0]
@@ -190,7 +191,7 @@ class NumpyRunner:
         """Batched one-position MTP step: item.pos is t, item.token_id is the token at t+1,
         hidden[b] the hidden state at t. Returns logits [B, V] for t+2 and MTP hidden [B, H]."""
         batch = self._decode_batch(items, check_slots=False)
-        tokens = self._check_tokens([item.token_id for item in items])
+        tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
         hidden = self._check_mtp_hidden(hidden, len(items))
         out = self._mtp_forward(hidden[:, None], tokens[:, None], batch, layer)[:, 0]
         return StepOutput(logits=self._logits(out), hidden=out)
@@ -315,7 +316,7 @@ class NumpyRunner:
                 or start_pos < 0:
             raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
         end = int(start_pos) + steps
-        pages = self._check_page_table(page_table, end)
+        pages = checked_page_table(page_table, end, self.num_pages)
         key_positions = np.arange(end)
         positions = start_pos + np.arange(steps)
         rows = pages[key_positions // PAGE_SIZE] * PAGE_SIZE + key_positions % PAGE_SIZE
@@ -344,7 +345,7 @@ class NumpyRunner:
         key_positions = np.arange(length)
         rows = np.zeros((len(items), length), dtype=np.int64)
         for b, item in enumerate(items):
-            pages = self._check_page_table(item.page_table, positions[b] + 1)
+            pages = checked_page_table(item.page_table, positions[b] + 1, self.num_pages)
             visible_positions = key_positions[:positions[b] + 1]
             rows[b, :positions[b] + 1] = (pages[visible_positions // PAGE_SIZE] * PAGE_SIZE
                                           + visible_positions % PAGE_SIZE)
@@ -362,25 +363,6 @@ class NumpyRunner:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) \
                 or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
-
-    def _check_page_table(self, page_table: Sequence[int], end: int) -> np.ndarray:
-        pages = np.asarray(page_table, dtype=np.int64).reshape(-1)
-        needed = -(-end // PAGE_SIZE)
-        if len(pages) < needed:
-            raise ValueError(f"page table has {len(pages)} pages; positions up to {end - 1} "
-                             f"need {needed}")
-        pages = pages[:needed]
-        if np.any(pages < 0) or np.any(pages >= self.num_pages):
-            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {pages.tolist()}")
-        return pages
-
-    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise ValueError("no tokens given")
-        if np.any(tokens < 0) or np.any(tokens >= self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        return tokens
 
     def _check_mtp_hidden(self, hidden: np.ndarray, rows: int) -> np.ndarray:
         hidden = np.asarray(hidden, dtype=self.dtype)

@@ -53,6 +53,29 @@ class DecodeItem:
     page_table: Sequence[int]
 
 
+def checked_tokens(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Token ids as int64, refusing an empty list and ids outside [0, vocab_size)."""
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if tokens.size == 0:
+        raise ValueError("no tokens given")
+    if np.any(tokens < 0) or np.any(tokens >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    return tokens
+
+
+def checked_page_table(page_table: Sequence[int], end: int, num_pages: int) -> np.ndarray:
+    """The pages covering positions 0..end-1 as int64, refusing short tables and bad ids."""
+    pages = np.asarray(page_table, dtype=np.int64).reshape(-1)
+    needed = -(-end // PAGE_SIZE)
+    if len(pages) < needed:
+        raise ValueError(f"page table has {len(pages)} pages; positions up to {end - 1} "
+                         f"need {needed}")
+    pages = pages[:needed]
+    if np.any(pages < 0) or np.any(pages >= num_pages):
+        raise ValueError(f"page ids must be in [0, {num_pages}), got {pages.tolist()}")
+    return pages
+
+
 class ModelRunner(Protocol):
     """What the engine needs from a model backend.
 
