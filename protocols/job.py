@@ -221,6 +221,22 @@ def get_stop(obj: dict, key: str, where: Optional[str] = None,
     return tuple(item for item in value if item)
 
 
+def openai_tool_choice_mode(raw: Any, has_tools: bool, what: str = "tool") -> Optional["ToolChoice"]:
+    """The OpenAI string forms of `tool_choice` (absent, auto, none, required); None when `raw`
+    is an object, which each API then reads in its own shape."""
+    if raw is None:
+        return ToolChoice("auto")
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise invalid("tool_choice", f"must be auto, none, required or an object, got {raw!r}")
+        if raw == "required" and not has_tools:
+            raise invalid("tool_choice", f"'required' needs at least one {what}")
+        return ToolChoice(raw)
+    if not isinstance(raw, dict):
+        raise invalid("tool_choice", "must be a string or an object")
+    return None
+
+
 def parse_arguments(text: Any) -> Any:
     """History tool-call arguments (a JSON string from OpenAI clients) -> a dict for the template;
     invalid JSON (a past broken generation) stays the raw string."""

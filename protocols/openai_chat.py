@@ -20,6 +20,7 @@ import orjson
 from protocols.errors import ApiError, invalid, unsupported
 from protocols.generation import GenerationResult, LogprobsDelta
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
+                           openai_tool_choice_mode,
                            get_dict, get_effort, get_int, get_list, get_number, get_stop,
                            get_str, get_top_k, parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
@@ -249,17 +250,10 @@ def _tools(raw) -> list[dict]:
 
 
 def _tool_choice(raw, tools: list[dict]) -> ToolChoice:
+    mode = openai_tool_choice_mode(raw, bool(tools))
+    if mode is not None:
+        return mode
     names = {tool["function"]["name"] for tool in tools}
-    if raw is None:
-        return ToolChoice("auto")
-    if isinstance(raw, str):
-        if raw not in ("auto", "none", "required"):
-            raise invalid("tool_choice", f"must be auto, none, required or an object, got {raw!r}")
-        if raw == "required" and not tools:
-            raise invalid("tool_choice", "'required' needs at least one tool")
-        return ToolChoice(raw)
-    if not isinstance(raw, dict):
-        raise invalid("tool_choice", "must be a string or an object")
     kind = raw.get("type")
     if kind == "function":
         function = get_dict(raw, "function", "tool_choice.function", required=True)
