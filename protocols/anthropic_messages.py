@@ -23,8 +23,9 @@ import orjson
 from protocols.errors import ANTHROPIC, ApiError, error_type, invalid, unsupported
 from protocols.generation import GenerationResult
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
-                           get_dict, get_effort, get_int, get_list, get_number, get_stop,
-                           get_str, get_top_k, template_kwargs, text_of_parts,
+                           read_sampling,
+                           get_dict, get_effort, get_int, get_list, get_stop,
+                           get_str, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
@@ -104,10 +105,7 @@ def parse_messages_request(body: dict, caps: Capabilities = Capabilities(), *,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         max_tokens=max_tokens,
-        temperature=get_number(body, "temperature", minimum=0.0, maximum=1.0),
-        top_p=get_number(body, "top_p", minimum=0.0, maximum=1.0),
-        top_k=get_top_k(body, "top_k"),
-        min_p=get_number(body, "min_p", minimum=0.0, maximum=1.0),
+        sampling=read_sampling(body, temperature_max=1.0, penalties=False),
         stop=get_stop(body, "stop_sequences"),
         enable_thinking=enable,
         reasoning_effort=effort,

@@ -98,7 +98,7 @@ class FakeBackend:
         if self._lane_free is None:
             self._lane_free = asyncio.Semaphore(self.lanes)
         generation = Generation(request_id, prompt_tokens=script.prompt_tokens,
-                                seed=job.seed if job.seed is not None else 0,
+                                seed=job.sampling.seed if job.sampling.seed is not None else 0,
                                 max_tokens=job.max_tokens or 4096,
                                 cancel=lambda: self._cancel(request_id),
                                 started_at=received_at)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import orjson
 
 from protocols.errors import invalid, unsupported
+from runtime.engine.presets import SamplingOverrides
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
@@ -66,13 +67,7 @@ class GenerationJob:
     parallel_tool_calls: bool = True
     max_tool_calls: Optional[int] = None
     max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    seed: Optional[int] = None
+    sampling: SamplingOverrides = SamplingOverrides()
     stop: tuple[str, ...] = ()
     enable_thinking: Optional[bool] = None
     reasoning_effort: Optional[str] = None
@@ -219,6 +214,23 @@ def get_stop(obj: dict, key: str, where: Optional[str] = None,
     if max_items is not None and len(value) > max_items:
         raise invalid(where, f"at most {max_items} stop sequences are allowed")
     return tuple(item for item in value if item)
+
+
+def read_sampling(body: dict, *, temperature_max: float = 2.0,
+                  penalties: bool = True) -> SamplingOverrides:
+    """The sampling fields the three APIs share (each API's own range for temperature; Anthropic
+    has no penalty fields). A negative seed wraps into the engine's 63-bit range."""
+    seed = get_int(body, "seed")
+    return SamplingOverrides(
+        temperature=get_number(body, "temperature", minimum=0.0, maximum=temperature_max),
+        top_p=get_number(body, "top_p", minimum=0.0, maximum=1.0),
+        top_k=get_top_k(body, "top_k"),
+        min_p=get_number(body, "min_p", minimum=0.0, maximum=1.0),
+        presence_penalty=(get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0)
+                          if penalties else None),
+        frequency_penalty=(get_number(body, "frequency_penalty", minimum=-2.0, maximum=2.0)
+                           if penalties else None),
+        seed=None if seed is None else seed & ((1 << 63) - 1))
 
 
 def openai_tool_choice_mode(raw: Any, has_tools: bool, what: str = "tool") -> Optional["ToolChoice"]:

@@ -20,9 +20,9 @@ import orjson
 from protocols.errors import ApiError, invalid, unsupported
 from protocols.generation import GenerationResult, LogprobsDelta
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
-                           openai_tool_choice_mode,
+                           openai_tool_choice_mode, read_sampling,
                            get_dict, get_effort, get_int, get_list, get_number, get_stop,
-                           get_str, get_top_k, parse_arguments, template_kwargs, text_of_parts,
+                           get_str, parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
@@ -103,13 +103,7 @@ def parse_chat_request(body: dict, caps: Capabilities = Capabilities()
         tool_choice=tool_choice,
         parallel_tool_calls=True if parallel is None else parallel,
         max_tokens=max_tokens,
-        temperature=get_number(body, "temperature", minimum=0.0, maximum=2.0),
-        top_p=get_number(body, "top_p", minimum=0.0, maximum=1.0),
-        top_k=get_top_k(body, "top_k"),
-        min_p=get_number(body, "min_p", minimum=0.0, maximum=1.0),
-        presence_penalty=get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0),
-        frequency_penalty=get_number(body, "frequency_penalty", minimum=-2.0, maximum=2.0),
-        seed=_seed(body),
+        sampling=read_sampling(body),
         stop=get_stop(body, "stop", max_items=MAX_STOP),
         enable_thinking=enable,
         reasoning_effort=effort,
@@ -122,11 +116,6 @@ def parse_chat_request(body: dict, caps: Capabilities = Capabilities()
                         and not messages[-1].get("tool_calls")),
     )
     return job, ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs)
-
-
-def _seed(body: dict) -> Optional[int]:
-    seed = get_int(body, "seed")
-    return None if seed is None else seed & ((1 << 63) - 1)
 
 
 def _neutral_only(body: dict) -> None:

@@ -20,9 +20,9 @@ import orjson
 
 from protocols.errors import ApiError, invalid, unsupported
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
-                           openai_tool_choice_mode,
-                           get_dict, get_effort, get_int, get_list, get_number, get_str,
-                           get_top_k, parse_arguments, template_kwargs, text_of_parts,
+                           openai_tool_choice_mode, read_sampling,
+                           get_dict, get_effort, get_int, get_list, get_str,
+                           parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
 from protocols.responses_encoder import decode_reasoning
 
@@ -151,8 +151,7 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
     if not all(isinstance(entry, str) for entry in include):
         raise invalid("include", "must be an array of strings")
     max_output = get_int(body, "max_output_tokens", minimum=0)
-    temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
-    top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+    sampling = read_sampling(body)
     store_flag = get_bool(body, "store")
     metadata = get_dict(body, "metadata")
 
@@ -164,13 +163,7 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
         parallel_tool_calls=True if parallel is None else parallel,
         max_tool_calls=max_tool_calls,
         max_tokens=max_output,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=get_top_k(body, "top_k"),
-        min_p=get_number(body, "min_p", minimum=0.0, maximum=1.0),
-        presence_penalty=get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0),
-        frequency_penalty=get_number(body, "frequency_penalty", minimum=-2.0, maximum=2.0),
-        seed=None if get_int(body, "seed") is None else body["seed"] & ((1 << 63) - 1),
+        sampling=sampling,
         enable_thinking=enable,
         reasoning_effort=effort,
         preserve_thinking=preserve,
@@ -183,7 +176,7 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
         "tools": get_list(body, "tools") or [],
         "tool_choice": body.get("tool_choice") or "auto",
         "parallel_tool_calls": True if parallel is None else parallel,
-        "temperature": temperature, "top_p": top_p, "max_output_tokens": max_output,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "max_output_tokens": max_output,
         "max_tool_calls": max_tool_calls, "previous_response_id": previous_id,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "text": {"format": text.get("format") or {"type": "text"},

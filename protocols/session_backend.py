@@ -20,7 +20,6 @@ from protocols.errors import ApiError, invalid
 from protocols.generation import Generation, GenerationResult, LogprobsDelta
 from protocols.job import Capabilities, GenerationJob
 from runtime.engine.api import EngineOutput, FinishReason, RequestRejected
-from runtime.engine.presets import SamplingOverrides
 from runtime.log import get_logger
 
 log = get_logger("serve")
@@ -202,10 +201,7 @@ class SessionBackend:
             return _Prepared(None, prompt_tokens, prompt.thinking, job.tools)
         max_new = min(wanted, room)
         constraint = self._constraint(job, prompt.thinking)
-        overrides = SamplingOverrides(
-            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, min_p=job.min_p,
-            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
-            seed=job.seed)
+        overrides = job.sampling
         sampling = session.sampling(prompt.thinking, overrides,
                                     constrained=constraint is not None)
         budget = job.thinking_budget if job.thinking_budget is not None else \

@@ -89,8 +89,8 @@ def test_chat_full_request_maps_every_field():
     assert job.messages[2]["reasoning_content"] == "Need the tool."
     assert job.messages[4]["reasoning_content"] == "Easy."
     assert job.tools[0]["function"]["strict"] is True
-    assert job.max_tokens == 50 and job.temperature == 0.5 and job.top_k == 20
-    assert job.seed == (-5) & ((1 << 63) - 1)
+    assert job.max_tokens == 50 and job.sampling.temperature == 0.5 and job.sampling.top_k == 20
+    assert job.sampling.seed == (-5) & ((1 << 63) - 1)
     assert job.stop == ("END", "STOP")
     assert job.enable_thinking is False and job.preserve_thinking is True
     assert job.template_kwargs == {"custom_flag": 1}
