@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib
-import importlib.util
 import os
 import shutil
 import time
@@ -101,25 +100,18 @@ def gpu_present() -> bool:
         return False
 
 
-def cuda_runner_available() -> bool:
-    return importlib.util.find_spec(CUDA_RUNNER_MODULE) is not None
-
-
 def choose_device(setting: str) -> str:
     """"cpu" or "cuda" from `--device` (cpu | cuda | N | auto)."""
     if setting == "cpu":
         return "cpu"
     if setting == "cuda" or setting.isdigit():
-        if not cuda_runner_available():
-            raise ConfigError(f"--device {setting}: the CUDA runner is not built yet; use "
-                              "--device cpu (NumPy reference backend, tiny models)")
         if not gpu_present():
             raise ConfigError(f"--device {setting}: no CUDA GPU is visible here; use "
                               "--device cpu (NumPy reference backend, tiny models)")
         return "cuda"
     if setting != "auto":
         raise ConfigError(f"--device: {setting!r} is not cpu, cuda, a device index or auto")
-    return "cuda" if cuda_runner_available() and gpu_present() else "cpu"
+    return "cuda" if gpu_present() else "cpu"
 
 
 class _WeightProgress:
@@ -288,6 +280,9 @@ class ModelSession:
                     max_batch=min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                     prefill_chunk=prefill_chunk, max_context=settings.max_context,
                     cuda_graphs=not settings.no_cuda_graph, progress=progress)
+            except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
+                raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "
+                                  "reference") from None
             finally:
                 progress.close()
         from runtime.model.numpy_runner import NumpyRunner
