@@ -10,7 +10,9 @@ Other threads talk to it only through two thread-safe channels:
 
 A step: `Scheduler.schedule()` -> runner calls (`reset_slot` + `prefill` per chunk, one batched
 `decode`) -> per request `LiveRequest.step(logits)` (sampling, thinking controls, finish
-decision) -> `Scheduler.update()` -> outputs.
+decision) -> `Scheduler.update()` -> outputs. Output-constraint masks of the step's sampled rows
+depend only on tokens already committed, so a worker thread computes them while the runner
+works (llguidance and the runners release the GIL) instead of after the logits arrive.
 
 Failure isolation: an exception while sampling, in a constraint, or in a sink ends only that
 request (finish reason `error`). A failed prefill chunk ends its one request. A failed batched
@@ -26,6 +28,7 @@ import itertools
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -118,6 +121,10 @@ class Engine:
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        # One worker: masks of one step are computed in order, and never while the engine
+        # thread commits a token to the same constraint (it waits for the mask first).
+        self._mask_worker = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="infernix-masks")
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "replayed_tokens": 0, "preemptions": 0, "finished": 0,
                          "errors": 0, "decode_batches": 0}
@@ -140,6 +147,7 @@ class Engine:
         self._commands.put(("stop",))
         self._thread.join(timeout)
         self._thread = None
+        self._mask_worker.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -287,8 +295,21 @@ class Engine:
             if live is not None:
                 self._end(live, reason, in_scheduler=False)
 
+    def _start_masks(self, batch: ScheduledBatch) -> dict[str, Future]:
+        """Submit the constraint masks of every row this step samples to the mask worker."""
+        sampled = [w.request_id for w in batch.prefills if w.samples]
+        sampled += [w.request_id for w in batch.decodes]
+        futures = {}
+        for request_id in sampled:
+            constraint = self._live[request_id].request.constraint
+            if constraint is not None:
+                futures[request_id] = self._mask_worker.submit(constraint.allowed_mask,
+                                                               self.runner.vocab_size)
+        return futures
+
     def _execute(self, batch: ScheduledBatch) -> None:
         runner = self.runner
+        masks = self._start_masks(batch)
         rows: dict[str, np.ndarray] = {}
         for work in batch.prefills:
             live = self._live[work.request_id]
@@ -329,7 +350,7 @@ class Engine:
             if live is None:
                 continue
             try:
-                result = live.step(row)
+                result = live.step(row, masks.get(request_id))
             except Exception as exc:  # noqa: BLE001 - sampling / constraint failure
                 self._end(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
                 continue

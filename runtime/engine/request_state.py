@@ -9,6 +9,7 @@ stop token, output limit (`length`), context limit (`context`), then the thinkin
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -73,11 +74,16 @@ class LiveRequest:
             return FinishReason.CONTEXT
         return None
 
-    def step(self, logits: np.ndarray) -> StepResult:
-        """Sample the next token from `logits` [V] and commit what follows from it."""
+    def step(self, logits: np.ndarray, mask_future: Optional[Future] = None) -> StepResult:
+        """Sample the next token from `logits` [V] and commit what follows from it.
+
+        mask_future: the constraint's mask for this token, already being computed elsewhere
+        (the engine overlaps it with the runner); computed here when not given."""
         request = self.request
         mask = None
-        if request.constraint is not None:
+        if mask_future is not None:
+            mask = mask_future.result()
+        elif request.constraint is not None:
             mask = request.constraint.allowed_mask(logits.shape[0])
         token = sample_token(logits, self.sampler, mask)
         logprobs = None

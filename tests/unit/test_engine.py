@@ -302,6 +302,34 @@ def test_constraint_dead_end_is_an_error_for_that_request(engine_factory):
     assert run_one(engine, request("b", [1, 2], 2))[1].finish_reason is FinishReason.LENGTH
 
 
+def test_constraint_masks_are_computed_while_the_runner_works(engine_factory):
+    """Each decode call waits (bounded) until the mask for the row it computes has started on
+    the mask worker; an engine that computes masks only after the logits would make every wait
+    time out."""
+    mask_started = threading.Event()
+    waits = []
+
+    class WaitingRunner(FakeRunner):
+        def decode(self, items):
+            waits.append(mask_started.wait(timeout=5.0))
+            return super().decode(items)
+
+    class Signalling(_OnlyEven):
+        def allowed_mask(self, vocab_size):
+            mask_started.set()
+            return super().allowed_mask(vocab_size)
+
+        def commit(self, token_id):
+            mask_started.clear()  # the next mask belongs to the next step
+            super().commit(token_id)
+
+    engine = engine_factory(WaitingRunner())
+    constraint = Signalling(limit=100, end=1)
+    tokens, final = run_one(engine, request("a", [1, 2, 3], 6, constraint=constraint))
+    assert final.finish_reason is FinishReason.LENGTH and all(t % 2 == 0 for t in tokens)
+    assert waits == [True] * 5
+
+
 def test_submit_rejections(engine_factory):
     engine = engine_factory(max_context=64, num_lanes=1, max_waiting=0)
     cases = [
