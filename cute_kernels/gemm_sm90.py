@@ -10,10 +10,14 @@ weight shape):
   (full barriers counted in TMA bytes, empty barriers released by the 8 consumer warps);
 - each k-tile is 4 WGMMAs (K = 16 each); one k-tile of WGMMAs stays in flight
   (`wait_group(1)`) and the stage it finished reading is released to the producer;
-- tiles are rasterised in bands of 8 M-tiles so a wave of CTAs shares activation and weight
-  tiles in L2;
-- the epilogue converts to bf16 and stores straight from registers, predicated on M and N (TMA
-  clips the loads: rows past M and columns past N read zeros).
+- persistent: the grid is min(tiles, 132) CTAs and CTA b takes tiles b, b + grid, ...; the
+  producer warp runs on into the next tile's k-tiles while the consumers store the last one, so
+  the pipeline fill is paid once per CTA, not once per tile;
+- tiles are rasterised in bands of 8 M-tiles so the tiles in flight at once share activation and
+  weight tiles in L2;
+- the epilogue converts to bf16 and stores straight from registers, two adjacent columns per
+  32-bit store, predicated on M and N (TMA clips the loads: rows past M and columns past N read
+  zeros).
 
 The TMA descriptors are encoded by the runtime (`cuTensorMapEncodeTiled`) with the settings in the
 manifest, which come from the same constants this module compiles with.
@@ -32,6 +36,7 @@ FAMILY = "gemm_sm90"
 BM, BN, BK = 128, 256, 64
 STAGES = 4
 GROUP_M = 8  # M-tiles per raster band
+SMS = 132  # persistent grid: at most one CTA per SM of an H100/H200 SXM (any grid size is correct)
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
@@ -56,6 +61,8 @@ SHAPES = [
 
 
 def _variant(name: str, n: int, k: int) -> Variant:
+    if n % 2:
+        raise ValueError(f"gemm_sm90 shape {name}: N = {n} must be even (the epilogue stores column pairs)")
     num_n = -(-n // BN)
     enc_a = TmaEncode(dtype="BFLOAT16", dims=(k, "M"), strides_bytes=(k * 2,), box=(BK, BM), elem_strides=(1, 1))
     enc_b = TmaEncode(dtype="BFLOAT16", dims=(k, n), strides_bytes=(k * 2,), box=(BK, BN), elem_strides=(1, 1))
@@ -63,13 +70,13 @@ def _variant(name: str, n: int, k: int) -> Variant:
         family=FAMILY,
         key=f"{name}_n{n}_k{k}",
         config={"N": n, "K": k, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M, "threads": THREADS,
-                "regs": [PRODUCER_REGS, CONSUMER_REGS]},
+                "regs": [PRODUCER_REGS, CONSUMER_REGS], "persistent_ctas": SMS},
         # The TMA coordinate tensor of x carries its dynamic M as an int32 right after the descriptor.
         params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
         sizes=("M",),
         block=(THREADS, 1, 1),
-        grid=(f"cdiv(M, {BM}) * {num_n}", 1, 1),
+        grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})", 1, 1),
         requires=("M >= 1", "M <= 2147483647 // 2"),
         arches=HOPPER,
         note=f"prefill x[M,{k}] @ W[{n},{k}]^T, TMA + WGMMA, tile {BM}x{BN}x{BK}",
@@ -152,33 +159,39 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
 
-        # Raster: bands of GROUP_M M-tiles, M fastest within a band.
+        # Persistent: CTA b takes tiles b, b + grid, b + 2 * grid, ... The producer warp runs ahead
+        # into the next tile's k-tiles while the consumers store the current tile.
         num_m = (m + BM - 1) // BM
+        num_tiles = num_m * num_n
+        grid_size, _, _ = cute.arch.grid_dim()
         per_band = GROUP_M * num_n
-        first_m = (bid // per_band) * GROUP_M
-        band_rows = cutlass.min(num_m - first_m, GROUP_M)
-        local = bid % per_band
-        m_tile = first_m + local % band_rows
-        n_tile = local // band_rows
 
-        g_x = cute.local_tile(m_x, (BM, BK), (m_tile, None))  # (BM, BK, k_tiles)
-        g_w = cute.local_tile(m_w, (BN, BK), (n_tile, None))  # (BN, BK, k_tiles)
+        def tile_coords(t: Any, tiles_m: Any, band: Any) -> tuple[Any, Any]:
+            # Raster: bands of GROUP_M M-tiles, M fastest within a band.
+            first_m = (t // band) * GROUP_M
+            band_rows = cutlass.min(tiles_m - first_m, GROUP_M)
+            local = t % band
+            return first_m + local % band_rows, local // band_rows
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                t_sx, t_gx = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
-                                                   cute.group_modes(g_x, 0, 2))
-                t_sw, t_gw = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
-                                                   cute.group_modes(g_w, 0, 2))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    ring.producer_acquire(state)
-                    bar = ring.producer_get_barrier(state)
-                    cute.copy(tma_x, t_gx[(None, kt)], t_sx[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
-                    ring.producer_commit(state)
-                    state.advance()
+                for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
+                    m_tile, n_tile = tile_coords(t, num_m, per_band)
+                    g_x = cute.local_tile(m_x, (BM, BK), (m_tile, None))  # (BM, BK, k_tiles)
+                    g_w = cute.local_tile(m_w, (BN, BK), (n_tile, None))  # (BN, BK, k_tiles)
+                    t_sx, t_gx = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
+                                                       cute.group_modes(g_x, 0, 2))
+                    t_sw, t_gw = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
+                                                       cute.group_modes(g_w, 0, 2))
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_x, t_gx[(None, kt)], t_sx[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -189,47 +202,55 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             t_cb = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
             coords = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
             acc = cute.make_rmem_tensor(coords.shape, f32)
+            result = cute.make_rmem_tensor(coords.shape, bf16)
+            # Accumulator slots 2j and 2j + 1 are columns c and c + 1 of one row: stored as one
+            # 32-bit word (N is even, so a pair is either wholly inside N or wholly past it).
+            packed = cute.recast_tensor(result, cutlass.Int32)
+            g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
+                                     cute.make_layout((m, n // 2), stride=(n // 2, 1)))
             k_blocks = cute.size(t_ca, mode=[2])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            ring.consumer_wait(read)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, t_ca[(None, None, kb, read.index)], t_cb[(None, None, kb, read.index)], acc)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            read.advance()
-            for kt in cutlass.range(1, k_tiles, unroll=1):
+            for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
+                m_tile, n_tile = tile_coords(t, num_m, per_band)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 ring.consumer_wait(read)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
                     cute.gemm(tiled_mma, acc, t_ca[(None, None, kb, read.index)], t_cb[(None, None, kb, read.index)],
                               acc)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
-                # The previous k-tile's WGMMAs are done once at most one group is pending.
-                warpgroup.wait_group(1)
+                read.advance()
+                for kt in cutlass.range(1, k_tiles, unroll=1):
+                    ring.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, t_ca[(None, None, kb, read.index)],
+                                  t_cb[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    # The previous k-tile's WGMMAs are done once at most one group is pending.
+                    warpgroup.wait_group(1)
+                    ring.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
                 ring.consumer_release(release)
                 release.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            ring.consumer_release(release)
 
-            result = cute.make_rmem_tensor(coords.shape, bf16)
-            result.store(acc.load().to(bf16))
-            g_out = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
-            row0 = m_tile * BM
-            col0 = n_tile * BN
-            if row0 + BM <= m and col0 + BN <= n:
-                for i in cutlass.range_constexpr(cute.size(result)):
-                    r, c = coords[i]
-                    g_out[row0 + r, col0 + c] = result[i]
-            else:
-                for i in cutlass.range_constexpr(cute.size(result)):
-                    r, c = coords[i]
-                    if row0 + r < m and col0 + c < n:
-                        g_out[row0 + r, col0 + c] = result[i]
+                result.store(acc.load().to(bf16))
+                row0 = m_tile * BM
+                col0 = n_tile * BN
+                if row0 + BM <= m and col0 + BN <= n:
+                    for j in cutlass.range_constexpr(cute.size(packed)):
+                        r, c = coords[2 * j]
+                        g_out[row0 + r, (col0 + c) // 2] = packed[j]
+                else:
+                    for j in cutlass.range_constexpr(cute.size(packed)):
+                        r, c = coords[2 * j]
+                        if row0 + r < m and col0 + c < n:
+                            g_out[row0 + r, (col0 + c) // 2] = packed[j]
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemm_{variant.key}")
 

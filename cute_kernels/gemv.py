@@ -3,8 +3,10 @@
 At decode the weights are read once per step and M is tiny, so the kernel is built to stream W at
 memory bandwidth, not to use the tensor cores fully. The weights are the MMA's M side ("swap AB"):
 
-- a CTA owns 16 rows of W and 8 warps split K among themselves (so even N = 5120 puts ~19 warps
-  on every SM, enough bytes in flight), each warp walking its K range in 128-column chunks;
+- a CTA owns 16 rows of W (7 or 8 for the `SPREAD` variants, whose MMA rows 8..15 are zeros and
+  whose grid is a multiple of the SM count) and 8 warps split K among themselves (so even
+  N = 5120 puts ~19 warps on every SM, enough bytes in flight), each warp walking its K range in
+  128-column chunks;
 - per chunk, lane (r, q) = (lane / 4, lane % 4) loads 32 contiguous bytes of rows r and r + 8 (the
   4 lanes of a row cover one full 128-byte line) and the same 16 columns of token r's activation;
 - those columns feed four `mma.sync.m16n8k16` (BF16 in, FP32 accumulate) per 8 tokens. The MMA
@@ -27,6 +29,12 @@ from .variant import HOPPER, Variant, i32, ptr, tensor
 FAMILY = "gemv"
 WARPS = 8  # warps per CTA, splitting K
 ROWS = 16  # weight rows per CTA (the MMA's M)
+SMS = 132  # SMs of an H100/H200 SXM (any count is correct; this one balances the spread grids)
+# Spread variants: a grid of SPREAD[(name, MB)] x SMS CTAs, CTA b owning rows
+# [b * N // grid, (b + 1) * N // grid) (7 or 8 rows: the MMA's upper 8 rows are zeros). N = 5120
+# with 16 rows per CTA gives 320 CTAs, 2 or 3 per SM, and the SMs holding 3 stream 1.24x the
+# average and finish last; 5 x 132 CTAs of 7-8 rows give every SM the same bytes.
+SPREAD = {("o_proj", 8): 5}
 CHUNK = 64  # K columns per warp step: 4 lanes x 32 bytes = one 128-byte line per row
 
 # (name, N, K): every linear layer of the 27B at decode (BF16 weights).
@@ -41,15 +49,19 @@ SHAPES = [
 
 
 def _variant(name: str, n: int, k: int, mb: int) -> Variant:
+    ctas = SPREAD[(name, mb)] * SMS if (name, mb) in SPREAD else n // ROWS
+    rows = -(-n // ctas)  # the most rows one CTA owns
+    if (name, mb) in SPREAD and rows > ROWS // 2:
+        raise ValueError(f"gemv {name} m{mb}: {ctas} CTAs give {rows} rows per CTA, more than {ROWS // 2}")
     return Variant(
         family=FAMILY,
         key=f"{name}_n{n}_k{k}_m{mb}",
-        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": ROWS, "chunk": CHUNK},
+        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": rows, "ctas": ctas, "chunk": CHUNK},
         params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
         sizes=("M",),
         block=(32 * WARPS, 1, 1),
-        grid=(n // ROWS, 1, 1),
+        grid=(ctas, 1, 1),
         requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
         note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once",
@@ -81,6 +93,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     n, k, mb = variant.config["N"], variant.config["K"], variant.config["MB"]
+    ctas = variant.config["ctas"]
+    half = ctas != n // ROWS  # spread: <= 8 rows per CTA, rows r + 8 of the MMA are zeros
+    rows = ROWS // 2 if half else ROWS
     groups = mb // 8  # 8-token MMA column groups
     per_warp = k // WARPS
     chunks = per_warp // CHUNK
@@ -103,18 +118,30 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
             acc.fill(0.0)
             accs.append(acc)
-        row0 = bid * ROWS
+        row0 = bid * rows
+        count = rows
+        if cutlass.const_expr(half):
+            row0 = (bid * n) // ctas
+            count = ((bid + 1) * n) // ctas - row0
         col0 = warp * per_warp + q * 16
         vec = cute.make_layout((16,))
-        w_lo = w + cutlass.Int64(row0 + r) * k + col0
+        # Lanes past the CTA's last row read that row again (same addresses, no extra traffic).
+        w_lo = w + cutlass.Int64(row0 + cutlass.min(r, count - 1)) * k + col0
         w_hi = w + cutlass.Int64(row0 + r + 8) * k + col0
+        if cutlass.const_expr(half):
+            frag_a[2] = bf16(0.0)
+            frag_a[3] = bf16(0.0)
+            frag_a[6] = bf16(0.0)
+            frag_a[7] = bf16(0.0)
         x_rows = []
         for g in cutlass.range_constexpr(groups):
             token = cutlass.min(g * 8 + r, m - 1)
             x_rows.append(x + cutlass.Int64(token) * k + col0)
         for c in cutlass.range(chunks, unroll=unroll):
             a_lo = cute.make_tensor(w_lo + c * CHUNK, vec).load()
-            a_hi = cute.make_tensor(w_hi + c * CHUNK, vec).load()
+            a_hi = a_lo
+            if cutlass.const_expr(not half):
+                a_hi = cute.make_tensor(w_hi + c * CHUNK, vec).load()
             for g in cutlass.range_constexpr(groups):
                 b = cute.make_tensor(x_rows[g] + c * CHUNK, vec).load()
                 for j in cutlass.range_constexpr(4):
@@ -124,10 +151,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     frag_a[1] = a_lo[4 * j + 1]
                     frag_a[4] = a_lo[4 * j + 2]
                     frag_a[5] = a_lo[4 * j + 3]
-                    frag_a[2] = a_hi[4 * j]
-                    frag_a[3] = a_hi[4 * j + 1]
-                    frag_a[6] = a_hi[4 * j + 2]
-                    frag_a[7] = a_hi[4 * j + 3]
+                    if cutlass.const_expr(not half):
+                        frag_a[2] = a_hi[4 * j]
+                        frag_a[3] = a_hi[4 * j + 1]
+                        frag_a[6] = a_hi[4 * j + 2]
+                        frag_a[7] = a_hi[4 * j + 3]
                     frag_b[0] = b[4 * j]
                     frag_b[1] = b[4 * j + 1]
                     frag_b[2] = b[4 * j + 2]
@@ -135,19 +163,20 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     cute.gemm(mma, accs[g], frag_a, frag_b, accs[g])
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(
-            f32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)), byte_alignment=16
+            f32, cute.make_layout((rows, mb, WARPS), stride=(1, rows, rows * mb)), byte_alignment=16
         )
         for g in cutlass.range_constexpr(groups):
             # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
             partial[r, g * 8 + 2 * q, warp] = accs[g][0]
             partial[r, g * 8 + 2 * q + 1, warp] = accs[g][1]
-            partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
-            partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
+            if cutlass.const_expr(not half):
+                partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
+                partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
         cute.arch.sync_threads()
-        if tid < ROWS * mb:
-            row = tid % ROWS
-            token = tid // ROWS
-            if token < m:
+        if tid < rows * mb:
+            row = tid % rows
+            token = tid // rows
+            if token < m and row < count:
                 total = f32(0.0)
                 for i in cutlass.range_constexpr(WARPS):
                     total = total + partial[row, token, i]
