@@ -1,12 +1,15 @@
 """Prefill speed of `CudaRunner` on the Qwen3.6-27B shape with synthetic BF16 weights.
 
-    python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
+    python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048] [--gdn split|fused|both]
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) and reports tok/s,
 the fraction of the BF16 matrix ceiling (linear-layer FLOPs 2 * params * tokens plus causal
 attention FLOPs, over the matrix rate measured in the same run with the repository's own GEMM on
 an 8192 x 5120 x 17408 product), and a per-kernel breakdown of one prefill chunk (events between
-eager launches). Writes `prefill.json` and prints a Markdown table.
+eager launches). `--gdn` picks the GDN prefill kernel: `split` (what the runner uses: rows over
+several CTAs, then the gated norm), `fused` (the decode kernel, the path before the split
+variant), or `both` (fused first, then split, same runner and weights). Writes `prefill.json` and
+prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -72,11 +75,30 @@ def chunk_breakdown(runner: Any, tokens: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def run(prompts: list[int], chunk: int) -> dict[str, Any]:
-    from runtime.model.runner import PrefillChunk
+def use_gdn(runner: Any, mode: str, split: tuple[Any, Any]) -> None:
+    """Point the runner's prefill at the fused GDN kernel or back at the split one; drop bound plans."""
+    k = runner.kernels
+    k.gdn_split, k.gdn_norm = (None, None) if mode == "fused" else split
+    runner._plans.clear()
 
+
+def run(prompts: list[int], chunk: int, gdn: str = "split") -> dict[str, Any]:
     runner = make_runner(1, max(prompts) + 64, prefill_chunk=chunk)
     rate = matrix_rate(runner)
+    split = (getattr(runner.kernels, "gdn_split", None), getattr(runner.kernels, "gdn_norm", None))
+    modes = ["fused", "split"] if gdn == "both" else [gdn]
+    runs = {}
+    for mode in modes:
+        use_gdn(runner, mode, split)
+        print(f"GDN prefill kernel: {mode}", flush=True)
+        runs[mode] = run_prompts(runner, prompts, chunk)
+    return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
+            "gdn_split_kernels": list(split), "runs": runs}
+
+
+def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
+    from runtime.model.runner import PrefillChunk
+
     params = linear_params(runner)
     c = runner.config
     results = []
@@ -92,27 +114,28 @@ def run(prompts: list[int], chunk: int) -> dict[str, Any]:
         secs = time.perf_counter() - t0
         attn_flops = 4 * n * n / 2 * c.num_attention_heads * c.head_dim * len(c.attention_layers)
         flops = 2 * params * n + attn_flops
-        row = {"tokens": n, "seconds": secs, "tok_s": n / secs, "tflops": flops / secs / 1e12,
-               "matrix_fraction": flops / secs / rate}
+        row = {"tokens": n, "seconds": secs, "tok_s": n / secs, "tflops": flops / secs / 1e12}
         results.append(row)
         print(json.dumps(row), flush=True)
-    return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
-            "results": results, "breakdown_us": chunk_breakdown(runner, min(chunk, max(prompts)))}
+    return {"results": results, "breakdown_us": chunk_breakdown(runner, min(chunk, max(prompts)))}
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = [f"Matrix ceiling in the same run: **{data['matrix_rate_tflops']:.0f} TFLOP/s** (our gemm_sm90, "
-             f"8192 x 5120 x 17408). Prefill chunk {data['chunk']}.", "",
-             "| prompt tokens | seconds | tok/s | TFLOP/s | of matrix ceiling |", "|---:|---:|---:|---:|---:|"]
-    for r in data["results"]:
-        lines.append(f"| {r['tokens']} | {r['seconds']:.3f} | {r['tok_s']:.0f} | {r['tflops']:.0f} | "
-                     f"{100 * r['matrix_fraction']:.0f}% |")
-    kernels = data["breakdown_us"]
-    total = sum(kernels.values())
-    lines += ["", f"One prefill chunk of {data['chunk']} tokens: {total / 1e3:.1f} ms of kernels", "",
-              "| kernel | ms per chunk | share |", "|---|---:|---:|"]
-    for name, us in list(kernels.items())[:14]:
-        lines.append(f"| {name} | {us / 1e3:.2f} | {100 * us / total:.1f}% |")
+    rate = data["matrix_rate_tflops"]
+    lines = [f"Matrix ceiling in the same run: **{rate:.0f} TFLOP/s** (our gemm_sm90, "
+             f"8192 x 5120 x 17408). Prefill chunk {data['chunk']}."]
+    for mode, run in data["runs"].items():
+        lines += ["", f"GDN prefill kernel: {mode}", "",
+                  "| prompt tokens | seconds | tok/s | TFLOP/s | of matrix ceiling |", "|---:|---:|---:|---:|---:|"]
+        for r in run["results"]:
+            lines.append(f"| {r['tokens']} | {r['seconds']:.3f} | {r['tok_s']:.0f} | {r['tflops']:.0f} | "
+                         f"{100 * r['tflops'] / rate:.0f}% |")
+        kernels = run["breakdown_us"]
+        total = sum(kernels.values())
+        lines += ["", f"One prefill chunk of {data['chunk']} tokens ({mode}): {total / 1e3:.1f} ms of kernels", "",
+                  "| kernel | ms per chunk | share |", "|---|---:|---:|"]
+        for name, us in list(kernels.items())[:14]:
+            lines.append(f"| {name} | {us / 1e3:.2f} | {100 * us / total:.1f}% |")
     return "\n".join(lines)
 
 
@@ -121,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--prompts", default="1024,8192")
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--gdn", choices=("split", "fused", "both"), default="split")
     args = ap.parse_args(argv)
-    data = run([int(p) for p in args.prompts.split(",")], args.chunk)
+    data = run([int(p) for p in args.prompts.split(",")], args.chunk, args.gdn)
     data["command"] = "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill.json").write_text(json.dumps(data, indent=1))

@@ -14,9 +14,21 @@ fp32 state pool is `[slots, Hv, dv, dk]` (rows of dk contiguous, "v-major"): a s
 512-byte vector at dk = 128, so S k and S q are reductions inside a group of dk/4 lanes and the
 rank-1 update is row-local. Sequence b uses slot `slots[b]`.
 
-One CTA per (value head, sequence) keeps its [dv, dk] state in registers for the whole chunk: each
-thread holds 4 columns of dv * dk / (4 * threads) rows. This is correct for any T but serial in T;
-the chunked (WY) tensor-core form is the prefill speed path still to come (docs/kernels.md).
+Two modes:
+
+- `fused` (decode; keys `k16_v48_d128`, ...): one CTA per (value head, sequence) keeps its [dv, dk]
+  state in registers for the whole chunk, each thread 4 columns of dv * dk / (4 * threads) rows,
+  and applies the gated norm (a block reduction over dv per token) before writing `out`.
+- `split` (prefill; keys `..._s8`): the rows of the delta rule are independent (row i of S only
+  needs v_i, k, q and the gates), so each head's dv rows are split over `splits` CTAs (grid
+  Hv * splits), with no block barrier in the token loop and the next token's inputs loaded while
+  the current one is computed. It writes the un-normalised o (rounded to bf16 exactly as `fused`
+  rounds it: `reference_core`) and the state; the gated norm and silu(z) gate then run as one
+  `rmsnorm` launch (mode `gated_x`, which reads z from the projection rows). o and the state are
+  the same arithmetic as `fused`, row for row; the norm's sum of squares is reduced in another order.
+
+Both are serial in T; the chunked (WY) tensor-core form is the prefill path still to come
+(docs/kernels.md).
 """
 
 from typing import Any
@@ -35,6 +47,13 @@ _SHAPES = [
     ("k2_v4_d32", 2, 4, 32, 32, 128),
     ("k16_v48_d128", 16, 48, 128, 128, 512),
     ("k16_v32_d128", 16, 32, 128, 128, 512),
+]
+
+# (key, Hk, Hv, dk, dv, threads, splits): the prefill variants (rows of each head over `splits` CTAs).
+_SPLIT_SHAPES = [
+    ("k2_v4_d32_s4", 2, 4, 32, 32, 32, 4),
+    ("k16_v48_d128_s8", 16, 48, 128, 128, 128, 8),
+    ("k16_v32_d128_s8", 16, 32, 128, 128, 128, 8),
 ]
 
 
@@ -56,7 +75,7 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
     return Variant(
         family=FAMILY,
         key=key,
-        config={"Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, **lay,
+        config={"mode": "fused", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, **lay,
                 "l2_eps": L2_EPS, "norm_eps": NORM_EPS},
         params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("norm_w"), ptr("state"), ptr("slots"),
                 ptr("out"), i32("B"), i32("T")],
@@ -80,8 +99,41 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
     )
 
 
+def _split_variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, splits: int) -> Variant:
+    lay = layout(hk, hv, dk, dv)
+    lanes = dk // 4
+    groups = threads // lanes
+    if dk % 4 or 32 % lanes or threads % 32 or dv % splits or (dv // splits) % groups or hv % hk:
+        raise ValueError(f"gdn {key}: dk={dk}, dv={dv}, threads={threads}, splits={splits} do not tile")
+    return Variant(
+        family=FAMILY,
+        key=key,
+        config={"mode": "split", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, "splits": splits,
+                **lay, "l2_eps": L2_EPS},
+        params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("state"), ptr("slots"), ptr("out"),
+                i32("B"), i32("T")],
+        tensors={
+            "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
+            "x": tensor("bf16", "B * T", lay["x_stride"]),
+            "a_log": tensor("bf16", hv),
+            "dt_bias": tensor("bf16", hv),
+            "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
+            "slots": tensor("i32", "B"),
+            "out": tensor("bf16", "B * T", hv * dv, role="out"),
+        },
+        sizes=("B", "T", "NS"),
+        block=(threads, 1, 1),
+        grid=(hv * splits, "B", 1),
+        requires=("B >= 1", "T >= 1", "B <= 65535", "NS >= 1"),
+        arches=ALL_ARCHES,
+        note=f"recurrent Gated DeltaNet, rows over {splits} CTAs per head, Hk={hk} Hv={hv} dk={dk} dv={dv}, "
+             "fp32 state, un-normalised bf16 o (gated norm: rmsnorm gated_x)",
+        example_sizes={"B": 1, "T": 1, "NS": 1},
+    )
+
+
 def variants() -> list[Variant]:
-    return [_variant(*s) for s in _SHAPES]
+    return [_variant(*s) for s in _SHAPES] + [_split_variant(*s) for s in _SPLIT_SHAPES]
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -93,7 +145,27 @@ def reference(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, a_lo
               exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """One sequence: qkv [T, conv_dim] (post-conv), z [T, Hv, dv], b, a [T, Hv], state
     [Hv, dv, dk] (v-major). Returns (out [T, Hv, dv], new state). exact=False rounds where the
-    kernel (and the bf16 model) rounds: o to bf16, then the gated norm's two roundings."""
+    kernel (and the bf16 model) rounds: o to bf16, then the gated norm's two roundings.
+    The `fused` kernels compute all of it; a `split` kernel computes `reference_core` and the
+    `rmsnorm` gated_x launch the rest (`gated_norm`)."""
+    o, s = reference_core(qkv, b, a, a_log, dt_bias, state, hk=hk, exact=exact)
+    return gated_norm(o, z, norm_w, exact=exact), s
+
+
+def gated_norm(o: np.ndarray, z: np.ndarray, norm_w: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    """The gated RMSNorm over dv of o [T, Hv, dv]: `bf16(w * bf16(o * rstd)) * silu(z)`."""
+    ft = np.float64 if exact else np.float32
+    rnd = (lambda v: v) if exact else (lambda v: round_bf16(np.asarray(v, np.float32)).astype(ft))
+    o = o.astype(ft)
+    rstd = 1.0 / np.sqrt(np.mean(o * o, -1, keepdims=True) + NORM_EPS)
+    zf = z.astype(ft)
+    y = rnd(norm_w.astype(ft) * rnd(o * rstd)) * (zf / (1.0 + np.exp(-zf)))
+    return y if exact else round_bf16(y.astype(np.float32))
+
+
+def reference_core(qkv: np.ndarray, b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray,
+                   state: np.ndarray, *, hk: int, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The delta rule without the norm: (o [T, Hv, dv], new state); exact=False rounds o to bf16."""
     ft = np.float64 if exact else np.float32
     rnd = (lambda v: v) if exact else (lambda v: round_bf16(np.asarray(v, np.float32)).astype(ft))
     hv, dv, dk = state.shape
@@ -117,14 +189,12 @@ def reference(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, a_lo
         delta = beta[t][:, None] * (v[t] - pred)
         s = s + delta[:, :, None] * k[t][:, None, :]
         out[t] = rnd(np.einsum("hvk,hk->hv", s, q[t]))
-    o = out
-    rstd = 1.0 / np.sqrt(np.mean(o * o, -1, keepdims=True) + NORM_EPS)
-    zf = z.astype(ft)
-    y = rnd(norm_w.astype(ft) * rnd(o * rstd)) * (zf / (1.0 + np.exp(-zf)))
-    return (y if exact else round_bf16(y.astype(np.float32))), s
+    return out, s
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
+    if variant.config["mode"] == "split":
+        return _build_split(variant)
     import cutlass
     import cutlass.cute as cute
 
@@ -228,6 +298,119 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer,
                nb: cutlass.Int32, nt: cutlass.Int32, stream: Any):
         kernel(qkv, x, a_log, dt_bias, norm_w, state, slots, out, nb, nt).launch(
+            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
+
+
+def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
+    """The `split` kernel: CTA (h * splits + part, b) owns rows [part * dv / splits, ...) of head h.
+
+    Per-row arithmetic is the `fused` kernel's (same lanes, same shuffle order, same roundings of o),
+    so o and the state match it bit for bit. Each warp is independent: no barrier in the token
+    loop, and the q, k, v, a, b of token t + 1 are loaded before token t is computed."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    cfg = variant.config
+    hk, hv, dk, dv, nt_threads, splits = cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"], cfg["threads"], cfg["splits"]
+    conv_dim, stride = cfg["conv_dim"], cfg["x_stride"]
+    b_off, a_off = cfg["b_off"], cfg["a_off"]
+    key_dim = hk * dk
+    rep = hv // hk
+    lanes = dk // 4
+    groups = nt_threads // lanes
+    rows_cta = dv // splits
+    rows = rows_cta // groups  # state rows per thread
+    q_scale = dk ** -0.5
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+
+    @cute.kernel
+    def kernel(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, b, _ = cute.arch.block_idx()
+        h = bid // splits
+        part = bid % splits
+        lr = tid % lanes
+        grp = tid // lanes
+        kh = h // rep
+        j0 = part * rows_cta + grp
+        slot = cute.make_tensor(slots, cute.make_layout(nb))[b]
+        v4 = cute.make_layout((4,))
+        one = cute.make_layout(1)
+        s_base = state + (cutlass.Int64(slot) * hv + h) * (dv * dk) + 4 * lr
+        s = cute.make_rmem_tensor((4, rows), f32)
+        for i in cutlass.range_constexpr(rows):
+            s[None, i].store(cute.make_tensor(s_base + (j0 + i * groups) * dk, v4).load())
+        neg_a = -cute.math.exp(cute.make_tensor(a_log + h, one)[0].to(f32))
+        dtb = cute.make_tensor(dt_bias + h, one)[0].to(f32)
+        # Inputs of the next token, loaded one iteration ahead.
+        nq = cute.make_rmem_tensor((4,), f32)
+        nk = cute.make_rmem_tensor((4,), f32)
+        nv = cute.make_rmem_tensor((rows,), f32)
+        nab = cute.make_rmem_tensor((2,), f32)
+        row0 = cutlass.Int64(b) * nt
+        qrow = qkv + row0 * conv_dim
+        xrow = x + row0 * stride
+        nq.store(cute.make_tensor(qrow + kh * dk + 4 * lr, v4).load().to(f32))
+        nk.store(cute.make_tensor(qrow + key_dim + kh * dk + 4 * lr, v4).load().to(f32))
+        for i in cutlass.range_constexpr(rows):
+            nv[i] = cute.make_tensor(qrow + 2 * key_dim + h * dv + j0 + i * groups, one)[0].to(f32)
+        nab[0] = cute.make_tensor(xrow + a_off + h, one)[0].to(f32)
+        nab[1] = cute.make_tensor(xrow + b_off + h, one)[0].to(f32)
+        cv = cute.make_rmem_tensor((rows,), f32)
+        ov = cute.make_rmem_tensor((rows,), f32)
+        for t in cutlass.range(nt, unroll=1):
+            q4 = nq.load()
+            k4 = nk.load()
+            for i in cutlass.range_constexpr(rows):
+                cv[i] = nv[i]
+            araw = nab[0]
+            bv = nab[1]
+            # Prefetch token t + 1 (the last token re-reads itself).
+            nrow = row0 + cutlass.min(t + 1, nt - 1)
+            pq = qkv + nrow * conv_dim
+            px = x + nrow * stride
+            nq.store(cute.make_tensor(pq + kh * dk + 4 * lr, v4).load().to(f32))
+            nk.store(cute.make_tensor(pq + key_dim + kh * dk + 4 * lr, v4).load().to(f32))
+            for i in cutlass.range_constexpr(rows):
+                nv[i] = cute.make_tensor(pq + 2 * key_dim + h * dv + j0 + i * groups, one)[0].to(f32)
+            nab[0] = cute.make_tensor(px + a_off + h, one)[0].to(f32)
+            nab[1] = cute.make_tensor(px + b_off + h, one)[0].to(f32)
+
+            sq = _dsl.warp_sum((q4 * q4).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+            sk = _dsl.warp_sum((k4 * k4).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+            qn = q4 * (cute.math.rsqrt(sq + f32(L2_EPS)) * f32(q_scale))
+            kn = k4 * cute.math.rsqrt(sk + f32(L2_EPS))
+            qk = _dsl.warp_sum((qn * kn).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+            av = araw + dtb
+            softplus = cute.math.log1p(cute.math.exp(-cute.math.absf(av))) + cute.arch.fmax(av, f32(0.0))
+            alpha = cute.math.exp(neg_a * softplus)
+            beta = f32(1.0) / (f32(1.0) + cute.math.exp(-bv))
+            orow = out + (row0 + t) * (hv * dv) + h * dv + j0
+            for i in cutlass.range_constexpr(rows):
+                sv = s[None, i].load()
+                sa = _dsl.warp_sum((sv * kn).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+                sb = _dsl.warp_sum((sv * qn).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+                delta = beta * (cv[i] - alpha * sa)
+                s[None, i].store(sv * alpha + kn * delta)
+                ov[i] = alpha * sb + delta * qk
+            if lr == 0:
+                for i in cutlass.range_constexpr(rows):
+                    cute.make_tensor(orow + i * groups, one)[0] = ov[i].to(bf16)
+        for i in cutlass.range_constexpr(rows):
+            cute.make_tensor(s_base + (j0 + i * groups) * dk, v4).store(s[None, i].load())
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gdn_{variant.key}")
+
+    @cute.jit
+    def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32,
+               stream: Any):
+        kernel(qkv, x, a_log, dt_bias, state, slots, out, nb, nt).launch(
             grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
 
     return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})

@@ -6,7 +6,10 @@ Three modes share one kernel skeleton (rows of `H` bf16 values, statistics in fp
   post-attention norms, the final norm, q/k norms per head);
 - `add_zc`: `r = bf16(x + residual)`; `residual <- r`; `y = zc(r)` (the pre-norm residual stream);
 - `gated`: `y = bf16(w * bf16(x * rstd)) * silu(z)` with a plain weight (the GDN output norm,
-  per value head over dv), rounded exactly where the Hugging Face reference rounds.
+  per value head over dv), rounded exactly where the Hugging Face reference rounds;
+- `gated_x`: `gated` with z read in place from the GDN input projection: row r (token r // heads,
+  value head r % heads) takes z from `z[token * z_stride + z_off + head * H]` (the prefill path
+  after a `gdn` split kernel, which writes the un-normalised o).
 
 Layout: each row is handled by `T` threads (a power of two); a CTA of `block` threads handles
 `block // T` rows. Every thread loads its `H / (8 T)` 16-byte vectors once, keeps them in registers
@@ -35,6 +38,40 @@ _SHAPES = [
     ("add_zc_h256", "add_zc", 256, 32, 128),  # tiny test model (tools/make_tiny.py) hidden
     ("gated_h128", "gated", 128, 16, 128),  # GDN output norm per value head (dv = 128)
 ]
+
+# (key, H = dv, threads per row, block, Hk, Hv, dk): GDN output norms with z in the projection rows.
+_GATED_X_SHAPES = [
+    ("gated_x_h32_v4", 32, 4, 128, 2, 4, 32),  # tiny test model
+    ("gated_x_h128_v48", 128, 16, 128, 16, 48, 128),  # 27B
+    ("gated_x_h128_v32", 128, 16, 128, 16, 32, 128),  # 35B-A3B / 80B-A3B
+]
+
+
+def _gated_x_variant(key: str, h: int, t: int, block: int, hk: int, hv: int, dk: int) -> Variant:
+    from .gdn import layout
+
+    lay = layout(hk, hv, dk, h)
+    rows_per_cta = block // t
+    return Variant(
+        family=FAMILY,
+        key=key,
+        config={"mode": "gated_x", "H": h, "threads_per_row": t, "block": block, "eps": EPS, "heads": hv,
+                "z_off": lay["z_off"], "z_stride": lay["x_stride"]},
+        params=[ptr("x"), ptr("z"), ptr("w"), ptr("out"), i32("M")],
+        tensors={
+            "x": tensor("bf16", "M", h),
+            "z": tensor("bf16", f"M // {hv}", lay["x_stride"]),
+            "w": tensor("bf16", h),
+            "out": tensor("bf16", "M", h, role="out"),
+        },
+        sizes=("M",),
+        block=(block, 1, 1),
+        grid=(f"cdiv(M, {rows_per_cta})", 1, 1),
+        requires=("M >= 1", f"M % {hv} == 0"),
+        arches=ALL_ARCHES,
+        note=f"gated RMSNorm over rows of {h} bf16, z from the GDN projection rows (Hv={hv})",
+        example_sizes={"M": 2048 * hv},
+    )
 
 
 def _variant(key: str, mode: str, h: int, t: int, block: int) -> Variant:
@@ -75,7 +112,7 @@ def _variant(key: str, mode: str, h: int, t: int, block: int) -> Variant:
 
 
 def variants() -> list[Variant]:
-    return [_variant(*s) for s in _SHAPES]
+    return [_variant(*s) for s in _SHAPES] + [_gated_x_variant(*s) for s in _GATED_X_SHAPES]
 
 
 def reference(
@@ -106,7 +143,7 @@ def reference(
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + ft(eps))
     if mode in ("zc", "add_zc"):
         y = x * rstd * (ft(1.0) + w)
-    elif mode == "gated":
+    elif mode in ("gated", "gated_x"):
         assert z is not None
         if exact:
             t = w * (x * rstd)
@@ -131,6 +168,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     cfg = variant.config
     mode, h, t, block = cfg["mode"], cfg["H"], cfg["threads_per_row"], cfg["block"]
     eps = float(cfg["eps"])
+    gated = mode in ("gated", "gated_x")
+    heads, z_off, z_stride = cfg.get("heads", 1), cfg.get("z_off", 0), cfg.get("z_stride", h)
     vecs = h // (8 * t)  # 16-byte vectors per thread
     rows = block // t
     warps_per_row = max(t // 32, 1)
@@ -154,7 +193,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         offset = cutlass.Int64(row) * h
         gx = cute.make_tensor(x_ptr + offset, row_layout)
         gw = cute.make_tensor(w_ptr, row_layout)
-        gaux = cute.make_tensor(aux_ptr + offset, row_layout)
+        if cutlass.const_expr(mode == "gated_x"):
+            z_at = cutlass.Int64(row // heads) * z_stride + z_off + (row % heads) * h
+            gaux = cute.make_tensor(aux_ptr + z_at, row_layout)
+        else:
+            gaux = cute.make_tensor(aux_ptr + offset, row_layout)
         gout = cute.make_tensor(out_ptr + offset, row_layout)
         xs = cute.make_rmem_tensor((8, vecs), f32)
         xs.fill(0.0)
@@ -182,7 +225,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             for v in cutlass.range_constexpr(vecs):
                 wv = gw[None, v, lane_in_row].load().to(f32)
                 xv = xs[None, v].load()
-                if cutlass.const_expr(mode == "gated"):
+                if cutlass.const_expr(gated):
                     zv = gaux[None, v, lane_in_row].load().to(f32)
                     xn = (xv * rstd).to(bf16).to(f32)
                     tv = (wv * xn).to(bf16).to(f32)

@@ -55,8 +55,13 @@ class KernelChoice:
         if c.linear_layers:
             hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim)
-            self.gdn = _need(lib, "gdn", "Gated DeltaNet", Hk=hk, Hv=hv, dk=dk, dv=dv)
+            self.gdn = _need(lib, "gdn", "Gated DeltaNet", mode="fused", Hk=hk, Hv=hv, dk=dk, dv=dv)
             stride = lib.manifest.kernels[("gdn", self.gdn)].config["x_stride"]
+            # Prefill: the rows of each head over several CTAs, then the gated norm as its own
+            # launch; both None (prefill uses the fused kernel) when either was not compiled.
+            split = _find(lib, "gdn", mode="split", Hk=hk, Hv=hv, dk=dk, dv=dv)
+            norm = _find(lib, "rmsnorm", mode="gated_x", H=dv, heads=hv, z_stride=stride)
+            self.gdn_split, self.gdn_norm = (split, norm) if split and norm else (None, None)
             self.conv = _need(lib, "conv1d", "the GDN conv", C=c.conv_dim, x_stride=stride,
                               Kc=c.linear_conv_kernel_dim)
             self.gdn_stride = stride
@@ -88,8 +93,8 @@ class KernelChoice:
         names = [("rmsnorm", self.norm), ("rmsnorm", self.add_norm), ("silu_mul", self.silu_mul)]
         if self.embedding:
             names.append(("embedding", self.embedding))
-        for attr, fam in (("gdn", "gdn"), ("conv", "conv1d"), ("prep", "attention"), ("split", "attention"),
-                          ("combine", "attention")):
-            if hasattr(self, attr):
+        for attr, fam in (("gdn", "gdn"), ("gdn_split", "gdn"), ("gdn_norm", "rmsnorm"), ("conv", "conv1d"),
+                          ("prep", "attention"), ("split", "attention"), ("combine", "attention")):
+            if getattr(self, attr, None):
                 names.append((fam, getattr(self, attr)))
         return names

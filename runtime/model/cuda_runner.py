@@ -17,8 +17,10 @@ each batch bucket (1, 2, 4, 8) is captured once into a CUDA graph and replayed; 
 launches the same list eagerly. Logits come back as bf16 and are returned as float32.
 
 Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs its recurrent
-kernel over the piece; attention treats each token as a query row of the split-KV kernel (both
-correct, neither yet the fast prefill form: see docs/kernels.md).
+kernel over the piece (the `split` variant, each head's rows over several CTAs, then the gated
+norm as an `rmsnorm` gated_x launch; decode keeps the `fused` kernel); attention treats each token
+as a query row of the split-KV kernel (both correct, neither yet the fast prefill form: see
+docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -367,10 +369,19 @@ class CudaRunner:
                                           "win_out": self.windows[n], "slots_in": mptr("slots_in"),
                                           "slots_out": mptr("slots"), "out": buf["conv_out"]},
                        {"B": nseq, "T": t, "NI": 1 if prefill else self.num_slots + 1, "NO": self.num_slots + 1})
-                launch("gdn", k.gdn, {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": w(layer["a_log"]),
-                                      "dt_bias": w(layer["dt_bias"]), "norm_w": w(layer["gdn_norm"]),
-                                      "state": self.states[n], "slots": mptr("slots"), "out": buf["gdn_out"]},
-                       {"B": nseq, "T": t, "NS": self.num_slots + 1})
+                gdn_args = {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": w(layer["a_log"]),
+                            "dt_bias": w(layer["dt_bias"]), "state": self.states[n], "slots": mptr("slots")}
+                if prefill and k.gdn_split:
+                    # Rows of each head over several CTAs (un-normalised o into gdn_out), then the
+                    # gated norm in place, z read from the projection rows.
+                    launch("gdn", k.gdn_split, {**gdn_args, "out": buf["gdn_out"]},
+                           {"B": nseq, "T": t, "NS": self.num_slots + 1})
+                    launch("rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
+                                                   "w": w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                           {"M": m * c.linear_num_value_heads})
+                else:
+                    launch("gdn", k.gdn, {**gdn_args, "norm_w": w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                           {"B": nseq, "T": t, "NS": self.num_slots + 1})
                 linear(buf["gdn_out"], layer["out_proj"], buf["delta"], m)
             else:
                 n = attn_index
