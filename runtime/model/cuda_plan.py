@@ -72,6 +72,10 @@ class KernelChoice:
             self.split = _need(lib, "attention", "split-KV attention", kind="split", Hq=hq, Hkv=hkv, D=d)
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
+            # Prefill: the tensor-core kernel (gate fused) in place of split + combine; None (the
+            # split-KV path) when it was not compiled for this shape.
+            self.prefill_attn = _find(lib, "attention_prefill", kind="fwd", Hq=hq, Hkv=hkv, D=d,
+                                      x_stride=self.attn_stride)
 
     def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
         """(family, key) of the kernel computing x[m, k] @ W[n, k]^T."""
@@ -94,7 +98,8 @@ class KernelChoice:
         if self.embedding:
             names.append(("embedding", self.embedding))
         for attr, fam in (("gdn", "gdn"), ("gdn_split", "gdn"), ("gdn_norm", "rmsnorm"), ("conv", "conv1d"),
-                          ("prep", "attention"), ("split", "attention"), ("combine", "attention")):
+                          ("prep", "attention"), ("split", "attention"), ("combine", "attention"),
+                          ("prefill_attn", "attention_prefill")):
             if getattr(self, attr, None):
                 names.append((fam, getattr(self, attr)))
         return names

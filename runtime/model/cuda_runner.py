@@ -18,9 +18,9 @@ launches the same list eagerly. Logits come back as bf16 and are returned as flo
 
 Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs its recurrent
 kernel over the piece (the `split` variant, each head's rows over several CTAs, then the gated
-norm as an `rmsnorm` gated_x launch; decode keeps the `fused` kernel); attention treats each token
-as a query row of the split-KV kernel (both correct, neither yet the fast prefill form: see
-docs/kernels.md).
+norm as an `rmsnorm` gated_x launch; decode keeps the `fused` kernel); attention runs the
+tensor-core `attention_prefill` kernel (64-query tiles, gate fused) where one was compiled for the
+shape, else it treats each token as a query row of the split-KV kernel (see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -392,13 +392,20 @@ class CudaRunner:
                                              "cos": buf["cos"], "sin": buf["sin"], "pos": mptr("pos"),
                                              "wrow": mptr("wrow"), "q_out": buf["q"], **pages},
                        {"M": m, "P": self.rope_positions, "NP": self.num_pages + 1})
-                launch("attention", k.split, {"q": buf["q"], **pages, "table": mptr("table"), "qseq": mptr("qseq"),
-                                              "pos": mptr("pos"), "o_part": buf["o_part"], "lse": buf["lse"]},
-                       {"M": m, "S": splits, "split": split, "maxp": self.maxp, "R": self.max_batch,
-                        "NP": self.num_pages + 1})
-                launch("attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"], "pos": mptr("pos"),
-                                                "x": buf["proj"], "out": buf["attn_out"]},
-                       {"M": m, "S": splits, "split": split})
+                if prefill and getattr(k, "prefill_attn", None):
+                    launch("attention_prefill", k.prefill_attn,
+                           {"q": buf["q"], **pages, "table": mptr("table"), "qseq": mptr("qseq"), "pos": mptr("pos"),
+                            "x": buf["proj"], "out": buf["attn_out"]},
+                           {"M": m, "maxp": self.maxp, "R": self.max_batch, "NP": self.num_pages + 1})
+                else:
+                    launch("attention", k.split, {"q": buf["q"], **pages, "table": mptr("table"),
+                                                  "qseq": mptr("qseq"), "pos": mptr("pos"), "o_part": buf["o_part"],
+                                                  "lse": buf["lse"]},
+                           {"M": m, "S": splits, "split": split, "maxp": self.maxp, "R": self.max_batch,
+                            "NP": self.num_pages + 1})
+                    launch("attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"], "pos": mptr("pos"),
+                                                    "x": buf["proj"], "out": buf["attn_out"]},
+                           {"M": m, "S": splits, "split": split})
                 linear(buf["attn_out"], layer["o_proj"], buf["delta"], m)
             launch("rmsnorm", k.add_norm, {"x": buf["delta"], "residual": buf["resid"], "w": w(layer["post_norm"]),
                                            "out": buf["h"]}, {"M": m})
