@@ -1,0 +1,412 @@
+"""Gated DeltaNet prefill in the chunked (WY) form on tensor cores.
+
+Computes what the `split` kernel of cute_kernels/gdn.py computes: from the fp32 state in the slot,
+the un-normalised o (bf16, [B*T, Hv*dv]) and the final fp32 state ([slots, Hv, dv, dk], v-major);
+the gated RMSNorm then runs as the `rmsnorm` launch in mode `gated_x`, exactly as after `split`.
+Same parameters and grid semantics (B sequences of T tokens, sequence b uses slot `slots[b]`).
+
+The chunked form. Per value head, with q, k L2-normalised (q scaled by dk^-1/2), log-decay
+g_t = -exp(A_log) softplus(a_t + dt_bias) and beta_t = sigmoid(b_t), the recurrence
+`S_t = a_t S_{t-1} + d_t k_t^T`, `d_t = beta_t (v_t - a_t S_{t-1} k_t)`, `o_t = S_t q_t` over one
+chunk of C = 64 tokens starting from the state S (S: [dv, dk]) unrolls, with the cumulative
+log-decay G_t = sum_{s<=t} g_s inside the chunk, to
+
+    S_t = e^{G_t} S + sum_{s<=t} e^{G_t - G_s} d_s k_s^T
+    (I + A) D = R,  A[t,s] = beta_t e^{G_t - G_s} k_t.k_s (s < t),  R = diag(beta) (V - diag(e^G) K S^T)
+    O   = diag(e^G) Q S^T + (Q K^T * e^{G_t - G_s}, s <= t) D
+    S'  = e^{G_C} S + (diag(e^{G_C - G}) D)^T K
+
+(rows of D, R, O, V, K, Q are the chunk's tokens; D holds the deltas d_t). The WY factors of the
+usual formulation are D = U - W S^T with U = T diag(beta) V, W = T diag(beta e^G) K,
+T = (I + A)^-1; the kernel applies T to R directly (one 64x128x64 product instead of two, as
+FlashInfer's SM90 kernel does) — `reference_core` checks the algebra against the recurrence in
+float64 (tests/unit/test_ref_gdn_chunked.py).
+
+The kernel (`fwd_*`): one CTA of 8 warps per (value head, sequence) walks the sequence's chunks.
+The fp32 state lives in registers as the accumulator of the state-update product for the whole
+sequence; a bf16 copy of it sits in shared memory as the B operand of Q S^T and K S^T. Per chunk:
+cp.async loads of the raw q, k (key head h // (Hv/Hk)) and v rows; L2 norms in place (bf16); the
+gates and their prefix sum in one warp; K K^T, Q K^T, K S^T, Q S^T as warp-level mma.sync m16n8k16
+BF16 with fp32 accumulators (swizzled shared memory, ldmatrix, transposing ldmatrix for the
+MN-major operands); T = (I + A)^-1 by forward substitution in fp32 (one thread per column of T,
+the matrix in shared memory), rounded to bf16; D = T R; O and the state update. Rows past the end
+of the sequence get beta = 0, g = 0 and zero q/k/v, so they change nothing.
+
+Precision: mma operands are bf16 (q, k after the norm, the state copy, R, T, D, the masked Q K^T),
+accumulation and the master state fp32 — the roundings FLA's Triton kernels make. `reference_core`
+with `kernel_rounding=True` emulates them; the GPU test bounds the kernel's error by that model's.
+
+Variants need dk = dv = 128 (64-column swizzled tiles, 8-warp tiles of the 128 x 128 state); the
+tiny model (dk = dv = 32) keeps the `split` path.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from . import gdn
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "gdn_chunked"
+C = 64  # tokens per chunk
+THREADS = 256
+L2_EPS = gdn.L2_EPS
+
+# (key, Hk, Hv, dk, dv): Qwen3.6-27B, Qwen3.6-35B-A3B.
+_SHAPES = [
+    ("fwd_k16_v48_d128", 16, 48, 128, 128),
+    ("fwd_k16_v32_d128", 16, 32, 128, 128),
+]
+
+
+def _variant(key: str, hk: int, hv: int, dk: int, dv: int) -> Variant:
+    if dk != 128 or dv != 128 or hv % hk:
+        raise ValueError(f"gdn_chunked {key}: needs dk = dv = 128 and Hv a multiple of Hk")
+    lay = gdn.layout(hk, hv, dk, dv)
+    return Variant(
+        family=FAMILY,
+        key=key,
+        config={"mode": "chunked", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": THREADS, "chunk": C,
+                **lay, "l2_eps": L2_EPS},
+        params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("state"), ptr("slots"), ptr("out"),
+                i32("B"), i32("T")],
+        tensors={
+            "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
+            "x": tensor("bf16", "B * T", lay["x_stride"]),
+            "a_log": tensor("bf16", hv),
+            "dt_bias": tensor("bf16", hv),
+            "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
+            "slots": tensor("i32", "B"),
+            "out": tensor("bf16", "B * T", hv * dv, role="out"),
+        },
+        sizes=("B", "T", "NS"),
+        block=(THREADS, 1, 1),
+        grid=(hv, "B", 1),
+        requires=("B >= 1", "T >= 1", "B <= 65535", "NS >= 1"),
+        arches=HOPPER,
+        note=f"chunked (WY) Gated DeltaNet prefill on tensor cores (mma.sync), C={C}, Hk={hk} Hv={hv} "
+             f"dk={dk} dv={dv}, fp32 state, un-normalised bf16 o (gated norm: rmsnorm gated_x)",
+        example_sizes={"B": 1, "T": 64, "NS": 1},
+    )
+
+
+def variants() -> list[Variant]:
+    return [_variant(*s) for s in _SHAPES]
+
+
+def reference_core(qkv: np.ndarray, b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray,
+                   state: np.ndarray, *, hk: int, chunk: int = C,
+                   kernel_rounding: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The chunked form of `gdn.reference_core` for one sequence: (o [T, Hv, dv], new state).
+
+    float64 throughout; kernel_rounding=True rounds to bf16 where the kernel feeds tensor cores
+    (q and k after the norm, the state copy, R, T, D, the masked Q K^T) and o at the end."""
+    rb = (lambda v: round_bf16(np.asarray(v, np.float32)).astype(np.float64)) if kernel_rounding \
+        else (lambda v: v)
+    f64 = np.float64
+    hv, dv, dk = state.shape
+    steps = qkv.shape[0]
+    key_dim = hk * dk
+    q = qkv[:, :key_dim].reshape(steps, hk, dk).astype(f64)
+    k = qkv[:, key_dim:2 * key_dim].reshape(steps, hk, dk).astype(f64)
+    v = qkv[:, 2 * key_dim:].reshape(steps, hv, dv).astype(f64)
+    q = rb(q / np.sqrt(np.sum(q * q, -1, keepdims=True) + L2_EPS) * dk ** -0.5)
+    k = rb(k / np.sqrt(np.sum(k * k, -1, keepdims=True) + L2_EPS))
+    rep = hv // hk
+    g = -np.exp(a_log.astype(f64)) * gdn._softplus(a.astype(f64) + dt_bias.astype(f64))  # [T, Hv]
+    beta = 1.0 / (1.0 + np.exp(-b.astype(f64)))
+    s_all = state.astype(f64).copy()
+    out = np.empty((steps, hv, dv), f64)
+    for h in range(hv):
+        kh = h // rep
+        s = s_all[h]
+        for t0 in range(0, steps, chunk):
+            n = min(chunk, steps - t0)
+            qc, kc, vc = q[t0:t0 + n, kh], k[t0:t0 + n, kh], v[t0:t0 + n, h]
+            gam = np.cumsum(g[t0:t0 + n, h])
+            bc = beta[t0:t0 + n, h]
+            decay = np.exp(gam[:, None] - gam[None, :])  # [t, s], used only where s <= t
+            lower = np.tril(np.ones((n, n)), -1)
+            amat = bc[:, None] * (kc @ kc.T) * np.where(lower > 0, decay, 0.0)
+            tinv = rb(np.linalg.solve(np.eye(n) + amat, np.eye(n)))
+            sb = rb(s)
+            r = rb(bc[:, None] * (vc - np.exp(gam)[:, None] * (kc @ sb.T)))
+            d = tinv @ r
+            incl = np.tril(np.ones((n, n)))
+            p = rb((qc @ kc.T) * np.where(incl > 0, decay, 0.0))
+            o = np.exp(gam)[:, None] * (qc @ sb.T) + p @ rb(d)
+            out[t0:t0 + n, h] = rb(o)
+            s = np.exp(gam[-1]) * s + rb(np.exp(gam[-1] - gam)[:, None] * d).T @ kc
+        s_all[h] = s
+    return out, s_all
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync, warp
+
+    from . import _dsl
+
+    cfg = variant.config
+    hk, hv, dk, dv = cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"]
+    conv_dim, stride = cfg["conv_dim"], cfg["x_stride"]
+    b_off, a_off = cfg["b_off"], cfg["a_off"]
+    key_dim = hk * dk
+    rep = hv // hk
+    q_scale = dk ** -0.5
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    warps = THREADS // 32
+
+    def tview(t: Any, rows: int, cols: int) -> Any:
+        """(cols, rows) view of a (rows, cols) shared-memory tile: the MN-major operand."""
+        return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+    def gemm(mma: Any, thr: Any, tid: Any, acc: Any, sa: Any, sb: Any, lda: Any, ldb: Any) -> None:
+        """acc += sa @ sb^T, sa (M, K) and sb (N, K) in shared memory, through ldmatrix and mma.sync."""
+        ra = thr.make_fragment_A(thr.partition_A(sa))
+        rb = thr.make_fragment_B(thr.partition_B(sb))
+        ta, tb = lda.get_slice(tid), ldb.get_slice(tid)
+        tsa, rav = ta.partition_S(sa), ta.retile(ra)
+        tsb, rbv = tb.partition_S(sb), tb.retile(rb)
+        for kk in range(cute.size(tsa.shape[2])):
+            cute.copy(lda, tsa[None, None, kk], rav[None, None, kk])
+            cute.copy(ldb, tsb[None, None, kk], rbv[None, None, kk])
+            cute.gemm(mma, acc, ra[None, None, kk], rb[None, None, kk], acc)
+
+    @cute.kernel
+    def kernel(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+        lane = tid % 32
+        wid = tid // 32
+        kh = h // rep
+        one = cute.make_layout(1)
+        slot = cute.make_tensor(slots, cute.make_layout(nb))[b]
+        row0 = cutlass.Int64(b) * nt
+        s_base = state + (cutlass.Int64(slot) * hv + h) * (dv * dk)
+        neg_a = -cute.math.exp(cute.make_tensor(a_log + h, one)[0].to(f32))
+        dtb = cute.make_tensor(dt_bias + h, one)[0].to(f32)
+
+        # ---- shared memory: 128-byte rows swizzled for ldmatrix
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        l_ck = cute.tile_to_shape(atom, (C, dk), (0, 1))
+        l_cv = cute.tile_to_shape(atom, (C, dv), (0, 1))
+        l_cc = cute.tile_to_shape(atom, (C, C), (0, 1))
+        l_s = cute.tile_to_shape(atom, (dv, dk), (0, 1))
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(bf16, l_ck, byte_alignment=1024)
+        sK = smem.allocate_tensor(bf16, l_ck, byte_alignment=1024)
+        sV = smem.allocate_tensor(bf16, l_cv, byte_alignment=1024)
+        sR = smem.allocate_tensor(bf16, l_cv, byte_alignment=1024)
+        sD = smem.allocate_tensor(bf16, l_cv, byte_alignment=1024)
+        sDd = smem.allocate_tensor(bf16, l_cv, byte_alignment=1024)
+        sS = smem.allocate_tensor(bf16, l_s, byte_alignment=1024)
+        sT = smem.allocate_tensor(bf16, l_cc, byte_alignment=1024)
+        sP = smem.allocate_tensor(bf16, l_cc, byte_alignment=1024)
+        sA = smem.allocate_tensor(f32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sG = smem.allocate_tensor(f32, cute.make_layout(C), byte_alignment=16)
+        sB = smem.allocate_tensor(f32, cute.make_layout(C), byte_alignment=16)
+        sRt = tview(sR, C, dv)
+        sDt = tview(sD, C, dv)
+        sDdt = tview(sDd, C, dv)
+        sKt = tview(sK, C, dk)
+
+        # ---- global -> shared: 16 bytes per thread per copy, 16 threads per 128-column row
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16,
+                                  num_bits_per_copy=128)
+        gcopy = cute.make_tiled_copy_tv(g2s, cute.make_layout((THREADS // 16, 16), stride=(16, 1)),
+                                        cute.make_layout((1, 8)))
+        thr_g = gcopy.get_slice(tid)
+        tile_rows = thr_g.partition_S(cute.make_identity_tensor((C, dk)))
+        tQs, tKs, tVs = thr_g.partition_D(sQ), thr_g.partition_D(sK), thr_g.partition_D(sV)
+
+        # ---- tensor cores: 8 warps, 4 along M and 2 along N, 64 x 32 per tile
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)), (4, 2, 1),
+                                  permutation_mnk=(64, 32, 16))
+        thr = mma.get_slice(tid)
+        ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+        ld_at = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+        ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+        ld_bt = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+
+        c_cc = thr.partition_C(cute.make_identity_tensor((C, C)))
+        c_cv = thr.partition_C(cute.make_identity_tensor((C, dv)))
+        c_s = thr.partition_C(cute.make_identity_tensor((dv, dk)))
+
+        # ---- the state: fp32 in registers (accumulator of the update), bf16 copy in shared memory
+        acc_s = cute.make_rmem_tensor(thr.partition_shape_C((dv, dk)), f32)
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r, c = c_s[i][0], c_s[i][1]
+            val = cute.make_tensor(s_base + r * dk + c, one)[0]
+            acc_s[i] = val
+            sS[r, c] = val.to(bf16)
+
+        nchunks = (nt + C - 1) // C
+        for ci in cutlass.range(nchunks, unroll=1):
+            t0 = ci * C
+            n = cutlass.min(nt - t0, C)
+            rbase = (row0 + t0) * conv_dim
+            gq = cute.make_tensor(qkv + cute.assume(rbase + kh * dk, divby=8),
+                                  cute.make_layout((C, dk), stride=(conv_dim, 1)))
+            gk = cute.make_tensor(qkv + cute.assume(rbase + key_dim + kh * dk, divby=8),
+                                  cute.make_layout((C, dk), stride=(conv_dim, 1)))
+            gv = cute.make_tensor(qkv + cute.assume(rbase + 2 * key_dim + h * dv, divby=8),
+                                  cute.make_layout((C, dv), stride=(conv_dim, 1)))
+            tgq, tgk, tgv = thr_g.partition_S(gq), thr_g.partition_S(gk), thr_g.partition_S(gv)
+            for i in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                if tile_rows[0, i, 0][0] < n:
+                    cute.copy(gcopy, tgq[None, i, None], tQs[None, i, None])
+                    cute.copy(gcopy, tgk[None, i, None], tKs[None, i, None])
+                    cute.copy(gcopy, tgv[None, i, None], tVs[None, i, None])
+                else:
+                    tQs[None, i, None].fill(0)
+                    tKs[None, i, None].fill(0)
+                    tVs[None, i, None].fill(0)
+            cute.arch.cp_async_commit_group()
+            # Gates of the chunk (warp 0, two tokens a lane): g, beta, and the inclusive prefix sum of g.
+            if wid == 0:
+                gg = cute.make_rmem_tensor((2,), f32)
+                bb = cute.make_rmem_tensor((2,), f32)
+                for e in cutlass.range_constexpr(2):
+                    tt = 2 * lane + e
+                    gg[e] = f32(0.0)
+                    bb[e] = f32(0.0)
+                    if tt < n:
+                        xrow = x + (row0 + t0 + tt) * stride
+                        av = cute.make_tensor(xrow + a_off + h, one)[0].to(f32) + dtb
+                        bv = cute.make_tensor(xrow + b_off + h, one)[0].to(f32)
+                        sp = cute.math.log1p(cute.math.exp(-cute.math.absf(av))) + cute.arch.fmax(av, f32(0.0))
+                        gg[e] = neg_a * sp
+                        bb[e] = f32(1.0) / (f32(1.0) + cute.math.exp(-bv))
+                pair = gg[0] + gg[1]
+                run = pair
+                for off in (1, 2, 4, 8, 16):
+                    up = cute.arch.shuffle_sync_up(run, offset=off)
+                    if lane >= off:
+                        run = run + up
+                sG[2 * lane] = run - pair + gg[0]
+                sG[2 * lane + 1] = run
+                sB[2 * lane] = bb[0]
+                sB[2 * lane + 1] = bb[1]
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            # L2 norms of q (scaled) and k rows, in place: each warp 16 of the 128 rows, 4 columns a lane.
+            for j in cutlass.range_constexpr(2 * C // warps):
+                rr = wid * (2 * C // warps) + j
+                vals = cute.make_rmem_tensor((4,), f32)
+                if rr < C:
+                    for e in cutlass.range_constexpr(4):
+                        vals[e] = sQ[rr, 4 * lane + e].to(f32)
+                else:
+                    for e in cutlass.range_constexpr(4):
+                        vals[e] = sK[rr - C, 4 * lane + e].to(f32)
+                v4 = vals.load()
+                ss = _dsl.warp_sum((v4 * v4).reduce(cute.ReductionOp.ADD, f32(0.0), 0), 32)
+                if rr < C:
+                    vals.store(v4 * (cute.math.rsqrt(ss + f32(L2_EPS)) * f32(q_scale)))
+                    for e in cutlass.range_constexpr(4):
+                        sQ[rr, 4 * lane + e] = vals[e].to(bf16)
+                else:
+                    vals.store(v4 * cute.math.rsqrt(ss + f32(L2_EPS)))
+                    for e in cutlass.range_constexpr(4):
+                        sK[rr - C, 4 * lane + e] = vals[e].to(bf16)
+            cute.arch.sync_threads()
+
+            # A = beta_t e^{G_t - G_s} K K^T (s < t), fp32; P = Q K^T e^{G_t - G_s} (s <= t), bf16.
+            acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), f32)
+            acc_kk.fill(0.0)
+            gemm(mma, thr, tid, acc_kk, sK, sK, ld_a, ld_b)
+            acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), f32)
+            acc_qk.fill(0.0)
+            gemm(mma, thr, tid, acc_qk, sQ, sK, ld_a, ld_b)
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                r, c = c_cc[i][0], c_cc[i][1]
+                diff = f32(0.0)
+                if c <= r:
+                    diff = sG[r] - sG[c]
+                dec = cute.math.exp(diff)
+                av = f32(0.0)
+                pv = f32(0.0)
+                if c < r:
+                    av = sB[r] * dec * acc_kk[i]
+                if c <= r:
+                    pv = acc_qk[i] * dec
+                sA[r, c] = av
+                sP[r, c] = pv.to(bf16)
+            # R = beta (V - e^G K S^T), bf16.
+            acc_x = cute.make_rmem_tensor(thr.partition_shape_C((C, dv)), f32)
+            acc_x.fill(0.0)
+            gemm(mma, thr, tid, acc_x, sK, sS, ld_a, ld_b)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                r, c = c_cv[i][0], c_cv[i][1]
+                rv = sB[r] * (sV[r, c].to(f32) - cute.math.exp(sG[r]) * acc_x[i])
+                sR[r, c] = rv.to(bf16)
+            cute.arch.sync_threads()
+
+            # T = (I + A)^-1 by forward substitution, one thread per column, fp32.
+            if tid < C:
+                xs = cute.make_rmem_tensor((C,), f32)
+                for t in cutlass.range_constexpr(C):
+                    xs[t] = f32(0.0)
+                    if tid == t:
+                        xs[t] = f32(1.0)
+                for s in cutlass.range_constexpr(C - 1):
+                    xv = xs[s]
+                    for t in cutlass.range_constexpr(s + 1, C):
+                        xs[t] = xs[t] - sA[t, s] * xv
+                for t in cutlass.range_constexpr(C):
+                    sT[t, tid] = xs[t].to(bf16)
+            cute.arch.sync_threads()
+
+            # D = T R; D and its decayed copy (for the state update) in bf16.
+            g_last = sG[C - 1]
+            acc_d = cute.make_rmem_tensor(thr.partition_shape_C((C, dv)), f32)
+            acc_d.fill(0.0)
+            gemm(mma, thr, tid, acc_d, sT, sRt, ld_a, ld_bt)
+            for i in cutlass.range_constexpr(cute.size(acc_d)):
+                r, c = c_cv[i][0], c_cv[i][1]
+                sD[r, c] = acc_d[i].to(bf16)
+                sDd[r, c] = (acc_d[i] * cute.math.exp(g_last - sG[r])).to(bf16)
+            # O = e^G Q S^T + P D.
+            acc_o = cute.make_rmem_tensor(thr.partition_shape_C((C, dv)), f32)
+            acc_o.fill(0.0)
+            gemm(mma, thr, tid, acc_o, sQ, sS, ld_a, ld_b)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * cute.math.exp(sG[c_cv[i][0]])
+            cute.arch.sync_threads()
+            gemm(mma, thr, tid, acc_o, sP, sDt, ld_a, ld_bt)
+            obase = out + (row0 + t0) * (hv * dv) + h * dv
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = c_cv[i][0], c_cv[i][1]
+                if r < n:
+                    cute.make_tensor(obase + r * (hv * dv) + c, one)[0] = acc_o[i].to(bf16)
+            # S = e^{G_C} S + Dd^T K, then the bf16 copy for the next chunk.
+            dec_c = cute.math.exp(g_last)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * dec_c
+            gemm(mma, thr, tid, acc_s, sDdt, sKt, ld_at, ld_bt)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                sS[c_s[i][0], c_s[i][1]] = acc_s[i].to(bf16)
+            cute.arch.sync_threads()
+
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r, c = c_s[i][0], c_s[i][1]
+            cute.make_tensor(s_base + r * dk + c, one)[0] = acc_s[i]
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gdn_chunked_{variant.key}")
+
+    @cute.jit
+    def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32,
+               stream: Any):
+        kernel(qkv, x, a_log, dt_bias, state, slots, out, nb, nt).launch(
+            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
