@@ -214,7 +214,7 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     cfg = variant.config
-    hq, hkv, d, rd, stride, threads = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["rd"], cfg["x_stride"], cfg["threads"]
+    hq, hkv, d, rd, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["rd"], cfg["x_stride"]
     lanes = d // 8
     half = rd // 2
     partner = half // 8  # lane offset between the two halves of the rotated dims
@@ -308,7 +308,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     groups = threads // lanes
     scale = d ** -0.5 * LOG2E
     neg = -3.0e38
-    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    f32 = cutlass.Float32
 
     @cute.kernel
     def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,

@@ -20,7 +20,6 @@ from runtime.log import colours_enabled, get_logger, setup_logging
 
 PROGRAM = "infernix"
 ROLES = ("system", "developer", "user", "assistant", "tool")
-CONSTRAINT_FLAGS = ("json-object", "json-schema-file", "grammar-file", "regex", "choice")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 

@@ -60,7 +60,7 @@ def test_prep(library, mem, stream, name):
 
 def _run_attention(library, mem, stream, name, q, pages_k, pages_v, table, qseq, pos, split, x):
     cfg = _cfg(name)
-    hq, hkv, d = cfg["Hq"], cfg["Hkv"], cfg["D"]
+    hq, d = cfg["Hq"], cfg["D"]
     m = q.shape[0]
     splits = -(-(int(pos.max()) + 1) // split) + 1  # one more than needed: must be skipped
     npages = pages_k.shape[0] // PAGE
