@@ -10,6 +10,7 @@ cancels the request, prints the report and exits with 130.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from runtime.log import colours_enabled, get_logger, setup_logging
 PROGRAM = "infernix"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool reports when its reader went away
 
 
 class InputError(ConfigError):
@@ -305,6 +307,14 @@ def _run(session, settings, plan: RunPlan, stdout: TextIO, stderr: TextIO, logge
         stream.cancel()
         for output in stream:
             final = output
+    except BrokenPipeError:
+        # The reader of stdout is gone (`infernix ... | head`): stop generating and leave
+        # quietly, as Unix tools do, instead of a traceback.
+        stream.cancel()
+        for _ in stream:
+            pass
+        _discard_stdout(stdout)
+        return EXIT_BROKEN_PIPE
     reason = writer.stop_reason or (final.finish_reason.value if final else "error")
     writer.finish(truncated=reason in ("length", "context", "cancelled"))
     if final is not None and final.finish_reason is FinishReason.ERROR:
@@ -313,6 +323,17 @@ def _run(session, settings, plan: RunPlan, stdout: TextIO, stderr: TextIO, logge
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_FAILED if final is None or final.finish_reason is FinishReason.ERROR else EXIT_OK
+
+
+def _discard_stdout(stdout: TextIO) -> None:
+    """Point a broken stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        descriptor = stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (tests pass StringIO)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
 
 
 class OutputWriter:

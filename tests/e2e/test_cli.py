@@ -255,6 +255,21 @@ def test_subprocess_keeps_stdout_for_the_answer_only(model):
     assert "\x1b[" not in result.stderr and "\r" not in result.stderr
 
 
+def test_a_closed_stdout_ends_the_run_quietly(model):
+    """`infernix ... | head -c 1`: once the reader is gone the run stops with 141 (as after
+    SIGPIPE) and no traceback. The regex forces 1,500 tokens, so writing continues well after
+    the read end is closed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", str(model), "--device", "cpu", "--prompt", PROMPT,
+         "--no-thinking", "--regex", "x{1500}", "--max-new", "1600", "--max-context", "2048"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(1) == b"x"
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
 # --- option and input errors: one line, exit code 2 ---------------------------------------------
 
 def _messages_file(tmp_path, content) -> Path:
