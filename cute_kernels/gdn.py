@@ -99,6 +99,26 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
     )
 
 
+def prefill_interface(lay: dict[str, int], hv: int, dk: int, dv: int) -> dict[str, Any]:
+    """Parameters, tensors and sizes shared by the GDN prefill kernels that write the
+    un-normalised o (`split` here, `gdn_chunked`): one description, so the runner can launch
+    either with the same arguments."""
+    return {
+        "params": [ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("state"), ptr("slots"),
+                   ptr("out"), i32("B"), i32("T")],
+        "tensors": {
+            "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
+            "x": tensor("bf16", "B * T", lay["x_stride"]),
+            "a_log": tensor("bf16", hv),
+            "dt_bias": tensor("bf16", hv),
+            "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
+            "slots": tensor("i32", "B"),
+            "out": tensor("bf16", "B * T", hv * dv, role="out"),
+        },
+        "sizes": ("B", "T", "NS"),
+    }
+
+
 def _split_variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, splits: int) -> Variant:
     lay = layout(hk, hv, dk, dv)
     lanes = dk // 4
@@ -110,18 +130,7 @@ def _split_variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, s
         key=key,
         config={"mode": "split", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, "splits": splits,
                 **lay, "l2_eps": L2_EPS},
-        params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("state"), ptr("slots"), ptr("out"),
-                i32("B"), i32("T")],
-        tensors={
-            "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
-            "x": tensor("bf16", "B * T", lay["x_stride"]),
-            "a_log": tensor("bf16", hv),
-            "dt_bias": tensor("bf16", hv),
-            "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
-            "slots": tensor("i32", "B"),
-            "out": tensor("bf16", "B * T", hv * dv, role="out"),
-        },
-        sizes=("B", "T", "NS"),
+        **prefill_interface(lay, hv, dk, dv),
         block=(threads, 1, 1),
         grid=(hv * splits, "B", 1),
         requires=("B >= 1", "T >= 1", "B <= 65535", "NS >= 1"),

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import gdn
 from .bf16 import round_bf16
-from .variant import HOPPER, Variant, i32, ptr, tensor
+from .variant import HOPPER, Variant
 
 FAMILY = "gdn_chunked"
 C = 64  # tokens per chunk
@@ -69,18 +69,7 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int) -> Variant:
         key=key,
         config={"mode": "chunked", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": THREADS, "chunk": C,
                 **lay, "l2_eps": L2_EPS},
-        params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("state"), ptr("slots"), ptr("out"),
-                i32("B"), i32("T")],
-        tensors={
-            "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
-            "x": tensor("bf16", "B * T", lay["x_stride"]),
-            "a_log": tensor("bf16", hv),
-            "dt_bias": tensor("bf16", hv),
-            "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
-            "slots": tensor("i32", "B"),
-            "out": tensor("bf16", "B * T", hv * dv, role="out"),
-        },
-        sizes=("B", "T", "NS"),
+        **gdn.prefill_interface(lay, hv, dk, dv),
         block=(THREADS, 1, 1),
         grid=(hv, "B", 1),
         requires=("B >= 1", "T >= 1", "B <= 65535", "NS >= 1"),
