@@ -18,9 +18,10 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from bench.timing import median_event_seconds, plan_breakdown_us
 
 QWEN36_27B = {
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
@@ -38,17 +39,8 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
     """Bytes read + written per second of a large device-to-device copy (median of 5)."""
     src, dst = device.mem_alloc(nbytes), device.mem_alloc(nbytes)
     try:
-        start, end = device.create_event(), device.create_event()
-        device.memcpy_dtod(dst, src, nbytes, stream)
-        times = []
-        for _ in range(5):
-            start.record(stream)
-            device.memcpy_dtod(dst, src, nbytes, stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(end.elapsed_ms(start) / 1e3)
-        times.sort()
-        return 2 * nbytes / times[2]
+        return 2 * nbytes / median_event_seconds(
+            device, stream, lambda st: device.memcpy_dtod(dst, src, nbytes, st))
     finally:
         device.mem_free(src)
         device.mem_free(dst)
@@ -74,19 +66,7 @@ def step_bytes(runner: Any, batch: int, context: int) -> int:
 
 def kernel_breakdown(runner: Any, bucket: int) -> dict[str, float]:
     """Microseconds per kernel key over one eager decode step (events between launches)."""
-    dev, s = runner.device, runner.stream
-    plan = runner._decode_plan(bucket)
-    events = [dev.create_event() for _ in range(len(plan) + 1)]
-    totals: dict[str, float] = defaultdict(float)
-    for _ in range(3):
-        events[0].record(s)
-        for i, launch in enumerate(plan):
-            launch(s)
-            events[i + 1].record(s)
-        events[-1].synchronize()
-    for i, launch in enumerate(plan):
-        totals[launch.kernel.name] += events[i + 1].elapsed_ms(events[i]) * 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return plan_breakdown_us(runner.device, runner.stream, runner._decode_plan(bucket), rounds=3)
 
 
 def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:

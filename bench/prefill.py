@@ -23,13 +23,13 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.decode import make_runner
+from bench.timing import median_event_seconds, plan_breakdown_us
 
 
 def linear_params(runner: Any) -> int:
@@ -45,16 +45,7 @@ def matrix_rate(runner: Any) -> float:
     x, w, out = dev.mem_alloc(m * k * 2), dev.mem_alloc(n * k * 2), dev.mem_alloc(m * n * 2)
     try:
         launch = lib.kernel("gemm_sm90", "down_n5120_k17408").bind({"x": x, "w": w, "out": out}, {"M": m})
-        start, end = dev.create_event(), dev.create_event()
-        launch(s)
-        times = []
-        for _ in range(5):
-            start.record(s)
-            launch(s)
-            end.record(s)
-            end.synchronize()
-            times.append(end.elapsed_ms(start) / 1e3)
-        return 2 * m * n * k / sorted(times)[2]
+        return 2 * m * n * k / median_event_seconds(dev, s, launch)
     finally:
         for p in (x, w, out):
             dev.mem_free(p)
@@ -68,16 +59,7 @@ def chunk_breakdown(runner: Any, tokens: int) -> dict[str, float]:
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(tokens)), start_pos=0,
                                 page_table=list(range(-(-tokens // 64)))))
     plan = next(p for k, p in runner._plans.items() if k[0] == "prefill" and k[1] == tokens)
-    events = [dev.create_event() for _ in range(len(plan) + 1)]
-    events[0].record(s)
-    for i, launch in enumerate(plan):
-        launch(s)
-        events[i + 1].record(s)
-    events[-1].synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for i, launch in enumerate(plan):
-        totals[launch.kernel.name] += events[i + 1].elapsed_ms(events[i]) * 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return plan_breakdown_us(dev, s, plan)
 
 
 def use_gdn(runner: Any, mode: str, split: tuple[Any, Any]) -> None:
@@ -121,16 +103,7 @@ def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
         {"M": n, "maxp": npg, "R": 1, "NP": npg})
 
     def ours_us() -> float:
-        start, end = dev.create_event(), dev.create_event()
-        launch(s)
-        times = []
-        for _ in range(5):
-            start.record(s)
-            launch(s)
-            end.record(s)
-            end.synchronize()
-            times.append(end.elapsed_ms(start) * 1e3)
-        return sorted(times)[2]
+        return median_event_seconds(dev, s, launch) * 1e6
 
     ours = ours_us()
     qt = q.permute(1, 0, 2).unsqueeze(0)
