@@ -44,6 +44,20 @@ SPLIT_THREADS = 128
 _SHAPES = [("q4_kv2_d64", 4, 2, 64, 16), ("q24_kv4_d256", 24, 4, 256, 64), ("q16_kv2_d256", 16, 2, 256, 64)]
 
 
+def paged_query_tensors(hq: int, hkv: int, d: int) -> dict[str, Any]:
+    """The inputs every kernel reading queries against the paged KV takes (split-KV here,
+    `attention_prefill`): q rows, the page pools, the page table, and each row's sequence and
+    position. One description of the paging contract."""
+    return {
+        "q": tensor("bf16", "M", hq, d),
+        "k_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
+        "v_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
+        "table": tensor("i32", "R", "maxp"),
+        "qseq": tensor("i32", "M"),
+        "pos": tensor("i32", "M"),
+    }
+
+
 def x_stride(hq: int, hkv: int, d: int) -> int:
     """Width of the fused attention projection `[q|gate per head ... | k | v]`."""
     return hq * 2 * d + 2 * hkv * d
@@ -90,12 +104,7 @@ def _split(name: str, hq: int, hkv: int, d: int) -> Variant:
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("S"), i32("split"), i32("maxp")],
         tensors={
-            "q": tensor("bf16", "M", hq, d),
-            "k_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
-            "v_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
-            "table": tensor("i32", "R", "maxp"),
-            "qseq": tensor("i32", "M"),
-            "pos": tensor("i32", "M"),
+            **paged_query_tensors(hq, hkv, d),
             "o_part": tensor("f32", "M", hq, "S", d, role="out"),
             "lse": tensor("f32", "M", hq, "S", role="out"),
         },

@@ -57,12 +57,7 @@ def _fwd(name: str, hq: int, hkv: int, d: int) -> Variant:
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("x"),
                 ptr("out"), i32("M"), i32("maxp")],
         tensors={
-            "q": tensor("bf16", "M", hq, d),
-            "k_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
-            "v_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
-            "table": tensor("i32", "R", "maxp"),
-            "qseq": tensor("i32", "M"),
-            "pos": tensor("i32", "M"),
+            **attention.paged_query_tensors(hq, hkv, d),
             "x": tensor("bf16", "M", stride),
             "out": tensor("bf16", "M", hq * d, role="out"),
         },
