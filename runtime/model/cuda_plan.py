@@ -57,11 +57,16 @@ class KernelChoice:
                               c.linear_value_head_dim)
             self.gdn = _need(lib, "gdn", "Gated DeltaNet", mode="fused", Hk=hk, Hv=hv, dk=dk, dv=dv)
             stride = lib.manifest.kernels[("gdn", self.gdn)].config["x_stride"]
-            # Prefill: the rows of each head over several CTAs, then the gated norm as its own
-            # launch; both None (prefill uses the fused kernel) when either was not compiled.
+            # Prefill: the chunked (WY, tensor-core) kernel where one was compiled for the shape,
+            # else the recurrent one with each head's rows over several CTAs; either writes the
+            # un-normalised output and the gated norm runs as its own launch. All None (prefill
+            # uses the fused decode kernel) when the norm or both prefill kernels are missing.
             split = _find(lib, "gdn", mode="split", Hk=hk, Hv=hv, dk=dk, dv=dv)
+            chunked = _find(lib, "gdn_chunked", mode="chunked", Hk=hk, Hv=hv, dk=dk, dv=dv, x_stride=stride)
             norm = _find(lib, "rmsnorm", mode="gated_x", H=dv, heads=hv, z_stride=stride)
-            self.gdn_split, self.gdn_norm = (split, norm) if split and norm else (None, None)
+            self.gdn_norm = norm if split or chunked else None
+            self.gdn_split = split if norm else None
+            self.gdn_chunked = chunked if norm else None
             self.conv = _need(lib, "conv1d", "the GDN conv", C=c.conv_dim, x_stride=stride,
                               Kc=c.linear_conv_kernel_dim)
             self.gdn_stride = stride
@@ -97,7 +102,8 @@ class KernelChoice:
         names = [("rmsnorm", self.norm), ("rmsnorm", self.add_norm), ("silu_mul", self.silu_mul)]
         if self.embedding:
             names.append(("embedding", self.embedding))
-        for attr, fam in (("gdn", "gdn"), ("gdn_split", "gdn"), ("gdn_norm", "rmsnorm"), ("conv", "conv1d"),
+        for attr, fam in (("gdn", "gdn"), ("gdn_split", "gdn"), ("gdn_chunked", "gdn_chunked"),
+                          ("gdn_norm", "rmsnorm"), ("conv", "conv1d"),
                           ("prep", "attention"), ("split", "attention"), ("combine", "attention"),
                           ("prefill_attn", "attention_prefill")):
             if getattr(self, attr, None):

@@ -16,9 +16,10 @@ in the metadata block, uploaded with one host-to-device copy before the launches
 each batch bucket (1, 2, 4, 8) is captured once into a CUDA graph and replayed; `cuda_graphs=False`
 launches the same list eagerly. Logits come back as bf16 and are returned as float32.
 
-Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs its recurrent
-kernel over the piece (the `split` variant, each head's rows over several CTAs, then the gated
-norm as an `rmsnorm` gated_x launch; decode keeps the `fused` kernel); attention runs the
+Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs the chunked (WY,
+tensor-core) kernel over the piece where one was compiled for the shape, else the recurrent
+`split` variant (each head's rows over several CTAs); either is followed by the gated norm as an
+`rmsnorm` gated_x launch (decode keeps the `fused` kernel); attention runs the
 tensor-core `attention_prefill` kernel (64-query tiles, gate fused) where one was compiled for the
 shape, else it treats each token as a query row of the split-KV kernel (see docs/kernels.md).
 """
@@ -371,10 +372,11 @@ class CudaRunner:
                        {"B": nseq, "T": t, "NI": 1 if prefill else self.num_slots + 1, "NO": self.num_slots + 1})
                 gdn_args = {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": w(layer["a_log"]),
                             "dt_bias": w(layer["dt_bias"]), "state": self.states[n], "slots": mptr("slots")}
-                if prefill and k.gdn_split:
-                    # Rows of each head over several CTAs (un-normalised o into gdn_out), then the
-                    # gated norm in place, z read from the projection rows.
-                    launch("gdn", k.gdn_split, {**gdn_args, "out": buf["gdn_out"]},
+                if prefill and (k.gdn_chunked or k.gdn_split):
+                    # The chunked or split kernel (un-normalised o into gdn_out), then the gated
+                    # norm in place, z read from the projection rows.
+                    family, key = ("gdn_chunked", k.gdn_chunked) if k.gdn_chunked else ("gdn", k.gdn_split)
+                    launch(family, key, {**gdn_args, "out": buf["gdn_out"]},
                            {"B": nseq, "T": t, "NS": self.num_slots + 1})
                     launch("rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
                                                    "w": w(layer["gdn_norm"]), "out": buf["gdn_out"]},
