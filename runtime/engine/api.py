@@ -45,11 +45,12 @@ class OutputConstraint(Protocol):
     """A compiled output constraint for one request (runtime/text/constraints.py implements it).
 
     The engine asks for the allowed-token mask before sampling each answer token and commits the
-    sampled token afterwards. `allowed_mask` returns None while unconstrained (e.g. inside the
-    think block) or a bool array [vocab_size] of allowed ids.
+    sampled token afterwards. `allowed_bitmask_u32` returns None while unconstrained (e.g. inside
+    the think block) or the packed mask: uint32 [ceil(vocab_size / 32)], bit `id % 32` of word
+    `id // 32` set for an allowed id (the form llguidance writes and the device sampler reads).
     """
 
-    def allowed_mask(self, vocab_size: int) -> Optional[np.ndarray]: ...
+    def allowed_bitmask_u32(self, vocab_size: int) -> Optional[np.ndarray]: ...
 
     def commit(self, token_id: int) -> None: ...
 

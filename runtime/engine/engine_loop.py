@@ -10,9 +10,14 @@ Other threads talk to it only through two thread-safe channels:
 
 A step: `Scheduler.schedule()` -> runner calls (`reset_slot` + `prefill` per chunk, one batched
 `decode`) -> per request `LiveRequest.step(logits)` (sampling, thinking controls, finish
-decision) -> `Scheduler.update()` -> outputs. Output-constraint masks of the step's sampled rows
-depend only on tokens already committed, so a worker thread computes them while the runner
-works (llguidance and the runners release the GIL) instead of after the logits arrive.
+decision) -> `Scheduler.update()` -> outputs. A runner with `samples_on_device` (the CUDA
+runner, when its sampling kernels were built) samples decode rows itself (`decode_sampled`)
+from `RowSampling` inputs the engine builds, the same decision the host sampler makes, and only
+ids come back (`LiveRequest.step_sampled`); rows asking for logprobs keep the logits path.
+Output-constraint masks of the step's sampled rows depend only on tokens already committed, so
+a worker thread computes them while the runner works (llguidance and the runners release the
+GIL) instead of after the logits arrive; the device path asks for them once the forward pass
+is queued.
 
 Failure isolation: an exception while sampling, in a constraint, or in a sink ends only that
 request (finish reason `error`). A failed prefill chunk ends its one request. A failed batched
@@ -39,6 +44,7 @@ from runtime.engine.request_state import LiveRequest, OutputSink
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.thinking import budget_room_error
 from runtime.model.runner import ModelRunner
+from runtime.model.sampling import RowSampling
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -53,6 +59,8 @@ class EngineConfig:
     num_pages: KV pages to use (None: all the runner has).
     service_turn_tokens: under KV contention, new tokens a sequence produces before it gives
         way to one blocked by pages (bounded service turns, see the scheduler).
+    device_sampling: let a runner that can (`samples_on_device`) sample decode rows on its device
+        (False: always return logits and sample on the host; benches compare the two).
     """
 
     num_lanes: int = 1
@@ -62,6 +70,7 @@ class EngineConfig:
     max_batched_tokens: Optional[int] = None
     num_pages: Optional[int] = None
     service_turn_tokens: int = 128
+    device_sampling: bool = True
 
 
 class RequestStream:
@@ -303,7 +312,7 @@ class Engine:
         for request_id in sampled:
             constraint = self._live[request_id].request.constraint
             if constraint is not None:
-                futures[request_id] = self._mask_worker.submit(constraint.allowed_mask,
+                futures[request_id] = self._mask_worker.submit(constraint.allowed_bitmask_u32,
                                                                self.runner.vocab_size)
         return futures
 
@@ -328,16 +337,27 @@ class Engine:
         # Rows under suspicion (their batch failed before) decode alone until one step works.
         groups = [[w for w in batch.decodes if not self._live[w.request_id].suspect]]
         groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
+        sampled: dict[str, int] = {}
+        sampling_errors: dict[str, Exception] = {}
         for group in groups:
             if not group:
                 continue
+            items = [work.item() for work in group]
+            on_device = self._samples_on_device(group)
             try:
-                logits = runner.decode([work.item() for work in group])
+                if on_device:
+                    ids = runner.decode_sampled(
+                        items, lambda group=group: self._row_sampling(group, masks, sampling_errors))
+                else:
+                    logits = runner.decode(items)
             except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
                 self._decode_failed(group, exc)
                 continue
             for index, work in enumerate(group):
-                rows[work.request_id] = logits[index]
+                if on_device:
+                    sampled[work.request_id] = int(ids[index])
+                else:
+                    rows[work.request_id] = logits[index]
                 self._live[work.request_id].suspect = False
             self.counters["decode_tokens"] += len(group)
             self.counters["decode_batches"] += 1
@@ -345,12 +365,17 @@ class Engine:
 
         new_tokens: dict[str, tuple[int, ...]] = {}
         endings = []
-        for request_id, row in rows.items():
+        for request_id in [*rows, *sampled]:
             live = self._live.get(request_id)
             if live is None:
                 continue
             try:
-                result = live.step(row, masks.get(request_id))
+                if request_id in sampling_errors:
+                    raise sampling_errors[request_id]
+                if request_id in sampled:
+                    result = live.step_sampled(sampled[request_id])
+                else:
+                    result = live.step(rows[request_id], masks.get(request_id))
             except Exception as exc:  # noqa: BLE001 - sampling / constraint failure
                 self._end(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
                 continue
@@ -370,6 +395,29 @@ class Engine:
                     request_id=live.request_id, token_ids=result.token_ids,
                     inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
                     logprobs=result.logprobs))
+
+    def _samples_on_device(self, group: list) -> bool:
+        """Whether the runner samples this decode group itself (only ids come back): it can, the
+        engine allows it, and no row asks for logprobs (those need the logits on the host)."""
+        return (self.config.device_sampling and getattr(self.runner, "samples_on_device", False)
+                and not any(self._live[w.request_id].request.logprobs for w in group))
+
+    def _row_sampling(self, group: list, masks: dict[str, Future],
+                      errors: dict[str, Exception]) -> list[RowSampling]:
+        """The group's device-sampling inputs. The runner calls this once the forward pass is
+        queued, so waiting for the constraint masks here overlaps the GPU. A row whose mask
+        failed samples unconstrained and greedy; its request then ends with the error."""
+        vocab = self.runner.vocab_size
+        out = []
+        for work in group:
+            live = self._live[work.request_id]
+            try:
+                future = masks.get(work.request_id)
+                out.append(live.sampler.row_sampling(vocab, future.result() if future else None))
+            except Exception as exc:  # noqa: BLE001 - this request's constraint failed
+                errors[work.request_id] = exc
+                out.append(RowSampling(greedy=True))
+        return out
 
     def _decode_failed(self, group: list, exc: Exception) -> None:
         """A decode call failed. Alone, its row is the culprit: end it. In a batch, nobody knows

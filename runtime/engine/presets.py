@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from runtime.engine.api import SamplingParams
-from runtime.engine.sampler import TOP_K_CAP
+from runtime.model.sampling import TOP_K_CAP
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """One request's generation policy on the engine thread: sample, commit, decide the finish.
 
-`LiveRequest.step(logits)` turns the logits row of a sampling step into committed token ids:
-the sampled token, plus the thinking close span when the budget or the loop guard asks for it.
+`LiveRequest.step(logits)` turns the logits row of a sampling step into committed token ids
+(`step_sampled(token)` does the same for a token the runner sampled on its device): the sampled
+token, plus the thinking close span when the budget or the loop guard asks for it.
 It also decides whether the request ends there. Priorities at one boundary, highest first:
 stop token, output limit (`length`), context limit (`context`), then the thinking controls.
 """
@@ -77,20 +78,29 @@ class LiveRequest:
     def step(self, logits: np.ndarray, mask_future: Optional[Future] = None) -> StepResult:
         """Sample the next token from `logits` [V] and commit what follows from it.
 
-        mask_future: the constraint's mask for this token, already being computed elsewhere
-        (the engine overlaps it with the runner); computed here when not given."""
+        mask_future: the constraint's packed mask for this token, already being computed
+        elsewhere (the engine overlaps it with the runner); computed here when not given."""
         request = self.request
         mask = None
         if mask_future is not None:
             mask = mask_future.result()
         elif request.constraint is not None:
-            mask = request.constraint.allowed_mask(logits.shape[0])
+            mask = request.constraint.allowed_bitmask_u32(logits.shape[0])
         token = sample_token(logits, self.sampler, mask)
         logprobs = None
         if request.logprobs:
             lp = token_logprobs(logits, token, request.logprobs)
             logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob,
                          "top_logprobs": [{"token_id": i, "logprob": v} for i, v in lp.top]}]
+        return self._after_sample(token, logprobs)
+
+    def step_sampled(self, token_id: int) -> StepResult:
+        """Commit a token a runner sampled on its device from `sampler.row_sampling()`'s inputs
+        (`DEAD_END`: the constraint allowed nothing, raised as `DeadEndError`)."""
+        return self._after_sample(self.sampler.took(token_id), None)
+
+    def _after_sample(self, token: int, logprobs: Optional[list[dict]]) -> StepResult:
+        request = self.request
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self._commit(token)

@@ -8,9 +8,11 @@ Order of operations (the usual one of vLLM / llama.cpp, written out so tests can
 4. top-k (1..20; the command line's 0 means the cap of 20), then temperature;
 5. softmax, top-p (smallest prefix of the sorted distribution whose mass reaches p), min-p
    (drop tokens below min_p times the most likely one), renormalise;
-6. one uniform draw from the request's own generator (PCG64 seeded with the request seed) picks
-   by inverse CDF. The generator advances exactly once per sampled token, so the same seed,
-   prompt and settings reproduce the same output, also after a preemption and replay.
+6. one uniform draw picks by inverse CDF: draw number n of a request is
+   `draw_uniform(seed, n)` (runtime/model/sampling.py, a counter-based generator), n counting the
+   tokens it sampled (greedy steps draw nothing). The same seed, prompt and settings reproduce
+   the same output, also after a preemption and replay, and whether a step was sampled here or
+   by a runner on its device (`RowSampling` carries the same inputs to the GPU kernels).
 
 Candidates are ordered by (logit desc, id asc) before any cut, so ties never depend on sort
 stability or on the vocabulary size.
@@ -24,9 +26,8 @@ from typing import Optional
 import numpy as np
 
 from runtime.engine.api import SamplingParams
-
-TOP_K_CAP = 20
-GREEDY_TEMPERATURE = 1e-5   # at or below: treat as greedy (division would overflow)
+from runtime.model.sampling import (DEAD_END, GREEDY_TEMPERATURE, TOP_K_CAP, RowSampling,
+                                    draw_uniform)
 
 
 class DeadEndError(Exception):
@@ -43,11 +44,10 @@ class TokenLogprobs:
 
 
 class SamplerState:
-    """Per-request sampler state: the seeded generator and the output-token counts."""
+    """Per-request sampler state: the draw counter and the output-token counts."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.Generator(np.random.PCG64(params.seed))
         self.counts: dict[int, int] = {}
         self.num_draws = 0
 
@@ -55,24 +55,60 @@ class SamplerState:
         """Count a committed output token (sampled or inserted) for the penalties."""
         self.counts[token_id] = self.counts.get(token_id, 0) + 1
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy or self.params.temperature <= GREEDY_TEMPERATURE
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.greedy or params.temperature <= GREEDY_TEMPERATURE
+    def penalties(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32, deltas float32): `logit[id] -= delta` for the committed output tokens;
+        empty when no penalty applies."""
+        p = self.params
+        if not self.counts or not (p.presence_penalty or p.frequency_penalty):
+            return np.zeros(0, np.int32), np.zeros(0, np.float32)
+        ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+        counts = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
+        keep = ids < vocab_size
+        deltas = (p.presence_penalty + p.frequency_penalty * counts[keep]).astype(np.float32)
+        return ids[keep].astype(np.int32), deltas
+
+    def row_sampling(self, vocab_size: int, bitmask: Optional[np.ndarray]) -> RowSampling:
+        """This step's inputs for a device sampler (the same decision `sample_token` makes)."""
+        p = self.params
+        if self.greedy:
+            return RowSampling(greedy=True, bitmask=bitmask)
+        ids, deltas = self.penalties(vocab_size)
+        return RowSampling(greedy=False, temperature=p.temperature, top_k=resolved_top_k(p),
+                           top_p=p.top_p, min_p=p.min_p, seed=p.seed, draw_index=self.num_draws,
+                           penalty_ids=ids, penalty_deltas=deltas, bitmask=bitmask)
+
+    def took(self, token_id: int) -> int:
+        """Account for a token a device sampler picked from `row_sampling()`'s inputs."""
+        if token_id == DEAD_END:
+            raise DeadEndError("the output constraint allows no token")
+        if not self.greedy:
+            self.num_draws += 1
+        return token_id
 
 
-def apply_penalties(logits: np.ndarray, params: SamplingParams,
-                    counts: dict[int, int]) -> np.ndarray:
-    """`logits` with the penalties applied: a penalised copy, or `logits` itself when no
-    penalty applies (never modified in place)."""
-    if not counts or not (params.presence_penalty or params.frequency_penalty):
+def resolved_top_k(params: SamplingParams) -> int:
+    return min(params.top_k if params.top_k > 0 else TOP_K_CAP, TOP_K_CAP)
+
+
+def apply_penalties(logits: np.ndarray, state: SamplerState) -> np.ndarray:
+    """`logits` with the penalties applied (float32, as a device sampler does): a penalised
+    copy, or `logits` itself when no penalty applies (never modified in place)."""
+    ids, deltas = state.penalties(logits.shape[0])
+    if ids.shape[0] == 0:
         return logits
-    out = logits.copy()
-    ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
-    ids_count = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
-    keep = ids < out.shape[0]
-    ids, ids_count = ids[keep], ids_count[keep]
-    out[ids] = out[ids] - (params.presence_penalty + params.frequency_penalty * ids_count)
+    out = logits.astype(np.float32, copy=True)
+    out[ids] -= deltas
     return out
+
+
+def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Bool [vocab_size] of a packed allowed-token mask (bit id % 32 of word id // 32)."""
+    bits = np.unpackbits(bitmask.view(np.uint8), count=vocab_size, bitorder="little")
+    return bits.view(np.bool_)
 
 
 SAMPLE_STRIDE = 64        # top-k pre-filter: every 64th logit bounds the k-th largest from below
@@ -104,15 +140,14 @@ def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
     return pool[np.lexsort((pool, -values))[:k]]
 
 
-def candidate_distribution(logits: np.ndarray, params: SamplingParams,
-                           counts: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def candidate_distribution(logits: np.ndarray, state: SamplerState) -> tuple[np.ndarray, np.ndarray]:
     """The (ids, probabilities) the draw picks from, ids ordered by (logit desc, id asc).
 
     `logits` must already carry the constraint mask (-inf for disallowed ids).
     """
-    scores = apply_penalties(logits, params, counts)
-    k = min(params.top_k if params.top_k > 0 else TOP_K_CAP, TOP_K_CAP)
-    ids = top_ids(scores, k)
+    params = state.params
+    scores = apply_penalties(logits, state)
+    ids = top_ids(scores, resolved_top_k(params))
     if ids.shape[0] == 0:
         raise DeadEndError("no token is allowed")
     z = scores[ids].astype(np.float64) / max(params.temperature, GREEDY_TEMPERATURE)
@@ -132,8 +167,10 @@ def candidate_distribution(logits: np.ndarray, params: SamplingParams,
 
 def sample_token(logits: np.ndarray, state: SamplerState,
                  mask: Optional[np.ndarray] = None) -> int:
-    """Next token id for one sequence. `logits`: float [V]; `mask`: bool [V] or None."""
-    params = state.params
+    """Next token id for one sequence. `logits`: float [V]; `mask`: bool [V], a packed uint32
+    bitmask [ceil(V / 32)], or None."""
+    if mask is not None and mask.dtype != np.bool_:
+        mask = unpack_mask(mask, logits.shape[0])
     if mask is not None:
         if mask.shape[0] < logits.shape[0]:
             padded = np.zeros(logits.shape[0], dtype=bool)
@@ -144,10 +181,10 @@ def sample_token(logits: np.ndarray, state: SamplerState,
         if not mask.any():
             raise DeadEndError("the output constraint allows no token")
         logits = np.where(mask, logits, -np.inf)
-    if _is_greedy(params):
+    if state.greedy:
         return int(np.argmax(logits))
-    ids, probs = candidate_distribution(logits, params, state.counts)
-    draw = state.rng.random()
+    ids, probs = candidate_distribution(logits, state)
+    draw = draw_uniform(state.params.seed, state.num_draws)
     state.num_draws += 1
     index = int(np.searchsorted(np.cumsum(probs), draw, side="right"))
     return int(ids[min(index, ids.shape[0] - 1)])

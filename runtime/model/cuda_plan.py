@@ -82,6 +82,14 @@ class KernelChoice:
             self.prefill_attn = _find(lib, "attention_prefill", kind="fwd", Hq=hq, Hkv=hkv, D=d,
                                       x_stride=self.attn_stride)
 
+        # Device sampling (decode rows): None when not compiled (the engine samples on the host).
+        self.sample_candidates = _find(lib, "sampling", kind="candidates")
+        self.sample_pick = _find(lib, "sampling", kind="pick")
+        if not (self.sample_candidates and self.sample_pick):
+            self.sample_candidates = self.sample_pick = None
+        self.sample_ctas = lib.manifest.kernels[("sampling", self.sample_candidates)].config["C"] \
+            if self.sample_candidates else 0
+
     def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
         """(family, key) of the kernel computing x[m, k] @ W[n, k]^T."""
         lib = self.library
@@ -105,7 +113,8 @@ class KernelChoice:
         for attr, fam in (("gdn", "gdn"), ("gdn_split", "gdn"), ("gdn_chunked", "gdn_chunked"),
                           ("gdn_norm", "rmsnorm"), ("conv", "conv1d"),
                           ("prep", "attention"), ("split", "attention"), ("combine", "attention"),
-                          ("prefill_attn", "attention_prefill")):
+                          ("prefill_attn", "attention_prefill"), ("sample_candidates", "sampling"),
+                          ("sample_pick", "sampling")):
             if getattr(self, attr, None):
                 names.append((fam, getattr(self, attr)))
         return names

@@ -37,6 +37,7 @@ from runtime.model.cuda_plan import KernelChoice
 from runtime.model.cuda_weights import WeightLayout, fill_synthetic, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_page_table,
                                   checked_tokens)
+from runtime.model.sampling import TOP_K_CAP, RowSampling, seed_key
 
 BUCKETS = (1, 2, 4, 8)
 PREFILL_SPLITS = 16  # most KV splits per query row in prefill
@@ -97,6 +98,7 @@ class CudaRunner:
             self.reset_slot(n)
         self._plans: OrderedDict[tuple, list] = OrderedDict()
         self._graphs: dict[int, Any] = {}
+        self.samples_on_device = bool(self.kernels.sample_candidates)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -141,6 +143,21 @@ class CudaRunner:
             "cos": self.rope_positions * (c.rotary_dim // 2) * 2, "sin": self.rope_positions * (c.rotary_dim // 2) * 2,
             "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
         }
+        # Device sampling: each row's inputs (parameters, packed mask, penalty list) in one block
+        # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
+        self.mask_words = _cdiv(c.vocab_size, 32)
+        self.max_penalties = self.max_batch * min(self.max_context, c.vocab_size)
+        self.sample_off = {}
+        off = 0
+        for name, count in (("row_i32", self.max_batch * 8), ("row_f32", self.max_batch * 4),
+                            ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
+                            ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
+            self.sample_off[name] = off
+            off += _cdiv(count * 4, 256) * 256
+        sample_bytes = off
+        if k.sample_candidates:
+            cands = self.max_batch * k.sample_ctas * TOP_K_CAP * 4
+            sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": self.max_batch * 4})
         # Metadata (int32): ids, pos, wrow, qseq [rows]; slots, slots_in [max_batch]; err; table.
         self.meta_off = {}
         off = 0
@@ -166,6 +183,16 @@ class CudaRunner:
         self.meta_host = dev.pinned(self.meta_count * 4)
         self.logits_host = dev.pinned(self.logit_rows * c.vocab_size * 2)
         self.embed_host = dev.pinned(rows * h * 2)
+        self.sample_pinned = dev.pinned(sample_bytes) if k.sample_candidates else None
+        self.sample_host = {}
+        if self.sample_pinned is not None:
+            raw = self.sample_pinned.array(np.uint8)
+            for name, count in (("row_i32", self.max_batch * 8), ("row_f32", self.max_batch * 4),
+                                ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
+                                ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
+                dtype = {"row_f32": np.float32, "pen_delta": np.float32, "bitmask": np.uint32}.get(name, np.int32)
+                start = self.sample_off[name]
+                self.sample_host[name] = raw[start:start + count * 4].view(dtype)
 
     def _upload_rope(self) -> None:
         from runtime.artifact.formats import f32_to_bf16
@@ -217,6 +244,21 @@ class CudaRunner:
         return np.concatenate(outputs, axis=0)
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        return self._read_logits(0, self._launch_decode(items))
+
+    def decode_sampled(self, items: Sequence[DecodeItem],
+                       sampling: Callable[[], Sequence[RowSampling]]) -> np.ndarray:
+        """One token for each item, sampled on the device: int32 ids [len(items)] (`DEAD_END`
+        where a row's mask allows nothing). `sampling()` gives each row's inputs; it is called
+        once the forward pass is queued, so the host builds them while the GPU computes."""
+        b = self._launch_decode(items)
+        rows = list(sampling())
+        if len(rows) != b:
+            raise ValueError(f"sampling gave {len(rows)} rows for {b} decode items")
+        return self._sample(rows)
+
+    def _launch_decode(self, items: Sequence[DecodeItem]) -> int:
+        """Queue the decode step of `items` (logits rows 0..b-1 in the logits buffer); b."""
         b = len(items)
         if b == 0:
             raise ValueError("decode needs at least one item")
@@ -255,7 +297,7 @@ class CudaRunner:
         else:
             for launch in self._decode_plan(bucket):
                 launch(self.stream)
-        return self._read_logits(0, b)
+        return b
 
     # ------------------------------------------------------------------ steps
 
@@ -428,6 +470,63 @@ class CudaRunner:
         return [self.library.kernel(fam, key).bind(
             {"x": x, "w": self.arenas["weights"].base + slot.offset, "out": self.buf["logits"]}, {"M": rows})]
 
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, rows: Sequence[RowSampling]) -> np.ndarray:
+        """Sample logits rows 0..len(rows)-1 with the `sampling` kernels: the rows' inputs go up
+        in one pinned block (row parameters, bitmasks, penalty lists), the ids come back."""
+        b = len(rows)
+        v, words = self.vocab_size, self.mask_words
+        host = self.sample_host
+        row_i32 = host["row_i32"].reshape(self.max_batch, 8)
+        row_f32 = host["row_f32"].reshape(self.max_batch, 4)
+        masks = host["bitmask"].reshape(self.max_batch, words)
+        pen = 0
+        for r, row in enumerate(rows):
+            n = len(row.penalty_ids)
+            if pen + n > self.max_penalties:
+                raise ValueError(f"{pen + n} penalised ids in one step exceed the {self.max_penalties} reserved")
+            if n and (row.penalty_ids.min() < 0 or row.penalty_ids.max() >= v):
+                raise ValueError(f"penalised ids must be in [0, {v})")
+            host["pen_ids"][pen:pen + n] = row.penalty_ids
+            host["pen_delta"][pen:pen + n] = row.penalty_deltas
+            use_mask = row.bitmask is not None
+            if use_mask:
+                if row.bitmask.shape != (words,):
+                    raise ValueError(f"bitmask of row {r} has shape {row.bitmask.shape}, not ({words},)")
+                masks[r] = row.bitmask.view(np.uint32)
+            row_i32[r] = (int(row.greedy), row.top_k, np.uint32(seed_key(row.seed)).view(np.int32),
+                          row.draw_index, int(use_mask), pen, pen + n, 0)
+            row_f32[r] = (row.temperature, row.top_p, row.min_p, 0.0)
+            pen += n
+        dev, st, off = self.device, self.stream, self.sample_off
+        for name in ("row_i32", "row_f32", "bitmask"):
+            dev.memcpy_htod(self.buf["sample_in"] + off[name], host[name], st)
+        if pen:
+            dev.memcpy_htod(self.buf["sample_in"] + off["pen_ids"], host["pen_ids"][:pen], st)
+            dev.memcpy_htod(self.buf["sample_in"] + off["pen_delta"], host["pen_delta"][:pen], st)
+        for launch in self._plan(("sample", b), lambda: self._bind_sampling(b)):
+            launch(st)
+        ids = host["ids"][:b]
+        dev.memcpy_dtoh(ids, self.buf["sample_ids"], st)
+        st.synchronize()
+        return ids.copy()
+
+    def _bind_sampling(self, rows: int) -> list:
+        k, lib, buf, off = self.kernels, self.library, self.buf, self.sample_off
+        inputs = {name: buf["sample_in"] + off[name] for name in ("row_i32", "row_f32", "bitmask", "pen_ids",
+                                                                 "pen_delta")}
+        cands = {"cand_val": buf["cand_val"], "cand_id": buf["cand_id"]}
+        return [
+            lib.kernel("sampling", k.sample_candidates).bind(
+                {"logits": buf["logits"], "bitmask": inputs["bitmask"], "row_i32": inputs["row_i32"],
+                 "pen_ids": inputs["pen_ids"], "pen_delta": inputs["pen_delta"], **cands},
+                {"R": rows, "V": self.vocab_size}),
+            lib.kernel("sampling", k.sample_pick).bind(
+                {**cands, "row_i32": inputs["row_i32"], "row_f32": inputs["row_f32"], "ids": buf["sample_ids"]},
+                {"R": rows}),
+        ]
+
     # ------------------------------------------------------------------ host <-> device
 
     def _meta_clear(self) -> dict[str, np.ndarray]:
@@ -485,6 +584,7 @@ class CudaRunner:
             graph.destroy()
         self._graphs.clear()
         self._plans.clear()
-        for pinned in (self.meta_host, self.logits_host, self.embed_host):
-            pinned.free()
+        for pinned in (self.meta_host, self.logits_host, self.embed_host, self.sample_pinned):
+            if pinned is not None:
+                pinned.free()
         self.arenas.release()

@@ -253,19 +253,26 @@ def test_sink_failure_cancels_only_its_request(engine_factory):
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 10
 
 
+def _packed(mask):
+    """Bool [V] -> the packed uint32 bitmask [ceil(V / 32)] of the constraint protocol."""
+    bits = np.zeros(-(-mask.shape[0] // 32) * 32, dtype=bool)
+    bits[:mask.shape[0]] = mask
+    return np.packbits(bits, bitorder="little").view(np.uint32)
+
+
 class _OnlyEven:
     """A constraint that allows even ids only, for `limit` tokens, then only `end`."""
 
     def __init__(self, limit, end):
         self.limit, self.end, self.seen = limit, end, []
 
-    def allowed_mask(self, vocab_size):
+    def allowed_bitmask_u32(self, vocab_size):
         mask = np.zeros(vocab_size, dtype=bool)
         if len(self.seen) < self.limit:
             mask[0::2] = True
         else:
             mask[self.end] = True
-        return mask
+        return _packed(mask)
 
     def commit(self, token_id):
         self.seen.append(token_id)
@@ -293,8 +300,8 @@ def test_constraint_that_cannot_finish_in_time_ends_with_length(engine_factory):
 
 def test_constraint_dead_end_is_an_error_for_that_request(engine_factory):
     class DeadEnd(_OnlyEven):
-        def allowed_mask(self, vocab_size):
-            return np.zeros(vocab_size, dtype=bool)
+        def allowed_bitmask_u32(self, vocab_size):
+            return _packed(np.zeros(vocab_size, dtype=bool))
 
     engine = engine_factory()
     tokens, final = run_one(engine, request("a", [1, 2], 4, constraint=DeadEnd(1, 1)))
@@ -315,9 +322,9 @@ def test_constraint_masks_are_computed_while_the_runner_works(engine_factory):
             return super().decode(items)
 
     class Signalling(_OnlyEven):
-        def allowed_mask(self, vocab_size):
+        def allowed_bitmask_u32(self, vocab_size):
             mask_started.set()
-            return super().allowed_mask(vocab_size)
+            return super().allowed_bitmask_u32(vocab_size)
 
         def commit(self, token_id):
             mask_started.clear()  # the next mask belongs to the next step

@@ -1,0 +1,108 @@
+"""The sampling contract shared by the host sampler, the GPU sampling kernels and their reference.
+
+A runner that samples on its device (`CudaRunner.decode_sampled`) must pick exactly the token the
+host sampler (`runtime.engine.sampler.sample_token`) picks from the same logits, so a request
+gives the same output whichever path served a step, and after a preemption and replay. Two
+things make that possible and live here:
+
+- `draw_uniform(seed, index)`: the request's `index`-th uniform draw is a pure function of its
+  seed and the draw counter (a counter-based generator, not a stateful one), cheap in 32-bit
+  integer arithmetic on a GPU thread and in NumPy alike;
+- `RowSampling`: everything one row's draw depends on, resolved on the host (penalties as
+  per-token deltas, the constraint as a packed bitmask), in the form the kernels read.
+
+The integer hash is "lowbias32" (Chris Wellons' published constants): a bijection on 32-bit
+words with low avalanche bias. Mixing in the seed's two halves and the index through it gives
+well-spread 24-bit uniforms; a draw is `(h >> 8) * 2**-24`, in [0, 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+TOP_K_CAP = 20
+"""Most candidates any draw considers (top-k is 1..20; the command line's 0 means 20)."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""At or below: greedy (division by the temperature would overflow)."""
+
+_MASK32 = 0xFFFFFFFF
+SEED_SALT = 0x9E3779B9
+DRAW_SALT = 0x6A09E667
+
+
+def mix32(x):
+    """lowbias32 on uint32 (a Python int or a NumPy uint32 array)."""
+    if isinstance(x, np.ndarray):
+        x = x.astype(np.uint32)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> np.uint32(16)
+        return x
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    x ^= x >> 16
+    return x
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a 64-bit seed (computed once per request, on the host)."""
+    seed &= (1 << 64) - 1
+    return mix32((seed & _MASK32) ^ mix32((seed >> 32) ^ SEED_SALT))
+
+
+def draw_bits(key: int, index: int) -> int:
+    """The 32-bit hash behind draw `index` of the request with seed key `key`."""
+    return mix32(key ^ mix32((index + DRAW_SALT) & _MASK32))
+
+
+def draw_uniform(seed: int, index: int) -> float:
+    """The request's `index`-th uniform draw in [0, 1): a multiple of 2**-24."""
+    return (draw_bits(seed_key(seed), index) >> 8) * 2.0 ** -24
+
+
+@dataclass
+class RowSampling:
+    """One row's sampling inputs, resolved on the host.
+
+    greedy: argmax (lowest id on ties) over the masked logits; nothing else applies.
+    temperature, top_p, min_p: as in `SamplingParams` (temperature > GREEDY_TEMPERATURE).
+    top_k: 1..TOP_K_CAP.
+    seed: the request seed; draw_index: how many draws the request made before this one.
+    penalty_ids / penalty_deltas: `logit[id] -= delta` before the cut (presence + frequency
+        penalties of the request's output counts); distinct ids; empty when none apply.
+    bitmask: the constraint's packed allowed-token mask (bit `i % 32` of word `i // 32` set =
+        id `i` allowed; uint32 [ceil(V / 32)]), or None for no constraint.
+    """
+
+    greedy: bool
+    temperature: float = 1.0
+    top_k: int = TOP_K_CAP
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    draw_index: int = 0
+    penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    penalty_deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    bitmask: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        if not self.greedy:
+            if not 1 <= self.top_k <= TOP_K_CAP:
+                raise ValueError(f"top_k must be in 1..{TOP_K_CAP}, got {self.top_k}")
+            if not self.temperature > GREEDY_TEMPERATURE:
+                raise ValueError(f"temperature {self.temperature} is greedy; set greedy=True")
+        if len(self.penalty_ids) != len(self.penalty_deltas):
+            raise ValueError("penalty_ids and penalty_deltas differ in length")
+
+
+DEAD_END = -1
+"""The id a device sampler returns for a row whose constraint allows no token."""
