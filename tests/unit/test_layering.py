@@ -36,13 +36,15 @@ FORBIDDEN = {
     "cute_kernels": ("runtime", "protocols"),
 }
 # Exceptions to the table above, each a pure-data contract module:
-# the engine reaches the model only through the ModelRunner protocol module, and kernel families
+# the engine reaches the model only through the ModelRunner protocol module and the sampling
+# contract (the draws and per-row inputs the host sampler shares with the device sampler), kernel families
 # describe their launches with the manifest schema the runtime reads (one definition, not two).
 # `--demo` generates its tiny model on first use with the same tool the tests use.
+# The sampling kernels share the host sampler's pure-data contract (draw hash, row settings).
 ALLOWED = {
-    "runtime.engine": ("runtime.model.runner",),
+    "runtime.engine": ("runtime.model.runner", "runtime.model.sampling"),
     "runtime.session": ("tools.make_tiny",),
-    "cute_kernels": ("runtime.cuda.manifest", "runtime.cuda.expr"),
+    "cute_kernels": ("runtime.cuda.manifest", "runtime.cuda.expr", "runtime.model.sampling"),
 }
 
 
