@@ -3,8 +3,10 @@
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
-GPU time per step (CUDA events around the replays) and wall time per step (host work included:
-metadata upload, replay, logits download); tok/s = batch / wall time. Contexts are set by position
+GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
+sampled ids are on the host (metadata upload, replay, then either the logits download and the
+host sampler, or the GPU sampling kernels and the ids download; both reported, tok/s = batch /
+the better wall time). Contexts are set by position
 (the KV pages and states hold synthetic contents; decode cost does not depend on their values).
 The roofline is bytes that must move per step (every weight read once, embedding rows excepted;
 KV read for the context; the GDN state read and written) over the device-to-device copy bandwidth
@@ -69,6 +71,34 @@ def kernel_breakdown(runner: Any, bucket: int) -> dict[str, float]:
     return plan_breakdown_us(runner.device, runner.stream, runner._decode_plan(bucket), rounds=3)
 
 
+SAMPLING_MODES = ("host", "device")
+SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "presence_penalty": 1.5}
+
+
+def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -> float:
+    """Wall seconds per decode step that ends with sampled ids on the host: `host` downloads
+    the logits and runs the host sampler per row, `device` samples on the GPU
+    (`decode_sampled`). Sampling settings: `SAMPLING` (a Qwen thinking preset with a presence
+    penalty), each row its own seed."""
+    from runtime.engine.api import SamplingParams
+    from runtime.engine.sampler import SamplerState, sample_token
+    from runtime.model.runner import DecodeItem
+
+    states = [SamplerState(SamplingParams(seed=i, **SAMPLING)) for i in range(len(items))]
+    wall0 = time.perf_counter()
+    for i in range(steps):
+        step = [DecodeItem(it.slot, it.token_id, context + i, it.page_table) for it in items]
+        if mode == "device":
+            ids = runner.decode_sampled(step, lambda: [st.row_sampling(runner.vocab_size, None) for st in states])
+            tokens = [st.took(int(t)) for st, t in zip(states, ids)]
+        else:
+            logits = runner.decode(step)
+            tokens = [sample_token(row, st) for row, st in zip(logits, states)]
+        for st, t in zip(states, tokens):
+            st.observe(t)
+    return (time.perf_counter() - wall0) / steps
+
+
 def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
     from runtime.model.runner import DecodeItem
 
@@ -84,20 +114,12 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
                      for b in range(batch)]
             runner.decode(items)  # capture
             runner.decode(items)
-            start, end = dev.create_event(), dev.create_event()
-            gpu_ms = []
-            wall0 = time.perf_counter()
-            for i in range(steps):
-                step = [DecodeItem(it.slot, it.token_id, context + i, it.page_table) for it in items]
-                start.record(s)
-                runner.decode(step)
-                end.record(s)
-                end.synchronize()
-                gpu_ms.append(end.elapsed_ms(start))
-            wall = (time.perf_counter() - wall0) / steps
+            wall = {mode: timed_steps(runner, items, context, steps, mode) for mode in SAMPLING_MODES
+                    if mode != "device" or runner.samples_on_device}
             # GPU-only time of the graph (no host work in between): replay back to back.
             bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
             graph = runner._graphs[bucket]
+            start, end = dev.create_event(), dev.create_event()
             start.record(s)
             for _ in range(steps):
                 graph.replay(s)
@@ -106,10 +128,12 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
             graph_ms = end.elapsed_ms(start) / steps
             nbytes = step_bytes(runner, batch, context)
             floor_ms = nbytes / bw * 1e3
-            row = {"batch": batch, "context": context, "graph_ms": graph_ms, "wall_ms": wall * 1e3,
-                   "tok_s": batch / wall, "host_ms": wall * 1e3 - graph_ms, "bytes": nbytes,
+            best = min(wall.values())
+            row = {"batch": batch, "context": context, "graph_ms": graph_ms, "wall_ms": best * 1e3,
+                   "tok_s": batch / best, "host_ms": best * 1e3 - graph_ms, "bytes": nbytes,
                    "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
-                   "roofline_fraction_wall": floor_ms / (wall * 1e3)}
+                   "roofline_fraction_wall": floor_ms / (best * 1e3),
+                   "wall_ms_by_sampling": {mode: w * 1e3 for mode, w in wall.items()}}
             results.append(row)
             print(json.dumps(row), flush=True)
             if batch == 1:
@@ -120,11 +144,14 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> str:
     lines = [f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write).", "",
-             "| batch | context | GPU ms/step (graph) | wall ms/step | tok/s | host ms/step | floor ms | of roofline (GPU) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | context | GPU ms/step (graph) | wall ms/step, host sampling | wall ms/step, device sampling "
+             "| tok/s | host ms/step | floor ms | of roofline (GPU) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["results"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {r['wall_ms']:.2f} | {r['tok_s']:.1f} | "
-                     f"{r['host_ms']:.2f} | {r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% |")
+        by = r["wall_ms_by_sampling"]
+        device = f"{by['device']:.2f}" if "device" in by else "n/a"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {by['host']:.2f} | {device} | "
+                     f"{r['tok_s']:.1f} | {r['host_ms']:.2f} | {r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% |")
     for ctx, kernels in data["breakdown_us"].items():
         total = sum(kernels.values())
         lines += ["", f"One eager decode step at batch 1, context {ctx}: {total:.0f} us of kernels", "",

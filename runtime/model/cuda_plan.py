@@ -85,10 +85,15 @@ class KernelChoice:
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).
         self.sample_candidates = _find(lib, "sampling", kind="candidates")
         self.sample_pick = _find(lib, "sampling", kind="pick")
+        self.sample_ctas = 0
+        if self.sample_candidates and self.sample_pick:
+            cfg = lib.manifest.kernels[("sampling", self.sample_candidates)].config
+            self.sample_ctas = cfg["C"]
+            if c.vocab_size > cfg["C"] * cfg["threads"] * cfg["per_thread"]:  # the slices must cover V
+                self.sample_candidates = None
         if not (self.sample_candidates and self.sample_pick):
             self.sample_candidates = self.sample_pick = None
-        self.sample_ctas = lib.manifest.kernels[("sampling", self.sample_candidates)].config["C"] \
-            if self.sample_candidates else 0
+            self.sample_ctas = 0
 
     def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
         """(family, key) of the kernel computing x[m, k] @ W[n, k]^T."""

@@ -89,7 +89,7 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemm_sm90", "conv1d",
-                        "gdn", "gdn_chunked", "attention", "attention_prefill"}
+                        "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
