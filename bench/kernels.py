@@ -216,15 +216,20 @@ def bench_gemv(b: Bench, quick: bool) -> None:
         for m, mb in ((1, 8), (8, 8), (16, 16)):
             if quick and m == 16:
                 continue
-            kern = b.lib.kernel("gemv", f"{name}_n{n}_k{k}_m{mb}")
             x = _bf16(torch, m, k)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             reps = max(copies, 8 // copies * copies)
-            bound = [kern.bind({"x": x.data_ptr(), "w": ws[i % copies].data_ptr(), "out": out.data_ptr()}, {"M": m})
-                     for i in range(reps)]
             peer = [lambda i=i: torch.matmul(x, ws[i % copies].T) for i in range(reps)]
-            us, peer_us = b.compare(b.ours(bound), b.peer(peer))
-            b.record("gemv", kern.entry.key, f"M={m} N={n} K={k}", us, peer_us, "cuBLAS", wbytes + m * (k + n) * 2)
+            # Every variant compiled for the shape (a trial form added to gemv.variants() is
+            # timed next to the others in the same run).
+            for v in gemv.variants():
+                if (v.config["N"], v.config["K"], v.config["MB"]) != (n, k, mb):
+                    continue
+                kern = b.lib.kernel("gemv", v.key)
+                bound = [kern.bind({"x": x.data_ptr(), "w": ws[i % copies].data_ptr(), "out": out.data_ptr()},
+                                   {"M": m}) for i in range(reps)]
+                us, peer_us = b.compare(b.ours(bound), b.peer(peer))
+                b.record("gemv", v.key, f"M={m} N={n} K={k}", us, peer_us, "cuBLAS", wbytes + m * (k + n) * 2)
         del ws
 
 

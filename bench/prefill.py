@@ -75,7 +75,7 @@ def use_gdn(runner: Any, mode: str, kernels: dict[str, Any]) -> None:
 
 
 def gdn_vs_fla(runner: Any, n: int) -> dict[str, Any]:
-    """Microseconds of our GDN prefill kernels (chunked, split) and of fla's
+    """Microseconds of our GDN prefill kernels (every compiled chunked variant, split) and of fla's
     `chunk_gated_delta_rule` for one n-token sequence of one layer on the runner's shape, same
     inputs (median of 5 after a warm-up). fla gets q/k already repeated to the value heads and g,
     beta precomputed (what transformers does before calling it); ours reads the conv output and
@@ -101,9 +101,13 @@ def gdn_vs_fla(runner: Any, n: int) -> dict[str, Any]:
     out = torch.empty(n, hv * dv, device="cuda", dtype=torch.bfloat16)
     ours: dict[str, Any] = {}
     outputs = {}
-    for name, family, key in (("chunked", "gdn_chunked", k.gdn_chunked), ("split", "gdn", k.gdn_split)):
-        if not key:
-            continue
+    chunked = sorted(key for (fam, key), e in runner.library.manifest.kernels.items()
+                     if fam == "gdn_chunked" and (e.config["Hk"], e.config["Hv"], e.config["dk"], e.config["dv"])
+                     == (hk, hv, dk, dv))
+    kernels = [(f"chunked {key}", "gdn_chunked", key) for key in chunked]
+    if k.gdn_split:
+        kernels.append(("split", "gdn", k.gdn_split))
+    for name, family, key in kernels:
         launch = runner.library.kernel(family, key).bind(
             {"qkv": qkv.data_ptr(), "x": x.data_ptr(), "a_log": a_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
              "state": state.data_ptr(), "slots": slots.data_ptr(), "out": out.data_ptr()}, {"B": 1, "T": n, "NS": 1})
@@ -294,9 +298,8 @@ def render(data: dict[str, Any]) -> str:
     if "fla_us" in fla:
         lines += ["", f"Gated DeltaNet prefill alone, one layer, one {fla['tokens']}-token sequence (same inputs):",
                   "", "| kernel | ms | relative difference vs fla |", "|---|---:|---:|"]
-        for name in ("chunked", "split"):
-            if f"{name}_us" in fla:
-                lines.append(f"| ours ({name}) | {fla[f'{name}_us'] / 1e3:.3f} | {fla[f'{name}_rel_diff_vs_fla']:.1e} |")
+        for name in [key[:-3] for key in fla if key.endswith("_us") and key != "fla_us"]:
+            lines.append(f"| ours ({name}) | {fla[f'{name}_us'] / 1e3:.3f} | {fla[f'{name}_rel_diff_vs_fla']:.1e} |")
         lines.append(f"| fla chunk_gated_delta_rule (fla {fla['fla']}, torch {fla['torch']}) | {fla['fla_us'] / 1e3:.3f} | |")
     elif fla:
         lines += ["", f"GDN vs fla not run: {fla.get('error')}"]

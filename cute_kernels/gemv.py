@@ -33,8 +33,12 @@ SMS = 132  # SMs of an H100/H200 SXM (any count is correct; this one balances th
 # Spread variants: a grid of SPREAD[(name, MB)] x SMS CTAs, CTA b owning rows
 # [b * N // grid, (b + 1) * N // grid) (7 or 8 rows: the MMA's upper 8 rows are zeros). N = 5120
 # with 16 rows per CTA gives 320 CTAs, 2 or 3 per SM, and the SMs holding 3 stream 1.24x the
-# average and finish last; 5 x 132 CTAs of 7-8 rows give every SM the same bytes.
-SPREAD = {("o_proj", 8): 5}
+# average and finish last; 6 x 132 CTAs of 6-7 rows give every SM the same bytes.
+SPREAD = {("o_proj", 8): 6}
+# Chunks each warp's loop keeps in flight (default min(chunks, 4)). o_proj's K = 6144 leaves each
+# warp 12 chunks: unrolling all 12 (with 6 x 132 CTAs) measured 88 % of copy bandwidth at M = 1
+# against 86 % for 4 (5 x 132 CTAs) in the same run; 6 fell to 70 % (docs/performance.md).
+UNROLL = {("o_proj", 8): 12}
 CHUNK = 64  # K columns per warp step: 4 lanes x 32 bytes = one 128-byte line per row
 
 # (name, N, K): every linear layer of the 27B at decode (BF16 weights).
@@ -49,14 +53,17 @@ SHAPES = [
 
 
 def _variant(name: str, n: int, k: int, mb: int) -> Variant:
-    ctas = SPREAD[(name, mb)] * SMS if (name, mb) in SPREAD else n // ROWS
+    spread = SPREAD.get((name, mb))
+    ctas = spread * SMS if spread else n // ROWS
+    unroll = UNROLL.get((name, mb), min(k // WARPS // CHUNK, 4))
     rows = -(-n // ctas)  # the most rows one CTA owns
-    if (name, mb) in SPREAD and rows > ROWS // 2:
+    if spread and rows > ROWS // 2:
         raise ValueError(f"gemv {name} m{mb}: {ctas} CTAs give {rows} rows per CTA, more than {ROWS // 2}")
     return Variant(
         family=FAMILY,
         key=f"{name}_n{n}_k{k}_m{mb}",
-        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": rows, "ctas": ctas, "chunk": CHUNK},
+        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": rows, "ctas": ctas, "chunk": CHUNK,
+                "unroll": unroll},
         params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
         sizes=("M",),
@@ -99,7 +106,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     groups = mb // 8  # 8-token MMA column groups
     per_warp = k // WARPS
     chunks = per_warp // CHUNK
-    unroll = min(chunks, 4)
+    unroll = variant.config["unroll"]
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
     @cute.kernel

@@ -98,6 +98,10 @@ OPTIONS: tuple[Option, ...] = (
            "vocabulary, CPU) when no model path is given", group="general"),
     Option("device", str, "auto", "cpu (NumPy reference backend), cuda, a CUDA device index, or "
            "auto (cuda when a GPU is present, else cpu)", group="general", metavar="DEV"),
+    Option("synthetic-weights", int, None, "fill the weights with seeded random values on the "
+           "GPU instead of reading them from the model (speed runs of real model sizes: the "
+           "output is noise); needs --device cuda", group="general", minimum=0,
+           maximum=(1 << 63) - 1, metavar="SEED"),
     Option("chat-template", str, None, "use a local Jinja chat template instead of the "
            "artifact's", group="general", metavar="FILE"),
     Option("log-level", str, "info", "stderr log verbosity", group="general",

@@ -36,6 +36,7 @@ from runtime.engine.kv_pages import pages_for
 from runtime.engine.presets import SamplingOverrides, model_presets, resolve_sampling
 from runtime.engine.thinking import WORD_CONTINUES, WORD_SEPARATOR, WORD_STARTS
 from runtime.log import Progress, get_logger
+from runtime.model.config import ModelConfig
 from runtime.model.runner import PAGE_SIZE
 from runtime.text.parser import prompt_ends_in_reasoning
 
@@ -268,18 +269,27 @@ class ModelSession:
     @staticmethod
     def _make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int,
                      prefill_chunk: int, settings: Any, logger) -> Any:
+        synthetic = getattr(settings, "synthetic_weights", None)
+        if synthetic is not None and device != "cuda":
+            raise ConfigError(f"--synthetic-weights fills weights on the GPU; the {device} backend "
+                              "reads them from the model (use --device cuda)")
         if device == "cuda":
             if settings.device.isdigit() and settings.device != "0":
                 raise ConfigError(f"--device {settings.device}: the CUDA runner drives device 0 "
                                   "only so far")
             module = importlib.import_module(CUDA_RUNNER_MODULE)
             progress = _WeightProgress()
+            shape = {"num_pages": num_pages, "num_slots": num_lanes,
+                     "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
+                     "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
+                     "cuda_graphs": not settings.no_cuda_graph}
             try:
-                return module.CudaRunner.from_artifact(
-                    artifact, num_pages=num_pages, num_slots=num_lanes,
-                    max_batch=min(b for b in (1, 2, 4, 8) if b >= num_lanes),
-                    prefill_chunk=prefill_chunk, max_context=settings.max_context,
-                    cuda_graphs=not settings.no_cuda_graph, progress=progress)
+                if synthetic is not None:
+                    logger.warning("--synthetic-weights %d: random weights, the output is noise",
+                                   synthetic)
+                    config = ModelConfig.from_dict(artifact.component("text").config)
+                    return module.CudaRunner.synthetic(config, synthetic, **shape)
+                return module.CudaRunner.from_artifact(artifact, progress=progress, **shape)
             except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
                 raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "
                                   "reference") from None
@@ -381,11 +391,14 @@ class ModelSession:
                 vocab_size=self.runner.vocab_size, eos_ids=self.tokenizer.eos_ids)
         return self._constraint_compiler
 
-    def compile_constraint(self, spec: Any, thinking: bool):
-        """A fresh per-request constraint; the grammar starts after `</think>` in thinking."""
+    def compile_constraint(self, spec: Any, thinking: bool, *, tool_calls: bool = False):
+        """A fresh per-request constraint; the grammar starts after `</think>` in thinking.
+        tool_calls: the spec covers tool calls, so `<tool_call>` is not allowed inside the
+        think block (the output parser would take it as a call the grammar never checked)."""
+        banned = (self.tokenizer.special.tool_call,) if tool_calls and thinking else ()
         return self.constraint_compiler.compile(
             spec, starts_in_thinking=thinking, think_end_id=self.think_end_id,
-            thinking_banned_ids=())
+            thinking_banned_ids=banned)
 
     def build_request(self, prompt: RenderedPrompt, *, max_new_tokens: int,
                       sampling: Optional[SamplingParams] = None,

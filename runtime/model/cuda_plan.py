@@ -62,7 +62,11 @@ class KernelChoice:
             # un-normalised output and the gated norm runs as its own launch. All None (prefill
             # uses the fused decode kernel) when the norm or both prefill kernels are missing.
             split = _find(lib, "gdn", mode="split", Hk=hk, Hv=hv, dk=dk, dv=dv)
-            chunked = _find(lib, "gdn_chunked", mode="chunked", Hk=hk, Hv=hv, dk=dk, dv=dv, x_stride=stride)
+            # The fastest measured form of the chunked kernel (value columns over 2 CTAs, prefetch,
+            # blocked T; docs/performance.md), else any form compiled for the shape.
+            shape = {"mode": "chunked", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "x_stride": stride}
+            chunked = _find(lib, "gdn_chunked", vsplit=2, prefetch=True, tinv="blocked", **shape) \
+                or _find(lib, "gdn_chunked", **shape)
             norm = _find(lib, "rmsnorm", mode="gated_x", H=dv, heads=hv, z_stride=stride)
             self.gdn_norm = norm if split or chunked else None
             self.gdn_split = split if norm else None

@@ -84,6 +84,7 @@ class CudaRunner:
             self.library.kernel(fam, key)
         self.layout = WeightLayout.plan(c)
         self._component = component
+        self._host_embed: np.ndarray | None = None
 
         self.rows = max(prefill_chunk, max_batch)
         self._reserve()
@@ -549,9 +550,17 @@ class CudaRunner:
             self.device.memcpy_htod(self.buf["resid"], host, self.stream)
 
     def _embed_table(self) -> np.ndarray:
-        if self._component is None:
-            raise RuntimeError("synthetic weights need an embedding kernel for this vocabulary/hidden size")
-        return self._component.raw("embed_tokens.weight")
+        """The bf16 embedding table on the host, for shapes without an embedding kernel (the
+        tiny test models): the artifact's mapped tensor, or a copy of the synthetic one."""
+        if self._component is not None:
+            return self._component.raw("embed_tokens.weight")
+        if self._host_embed is None:
+            slot = self.layout.globals["embed"]
+            table = np.empty(slot.shape, np.uint16)
+            self.device.memcpy_dtoh(table, self.arenas["weights"].base + slot.offset, self.stream)
+            self.stream.synchronize()
+            self._host_embed = table
+        return self._host_embed
 
     def _read_logits(self, row0: int, rows: int) -> np.ndarray:
         v = self.config.vocab_size

@@ -41,13 +41,17 @@ def _read_f32(mem, ptr, like):
     return got
 
 
-@pytest.mark.parametrize("key,split_key,b,t", [
-    ("fwd_k16_v48_d128", "k16_v48_d128_s8", 1, 1),
-    ("fwd_k16_v48_d128", "k16_v48_d128_s8", 1, 63),
-    ("fwd_k16_v48_d128", "k16_v48_d128_s8", 1, 64),
-    ("fwd_k16_v48_d128", "k16_v48_d128_s8", 1, 200),
-    ("fwd_k16_v32_d128", "k16_v32_d128_s8", 2, 65),
-    ("fwd_k16_v32_d128", "k16_v32_d128_s8", 3, 130)])
+# Every form of the kernel (gdn_chunked._FORMS: "" one CTA per head, the plain form; _v2pt value
+# columns over 2 CTAs, prefetch, blocked T, the one the runner uses): one token, a partial chunk,
+# an exact chunk, several chunks with a ragged tail, and several sequences on scattered slots.
+_SUFFIXES = [suffix for suffix, *_ in gdn_chunked._FORMS]
+_CASES = [(f"fwd_k16_v48_d128{suffix}", "k16_v48_d128_s8", 1, t) for suffix in _SUFFIXES
+          for t in (1, 63, 64, 200)]
+_CASES += [(f"fwd_k16_v32_d128{suffix}", "k16_v32_d128_s8", b, t) for suffix in _SUFFIXES
+           for b, t in ((2, 65), (3, 130))]
+
+
+@pytest.mark.parametrize("key,split_key,b,t", _CASES)
 def test_gdn_chunked(library, mem, stream, key, split_key, b, t):
     cfg = _variant(gdn_chunked, key).config
     assert _variant(gdn, split_key).config["x_stride"] == cfg["x_stride"]
