@@ -26,10 +26,15 @@ def _bf(rng, shape, scale=1.0):
 @pytest.mark.parametrize("m", [1, 3, 37])
 def test_rmsnorm(library, mem, stream, variant, m):
     rng = np.random.default_rng(1000 + m)
-    h, mode = variant.config["H"], variant.config["mode"]
+    cfg = variant.config
+    h, mode = cfg["H"], cfg["mode"]
+    tokens = m
+    if mode == "gated_x":  # rows are (token, value head); z lives in each token's projection row
+        m = tokens * cfg["heads"]
     x = _bf(rng, (m, h), 3.0)
-    w = _bf(rng, (h,), 0.2 if mode != "gated" else 1.0)
-    if mode == "gated":
+    gated = mode in ("gated", "gated_x")
+    w = _bf(rng, (h,), 1.0 if gated else 0.2)
+    if gated:
         w = round_bf16(1.0 + w)  # plain weights sit near 1
     kernel = library.kernel("rmsnorm", variant.key)
     out = mem.poisoned((m + 1) * h)
@@ -41,6 +46,10 @@ def test_rmsnorm(library, mem, stream, variant, m):
     if mode == "gated":
         z = _bf(rng, (m, h), 2.0)
         bufs["z"] = mem.bf16(z)
+    if mode == "gated_x":
+        proj = _bf(rng, (tokens, cfg["z_stride"]), 2.0)
+        bufs["z"] = mem.bf16(proj)
+        z = proj[:, cfg["z_off"]:cfg["z_off"] + m // tokens * h].reshape(m, h)
     kernel.launch(stream, bufs, {"M": m})
     got = mem.read_bf16(out, (m + 1, h))
     assert np.isnan(got[m]).all(), "the row past M was written"
