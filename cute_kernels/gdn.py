@@ -99,6 +99,24 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
     )
 
 
+def prefill_launcher(kernel: Any, variant: Variant) -> tuple[Any, list[Any]]:
+    """The host launcher and example arguments of a kernel with `prefill_interface`'s
+    parameters (`split` here, `gdn_chunked`)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    @cute.jit
+    def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
+               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32,
+               stream: Any):
+        kernel(qkv, x, a_log, dt_bias, state, slots, out, nb, nt).launch(
+            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
+
+
 def prefill_interface(lay: dict[str, int], hv: int, dk: int, dv: int) -> dict[str, Any]:
     """Parameters, tensors and sizes shared by the GDN prefill kernels that write the
     un-normalised o (`split` here, `gdn_chunked`): one description, so the runner can launch
@@ -414,12 +432,4 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
             cute.make_tensor(s_base + (j0 + i * groups) * dk, v4).store(s[None, i].load())
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gdn_{variant.key}")
-
-    @cute.jit
-    def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
-               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32,
-               stream: Any):
-        kernel(qkv, x, a_log, dt_bias, state, slots, out, nb, nt).launch(
-            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
-
-    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
+    return prefill_launcher(kernel, variant)

@@ -560,12 +560,4 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cute.make_tensor(s_base + r * dk + c, one)[0] = acc_s[i]
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gdn_chunked_{variant.key}")
-
-    @cute.jit
-    def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
-               state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32,
-               stream: Any):
-        kernel(qkv, x, a_log, dt_bias, state, slots, out, nb, nt).launch(
-            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
-
-    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
+    return gdn.prefill_launcher(kernel, variant)

@@ -371,6 +371,35 @@ def _make_rounds(per_lane: int, k: int) -> Any:
     return rounds
 
 
+def _make_merge(merged: int, k: int) -> Any:
+    """Warp 0's merge of the warps' lists: lane l gathers entries l, l + 32, ... of the `merged`
+    (value, id) pairs in shared memory (missing slots -inf / NO_ID) and the warp writes the top k,
+    sorted, to `out_val` / `out_id` (see `_make_rounds`)."""
+    import cutlass
+    from cutlass import cute
+
+    per_lane = -(-merged // 32)
+    rounds = _make_rounds(per_lane, k)
+    f32, i32_t = cutlass.Float32, cutlass.Int32
+    neg_inf = float("-inf")
+
+    @cute.jit
+    def merge(s_val: cute.Tensor, s_id: cute.Tensor, out_val: cute.Tensor, out_id: cute.Tensor,
+              lane: cutlass.Int32):
+        vals = cute.make_rmem_tensor((per_lane,), f32)
+        ids = cute.make_rmem_tensor((per_lane,), i32_t)
+        for s in cutlass.range_constexpr(per_lane):
+            e = s * 32 + lane
+            vals[s] = f32(neg_inf)
+            ids[s] = i32_t(NO_ID)
+            if e < merged:
+                vals[s] = s_val[e]
+                ids[s] = s_id[e]
+        rounds(vals, ids, out_val, out_id, lane)
+
+    return merge
+
+
 def _build_candidates(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     from cutlass import cute
@@ -381,11 +410,10 @@ def _build_candidates(variant: Variant) -> tuple[Any, list[Any]]:
     c, k, threads, per = cfg["C"], cfg["K"], cfg["threads"], cfg["per_thread"]
     warps = threads // 32
     merged = warps * k  # warp-list entries warp 0 merges
-    merge_per_lane = -(-merged // 32)
     f32, i32_t = cutlass.Float32, cutlass.Int32
     neg_inf = float("-inf")
     rounds_1 = _make_rounds(per, k)
-    rounds_2 = _make_rounds(merge_per_lane, k)
+    merge = _make_merge(merged, k)
 
     @cute.kernel
     def kernel(logits: cute.Pointer, bitmask: cute.Pointer, row_i32: cute.Pointer, pen_ids: cute.Pointer,
@@ -451,18 +479,9 @@ def _build_candidates(variant: Variant) -> tuple[Any, list[Any]]:
                  cute.make_tensor(s_id.iterator + warp * k, cute.make_layout(k)), lane)
         cute.arch.sync_threads()
         if warp == 0:
-            mvals = cute.make_rmem_tensor((merge_per_lane,), f32)
-            mids = cute.make_rmem_tensor((merge_per_lane,), i32_t)
-            for s in cutlass.range_constexpr(merge_per_lane):
-                e = s * 32 + lane
-                mvals[s] = f32(neg_inf)
-                mids[s] = i32_t(NO_ID)
-                if e < merged:
-                    mvals[s] = s_val[e]
-                    mids[s] = s_id[e]
             out = (cutlass.Int64(row) * c + cta) * k
-            rounds_2(mvals, mids, cute.make_tensor(cand_val + out, cute.make_layout(k)),
-                     cute.make_tensor(cand_id + out, cute.make_layout(k)), lane)
+            merge(s_val, s_id, cute.make_tensor(cand_val + out, cute.make_layout(k)),
+                  cute.make_tensor(cand_id + out, cute.make_layout(k)), lane)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_sampling_{variant.key}")
 
@@ -489,11 +508,10 @@ def _build_pick(variant: Variant) -> tuple[Any, list[Any]]:
     total = c * k
     per = total // threads
     merged = warps * k
-    merge_per_lane = -(-merged // 32)
     f32, i32_t, u32 = cutlass.Float32, cutlass.Int32, cutlass.Uint32
     neg_inf = float("-inf")
     rounds_1 = _make_rounds(per, k)
-    rounds_2 = _make_rounds(merge_per_lane, k)
+    merge = _make_merge(merged, k)
 
     @cute.jit
     def mix(x: cutlass.Uint32) -> cutlass.Uint32:
@@ -532,17 +550,8 @@ def _build_pick(variant: Variant) -> tuple[Any, list[Any]]:
                  cute.make_tensor(s_id.iterator + warp * k, cute.make_layout(k)), lane)
         cute.arch.sync_threads()
         if warp == 0:
-            mvals = cute.make_rmem_tensor((merge_per_lane,), f32)
-            mids = cute.make_rmem_tensor((merge_per_lane,), i32_t)
-            for s in cutlass.range_constexpr(merge_per_lane):
-                e = s * 32 + lane
-                mvals[s] = f32(neg_inf)
-                mids[s] = i32_t(NO_ID)
-                if e < merged:
-                    mvals[s] = s_val[e]
-                    mids[s] = s_id[e]
             # Lane 0 (thread 0) writes the row's sorted top k and reads it back below.
-            rounds_2(mvals, mids, s_top_val, s_top_id, lane)
+            merge(s_val, s_id, s_top_val, s_top_id, lane)
         if tid == 0:
             meta = cute.make_tensor(row_i32 + row * ROW_I32, cute.make_layout(ROW_I32))
             fmeta = cute.make_tensor(row_f32 + row * ROW_F32, cute.make_layout(ROW_F32))

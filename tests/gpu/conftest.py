@@ -76,6 +76,14 @@ class Mem:
         self.stream.synchronize()
         return bf16.from_bits(out)
 
+    def read_f32(self, ptr: int, like: np.ndarray) -> np.ndarray:
+        """A float32 array shaped like `like`, read from `ptr`."""
+        out = np.empty_like(like, dtype=np.float32)
+        self.stream.synchronize()
+        self.device.memcpy_dtoh(out, ptr, self.stream)
+        self.stream.synchronize()
+        return out
+
     def read_i32(self, ptr: int, count: int) -> np.ndarray:
         out = np.empty(count, np.int32)
         self.stream.synchronize()

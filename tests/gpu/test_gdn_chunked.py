@@ -33,13 +33,6 @@ def _variant(module, key):
     return next(v for v in module.variants() if v.key == key)
 
 
-def _read_f32(mem, ptr, like):
-    got = np.empty_like(like)
-    mem.stream.synchronize()
-    mem.device.memcpy_dtoh(got, ptr, mem.stream)
-    mem.stream.synchronize()
-    return got
-
 
 # Every form of the kernel (gdn_chunked._FORMS: "" one CTA per head, the plain form; _v2pt value
 # columns over 2 CTAs, prefetch, blocked T, the one the runner uses): one token, a partial chunk,
@@ -71,7 +64,7 @@ def test_gdn_chunked(library, mem, stream, key, split_key, b, t):
         mem.device.memcpy_htod(st, state_vk, stream)
         o = mem.poisoned((b * t + 1) * hv * dv)
         library.kernel(fam, k).launch(stream, {**common, "state": st, "out": o}, {"B": b, "T": t, "NS": ns})
-        bufs[name] = (mem.read_bf16(o, (b * t + 1, hv * dv)), _read_f32(mem, st, state_vk))
+        bufs[name] = (mem.read_bf16(o, (b * t + 1, hv * dv)), mem.read_f32(st, state_vk))
     o_c, s_c = bufs["chunked"]
     o_s, _ = bufs["split"]
     assert np.isnan(o_c[b * t]).all(), "wrote past the last row"
