@@ -71,15 +71,17 @@ def kernel_breakdown(runner: Any, bucket: int) -> dict[str, float]:
     return plan_breakdown_us(runner.device, runner.stream, runner._decode_plan(bucket), rounds=3)
 
 
-SAMPLING_MODES = ("host", "device")
+SAMPLING_MODES = ("host", "device", "device+ahead")
 SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "presence_penalty": 1.5}
 
 
 def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -> float:
     """Wall seconds per decode step that ends with sampled ids on the host: `host` downloads
     the logits and runs the host sampler per row, `device` samples on the GPU
-    (`decode_sampled`). Sampling settings: `SAMPLING` (a Qwen thinking preset with a presence
-    penalty), each row its own seed."""
+    (`decode_sampled`), `device+ahead` also lets the runner queue the next step before it
+    returns (look-ahead; every step here continues the same sequences, so each is used).
+    Sampling settings: `SAMPLING` (a Qwen thinking preset with a presence penalty), each row its
+    own seed."""
     from runtime.engine.api import SamplingParams
     from runtime.engine.sampler import SamplerState, sample_token
     from runtime.model.runner import DecodeItem
@@ -88,9 +90,11 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
     wall0 = time.perf_counter()
     for i in range(steps):
         step = [DecodeItem(it.slot, it.token_id, context + i, it.page_table) for it in items]
-        if mode == "device":
-            ids = runner.decode_sampled(step, lambda: [st.row_sampling(runner.vocab_size, None) for st in states])
+        if mode.startswith("device"):
+            ids = runner.decode_sampled(step, lambda: [st.row_sampling(runner.vocab_size, None) for st in states],
+                                        lookahead=mode == "device+ahead" and i + 1 < steps)
             tokens = [st.took(int(t)) for st, t in zip(states, ids)]
+            items = [DecodeItem(it.slot, t, it.pos, it.page_table) for it, t in zip(items, tokens)]
         else:
             logits = runner.decode(step)
             tokens = [sample_token(row, st) for row, st in zip(logits, states)]
@@ -115,7 +119,7 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
             runner.decode(items)  # capture
             runner.decode(items)
             wall = {mode: timed_steps(runner, items, context, steps, mode) for mode in SAMPLING_MODES
-                    if mode != "device" or runner.samples_on_device}
+                    if mode == "host" or runner.samples_on_device}
             # GPU-only time of the graph (no host work in between): replay back to back.
             bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
             graph = runner._graphs[bucket]
@@ -145,12 +149,12 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     lines = [f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write).", "",
              "| batch | context | GPU ms/step (graph) | wall ms/step, host sampling | wall ms/step, device sampling "
-             "| tok/s | host ms/step | floor ms | of roofline (GPU) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| wall ms/step, device + look-ahead | tok/s | host ms/step | floor ms | of roofline (GPU) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["results"]:
         by = r["wall_ms_by_sampling"]
-        device = f"{by['device']:.2f}" if "device" in by else "n/a"
-        lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {by['host']:.2f} | {device} | "
+        device, ahead = (f"{by[m]:.2f}" if m in by else "n/a" for m in ("device", "device+ahead"))
+        lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {by['host']:.2f} | {device} | {ahead} | "
                      f"{r['tok_s']:.1f} | {r['host_ms']:.2f} | {r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% |")
     for ctx, kernels in data["breakdown_us"].items():
         total = sum(kernels.values())

@@ -15,14 +15,16 @@ from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 FAMILY = "embedding"
 THREADS = 128
 
-_SHAPES = [("v248320_h5120", 248320, 5120), ("v248320_h2048", 248320, 2048), ("v151936_h2048", 151936, 2048)]
+_SHAPES = [("v248320_h5120", 248320, 5120), ("v248320_h2048", 248320, 2048), ("v151936_h2048", 151936, 2048),
+           ("v512_h256", 512, 256)]  # the last: the tiny test model (tools/make_tiny.py)
 
 
 def _variant(key: str, vocab: int, h: int) -> Variant:
+    threads = min(THREADS, h // 8)  # 8 bf16 (16 bytes) per thread and vector
     return Variant(
         family=FAMILY,
         key=key,
-        config={"V": vocab, "H": h, "threads": THREADS},
+        config={"V": vocab, "H": h, "threads": threads},
         params=[ptr("ids"), ptr("table"), ptr("out"), ptr("err"), i32("M")],
         tensors={
             "ids": tensor("i32", "M"),
@@ -31,7 +33,7 @@ def _variant(key: str, vocab: int, h: int) -> Variant:
             "err": tensor("i32", 1, role="inout"),
         },
         sizes=("M",),
-        block=(THREADS, 1, 1),
+        block=(threads, 1, 1),
         grid=("M", 1, 1),
         requires=("M >= 1",),
         arches=ALL_ARCHES,
@@ -59,16 +61,16 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     from . import _dsl
 
-    vocab, h = variant.config["V"], variant.config["H"]
-    vecs = h // (8 * THREADS)
-    if h % (8 * THREADS):
-        raise ValueError(f"{variant.name}: H={h} must be a multiple of {8 * THREADS}")
+    vocab, h, threads = variant.config["V"], variant.config["H"], variant.config["threads"]
+    vecs = h // (8 * threads)
+    if h % (8 * threads):
+        raise ValueError(f"{variant.name}: H={h} must be a multiple of {8 * threads}")
 
     @cute.kernel
     def kernel(ids: cute.Pointer, table: cute.Pointer, out: cute.Pointer, err: cute.Pointer, m: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        layout = cute.make_layout((8, vecs, THREADS), stride=(1, THREADS * 8, 8))
+        layout = cute.make_layout((8, vecs, threads), stride=(1, threads * 8, 8))
         gids = cute.make_tensor(ids, cute.make_layout(m))
         token = gids[row]
         gout = cute.make_tensor(out + cutlass.Int64(row) * h, layout)

@@ -12,7 +12,9 @@ Inputs: `qkv` [B*T, conv_dim] is the conv1d output (`[q | k | v]`, bf16), `x` [B
 GDN input projection whose columns `z_off`, `b_off`, `a_off` hold z [Hv*dv], b [Hv], a [Hv]. The
 fp32 state pool is `[slots, Hv, dv, dk]` (rows of dk contiguous, "v-major"): a state row is one
 512-byte vector at dk = 128, so S k and S q are reductions inside a group of dk/4 lanes and the
-rank-1 update is row-local. Sequence b uses slot `slots[b]`.
+rank-1 update is row-local. Sequence b uses slot `slots[b]` (the fused kernel reads it there and
+writes it to `slots_out[b]`: the same slot in place, or another one when the runner computes a
+decode step it may still discard, see cuda_runner's look-ahead).
 
 Two modes:
 
@@ -78,7 +80,7 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
         config={"mode": "fused", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, **lay,
                 "l2_eps": L2_EPS, "norm_eps": NORM_EPS},
         params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("norm_w"), ptr("state"), ptr("slots"),
-                ptr("out"), i32("B"), i32("T")],
+                ptr("slots_out"), ptr("out"), i32("B"), i32("T")],
         tensors={
             "qkv": tensor("bf16", "B * T", lay["conv_dim"]),
             "x": tensor("bf16", "B * T", lay["x_stride"]),
@@ -87,6 +89,7 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int) -> Vari
             "norm_w": tensor("bf16", dv),
             "state": tensor("f32", "NS", hv, dv, dk, role="inout"),
             "slots": tensor("i32", "B"),
+            "slots_out": tensor("i32", "B"),
             "out": tensor("bf16", "B * T", hv * dv, role="out"),
         },
         sizes=("B", "T", "NS"),
@@ -242,8 +245,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     @cute.kernel
     def kernel(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
-               norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer,
-               nb: cutlass.Int32, nt: cutlass.Int32):
+               norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, slots_out: cute.Pointer,
+               out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         lr = tid % lanes
@@ -254,9 +257,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(f32, cute.make_layout((warps, 2)), byte_alignment=16)
         slot = cute.make_tensor(slots, cute.make_layout(nb))[b]
+        slot_out = cute.make_tensor(slots_out, cute.make_layout(nb))[b]
         v4 = cute.make_layout((4,))
         one = cute.make_layout(1)
         s_base = state + (cutlass.Int64(slot) * hv + h) * (dv * dk) + 4 * lr
+        s_out = state + (cutlass.Int64(slot_out) * hv + h) * (dv * dk) + 4 * lr
         s = cute.make_rmem_tensor((4, rows), f32)
         nw = cute.make_rmem_tensor((rows,), f32)
         for i in cutlass.range_constexpr(rows):
@@ -316,18 +321,18 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     cute.make_tensor(orow + j, one)[0] = y.to(bf16)
         for i in cutlass.range_constexpr(rows):
             j = grp + i * groups
-            cute.make_tensor(s_base + j * dk, v4).store(s[None, i].load())
+            cute.make_tensor(s_out + j * dk, v4).store(s[None, i].load())
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gdn_{variant.key}")
 
     @cute.jit
     def launch(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
-               norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer,
-               nb: cutlass.Int32, nt: cutlass.Int32, stream: Any):
-        kernel(qkv, x, a_log, dt_bias, norm_w, state, slots, out, nb, nt).launch(
+               norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, slots_out: cute.Pointer,
+               out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32, stream: Any):
+        kernel(qkv, x, a_log, dt_bias, norm_w, state, slots, slots_out, out, nb, nt).launch(
             grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
 
-    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4})
+    return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4, "slots_out": 4})
 
 
 def _build_split(variant: Variant) -> tuple[Any, list[Any]]:

@@ -347,7 +347,8 @@ class Engine:
             try:
                 if on_device:
                     ids = runner.decode_sampled(
-                        items, lambda group=group: self._row_sampling(group, masks, sampling_errors))
+                        items, lambda group=group: self._row_sampling(group, masks, sampling_errors),
+                        lookahead=self._same_decode_next(batch, groups))
                 else:
                     logits = runner.decode(items)
             except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
@@ -401,6 +402,19 @@ class Engine:
         engine allows it, and no row asks for logprobs (those need the logits on the host)."""
         return (self.config.device_sampling and getattr(self.runner, "samples_on_device", False)
                 and not any(self._live[w.request_id].request.logprobs for w in group))
+
+    def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
+        """Whether the next step will most likely decode exactly this step's rows again (then the
+        runner may compute it ahead): a pure decode step of one group, nobody waiting for a lane,
+        and no row at its output or context limit after this token."""
+        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting:
+            return False
+        for work in batch.decodes:
+            live = self._live[work.request_id]
+            if (len(live.output_ids) + 2 > live.request.max_new_tokens
+                    or live.total_len + 2 > live.max_context):
+                return False
+        return True
 
     def _row_sampling(self, group: list, masks: dict[str, Future],
                       errors: dict[str, Exception]) -> list[RowSampling]:

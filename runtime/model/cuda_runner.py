@@ -5,8 +5,10 @@ Storage (all reserved once at construction, `runtime.cuda.memory.DeviceArenas`):
 - KV pages: per full-attention layer, K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and
   post-RoPE (the paging contract of `runner.py`); page `num_pages` is a pad page that padded
   decode rows write into;
-- state slots: per GDN layer the fp32 recurrent state `[num_slots + 1, Hv, dv, dk]` (v-major) and
-  the conv window `[num_slots + 1, Kc - 1, conv_dim]` bf16; slot `num_slots` is the pad slot;
+- state slots: per GDN layer the fp32 recurrent state `[phys_slots, Hv, dv, dk]` (v-major) and
+  the conv window `[phys_slots, Kc - 1, conv_dim]` bf16. The engine's `num_slots` slots map onto
+  physical ones (`_phys`); `max_batch` spares receive the states of a decode step computed
+  ahead, and the last physical slot is the pad slot that padded decode rows use;
 - workspace: activations for up to `max(prefill_chunk, max_batch)` rows, attention split
   partials, the logits rows, RoPE tables and one int32 metadata block.
 
@@ -15,6 +17,13 @@ shape (`_bind_forward`). Per-step values (token ids, positions, KV rows, slots, 
 in the metadata block, uploaded with one host-to-device copy before the launches, so decode for
 each batch bucket (1, 2, 4, 8) is captured once into a CUDA graph and replayed; `cuda_graphs=False`
 launches the same list eagerly. Logits come back as bf16 and are returned as float32.
+
+Look-ahead (`decode_sampled(..., lookahead=True)`): after queueing step t's sampling, the runner
+queues step t+1 for the same sequences (ids copied on the device from the sampler's output,
+positions + 1, states written to spare slots) before it waits for step t's ids, so the GPU runs
+t+1 while the engine commits t and prepares its next call. If that call asks for exactly that
+step, its forward pass is already done (the spares become the sequences' slots); otherwise it is
+dropped.
 
 Prefill splits a chunk into pieces of at most `prefill_chunk` tokens. GDN runs the chunked (WY,
 tensor-core) kernel over the piece where one was compiled for the shape, else the recurrent
@@ -27,6 +36,7 @@ shape, else it treats each token as a query row of the split-KV kernel (see docs
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -40,6 +50,30 @@ from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_p
 from runtime.model.sampling import TOP_K_CAP, RowSampling, seed_key
 
 BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass
+class _Ahead:
+    """A decode step queued ahead (`CudaRunner.decode_sampled`): for the engine slots `slots`, in
+    order, the tokens `tokens` at `positions` over the pages `tables`, states written to `spares`."""
+
+    slots: list[int]
+    positions: list[int]
+    tables: list[np.ndarray]
+    tokens: np.ndarray  # the ids sampled for these positions (set once they are on the host)
+    spares: list[int]
+
+    def matches(self, items: Sequence[DecodeItem]) -> bool:
+        if len(items) != len(self.slots):
+            return False
+        for i, item in enumerate(items):
+            if (int(item.slot) != self.slots[i] or int(item.pos) != self.positions[i]
+                    or int(item.token_id) != int(self.tokens[i])):
+                return False
+            pages = np.asarray(item.page_table, dtype=np.int64).reshape(-1)[:len(self.tables[i])]
+            if not np.array_equal(pages, self.tables[i]):
+                return False
+        return True
 PREFILL_SPLITS = 16  # most KV splits per query row in prefill
 
 
@@ -53,7 +87,7 @@ class CudaRunner:
     def __init__(self, config: ModelConfig, *, num_pages: int, num_slots: int, component: Any = None,
                  synthetic_seed: int | None = None, device: Any = None, library: Any = None,
                  max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
-                 cuda_graphs: bool = True, decode_split: int = 256,
+                 cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None):
         from runtime.cuda.kernels import KernelLibrary
 
@@ -66,6 +100,14 @@ class CudaRunner:
         self.vocab_size = c.vocab_size
         self.num_pages = num_pages
         self.num_slots = num_slots
+        # Physical state slots: the engine's slots map onto them (`_phys`); `max_batch` spares
+        # hold a decode step computed ahead (see `decode_sampled`), the last one is the pad slot.
+        spares = max_batch if lookahead else 0
+        self.phys_slots = num_slots + spares + 1
+        self.pad_slot = self.phys_slots - 1
+        self._phys = list(range(num_slots))
+        self._spares = list(range(num_slots, num_slots + spares))
+        self._ahead: _Ahead | None = None
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs
@@ -99,6 +141,8 @@ class CudaRunner:
             self.reset_slot(n)
         self._plans: OrderedDict[tuple, list] = OrderedDict()
         self._graphs: dict[int, Any] = {}
+        self._ids_ready = device.create_event()
+        self.lookahead_steps = {True: 0, False: 0}  # steps computed ahead: used, dropped
         self.samples_on_device = bool(self.kernels.sample_candidates)
 
     # ------------------------------------------------------------------ construction helpers
@@ -124,9 +168,9 @@ class CudaRunner:
         rows = self.rows
         n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
         kv_bytes = (self.num_pages + 1) * PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2
-        state_bytes = (self.num_slots + 1) * c.linear_num_value_heads * c.linear_value_head_dim \
+        state_bytes = self.phys_slots * c.linear_num_value_heads * c.linear_value_head_dim \
             * c.linear_key_head_dim * 4
-        win_bytes = (self.num_slots + 1) * (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
+        win_bytes = self.phys_slots * (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
         self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
         self.state_slot_bytes = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
         k = self.kernels
@@ -181,7 +225,10 @@ class CudaRunner:
         st = self.arenas["state_slots"]
         self.states = [st.take(state_bytes, f"state{i}").ptr for i in range(n_gdn)]
         self.windows = [st.take(win_bytes, f"window{i}").ptr for i in range(n_gdn)]
-        self.meta_host = dev.pinned(self.meta_count * 4)
+        # Two pinned metadata blocks, used in turn: a step computed ahead is prepared in one while
+        # the upload of the step before may still read the other.
+        self.meta_hosts = [dev.pinned(self.meta_count * 4), dev.pinned(self.meta_count * 4)]
+        self._meta_turn = 0
         self.logits_host = dev.pinned(self.logit_rows * c.vocab_size * 2)
         self.embed_host = dev.pinned(rows * h * 2)
         self.sample_pinned = dev.pinned(sample_bytes) if k.sample_candidates else None
@@ -211,6 +258,8 @@ class CudaRunner:
 
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)
+        self._ahead = None
+        slot = self._phys[slot]
         for state, window in zip(self.states, self.windows):
             self.device.memset_d8(state + slot * self.state_slot_bytes, 0, self.state_slot_bytes, self.stream)
             self.device.memset_d8(window + slot * self.win_slot_bytes, 0, self.win_slot_bytes, self.stream)
@@ -218,6 +267,8 @@ class CudaRunner:
     def copy_slot(self, src: int, dst: int) -> None:
         self._check_slot(src)
         self._check_slot(dst)
+        self._ahead = None
+        src, dst = self._phys[src], self._phys[dst]
         for state, window in zip(self.states, self.windows):
             self.device.memcpy_dtod(state + dst * self.state_slot_bytes, state + src * self.state_slot_bytes,
                                     self.state_slot_bytes, self.stream)
@@ -234,29 +285,56 @@ class CudaRunner:
         if end > self.max_context:
             raise ValueError(f"positions up to {end - 1} exceed this runner's context of {self.max_context}")
         pages = checked_page_table(chunk.page_table, end, self.num_pages)
+        self._ahead = None
         outputs = []
         for lo in range(0, len(tokens), self.prefill_chunk):
             piece = tokens[lo:lo + self.prefill_chunk]
             last = lo + len(piece) == len(tokens)
             want = "all" if chunk.all_logits else ("last" if last else "none")
-            out = self._prefill_piece(chunk.slot, piece, start + lo, pages, want)
+            out = self._prefill_piece(self._phys[chunk.slot], piece, start + lo, pages, want)
             if out is not None:
                 outputs.append(out)
         return np.concatenate(outputs, axis=0)
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        self._ahead = None
         return self._read_logits(0, self._launch_decode(items))
 
-    def decode_sampled(self, items: Sequence[DecodeItem],
-                       sampling: Callable[[], Sequence[RowSampling]]) -> np.ndarray:
+    def decode_sampled(self, items: Sequence[DecodeItem], sampling: Callable[[], Sequence[RowSampling]],
+                       lookahead: bool = False) -> np.ndarray:
         """One token for each item, sampled on the device: int32 ids [len(items)] (`DEAD_END`
         where a row's mask allows nothing). `sampling()` gives each row's inputs; it is called
-        once the forward pass is queued, so the host builds them while the GPU computes."""
-        b = self._launch_decode(items)
+        once the forward pass is queued, so the host builds them while the GPU computes.
+
+        lookahead: the caller expects to decode the same sequences again next, each with the
+        token sampled here at the next position. The runner then queues that step's forward
+        pass before returning (its input ids copied on the device from the sampler's output,
+        its GDN states and conv windows written to spare slots), so the GPU computes step t+1
+        while the host handles step t. The next call uses it if its items are exactly those
+        (same slots in the same order, positions + 1, the sampled ids, the same pages) and
+        discards it otherwise; a discarded step changed nothing but K/V rows at positions the
+        real step rewrites before any query reads them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.lookahead_steps[ahead.matches(items)] += 1
+        if ahead is not None and ahead.matches(items):
+            b = len(items)
+            for logical, spare in zip(ahead.slots, ahead.spares):
+                self._spares[self._spares.index(spare)] = self._phys[logical]
+                self._phys[logical] = spare
+        else:
+            b = self._launch_decode(items)
         rows = list(sampling())
         if len(rows) != b:
             raise ValueError(f"sampling gave {len(rows)} rows for {b} decode items")
-        return self._sample(rows)
+        done = self._queue_sampling(rows)
+        ahead = self._launch_ahead(items) if lookahead else None
+        done.synchronize()
+        ids = self.sample_host["ids"][:b].copy()
+        if ahead is not None:
+            ahead.tokens = ids
+            self._ahead = ahead
+        return ids
 
     def _launch_decode(self, items: Sequence[DecodeItem]) -> int:
         """Queue the decode step of `items` (logits rows 0..b-1 in the logits buffer); b."""
@@ -285,11 +363,15 @@ class CudaRunner:
             meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
         meta["ids"][:b] = tokens
         meta["qseq"][:bucket] = np.arange(bucket)
-        meta["slots"][:bucket] = self.num_slots  # pad slot
-        meta["slots"][:b] = slots
+        meta["slots"][:bucket] = self.pad_slot
+        meta["slots"][:b] = [self._phys[s] for s in slots]
         meta["slots_in"][:bucket] = meta["slots"][:bucket]
         meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
         self._upload_step(tokens, bucket)
+        self._run_decode(bucket)
+        return b
+
+    def _run_decode(self, bucket: int) -> None:
         if self.cuda_graphs:
             graph = self._graphs.get(bucket)
             if graph is None:
@@ -298,7 +380,40 @@ class CudaRunner:
         else:
             for launch in self._decode_plan(bucket):
                 launch(self.stream)
-        return b
+
+    def _launch_ahead(self, items: Sequence[DecodeItem]) -> "_Ahead | None":
+        """Queue the decode step after `items` (see `decode_sampled`); None where it cannot be
+        computed ahead: no embedding kernel (ids are gathered on the host), too few spare slots,
+        a position past the context, or a next position whose page the table does not hold yet."""
+        b = len(items)
+        if not self.kernels.embedding or b > len(self._spares):
+            return None
+        positions = [int(item.pos) + 1 for item in items]
+        tables = [np.asarray(item.page_table, dtype=np.int64).reshape(-1) for item in items]
+        if any(p >= self.max_context or p // PAGE_SIZE >= len(t) for p, t in zip(positions, tables)):
+            return None
+        tables = [checked_page_table(t, p + 1, self.num_pages) for p, t in zip(positions, tables)]
+        bucket = next(x for x in BUCKETS if x >= b)
+        spares = self._spares[:b]
+        meta = self._meta_views(self._next_meta_block())
+        meta["table"].reshape(self.max_batch, self.maxp)[:] = self.num_pages
+        for i, (p, pages) in enumerate(zip(positions, tables)):
+            meta["table"].reshape(self.max_batch, self.maxp)[i, :len(pages)] = pages
+            meta["pos"][i] = p
+            meta["wrow"][i] = pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+        meta["qseq"][:bucket] = np.arange(bucket)
+        meta["slots_in"][:bucket] = self.pad_slot
+        meta["slots_in"][:b] = [self._phys[int(item.slot)] for item in items]
+        meta["slots"][:bucket] = self.pad_slot
+        meta["slots"][:b] = spares
+        meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
+        self.device.memcpy_htod(self.buf["meta"], self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count),
+                                self.stream)
+        self.device.memcpy_dtod(self.buf["meta"] + self.meta_off["ids"] * 4, self.buf["sample_ids"], b * 4,
+                                self.stream)
+        self._run_decode(bucket)
+        return _Ahead(slots=[int(item.slot) for item in items], positions=positions, tables=tables,
+                      tokens=np.zeros(0, np.int32), spares=spares)
 
     # ------------------------------------------------------------------ steps
 
@@ -412,7 +527,7 @@ class CudaRunner:
                 launch("conv1d", k.conv, {"x": buf["proj"], "w": w(layer["conv"]), "win_in": win_in,
                                           "win_out": self.windows[n], "slots_in": mptr("slots_in"),
                                           "slots_out": mptr("slots"), "out": buf["conv_out"]},
-                       {"B": nseq, "T": t, "NI": 1 if prefill else self.num_slots + 1, "NO": self.num_slots + 1})
+                       {"B": nseq, "T": t, "NI": 1 if prefill else self.phys_slots, "NO": self.phys_slots})
                 gdn_args = {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": w(layer["a_log"]),
                             "dt_bias": w(layer["dt_bias"]), "state": self.states[n], "slots": mptr("slots")}
                 if prefill and (k.gdn_chunked or k.gdn_split):
@@ -420,13 +535,17 @@ class CudaRunner:
                     # norm in place, z read from the projection rows.
                     family, key = ("gdn_chunked", k.gdn_chunked) if k.gdn_chunked else ("gdn", k.gdn_split)
                     launch(family, key, {**gdn_args, "out": buf["gdn_out"]},
-                           {"B": nseq, "T": t, "NS": self.num_slots + 1})
+                           {"B": nseq, "T": t, "NS": self.phys_slots})
                     launch("rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
                                                    "w": w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                            {"M": m * c.linear_num_value_heads})
                 else:
-                    launch("gdn", k.gdn, {**gdn_args, "norm_w": w(layer["gdn_norm"]), "out": buf["gdn_out"]},
-                           {"B": nseq, "T": t, "NS": self.num_slots + 1})
+                    # Decode reads each state at slots_in and writes it at slots (the same slot,
+                    # or a spare for a step computed ahead); prefill works in place.
+                    launch("gdn", k.gdn, {**gdn_args, "slots": mptr("slots" if prefill else "slots_in"),
+                                          "slots_out": mptr("slots"), "norm_w": w(layer["gdn_norm"]),
+                                          "out": buf["gdn_out"]},
+                           {"B": nseq, "T": t, "NS": self.phys_slots})
                 linear(buf["gdn_out"], layer["out_proj"], buf["delta"], m)
             else:
                 n = attn_index
@@ -473,9 +592,10 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(self, rows: Sequence[RowSampling]) -> np.ndarray:
-        """Sample logits rows 0..len(rows)-1 with the `sampling` kernels: the rows' inputs go up
-        in one pinned block (row parameters, bitmasks, penalty lists), the ids come back."""
+    def _queue_sampling(self, rows: Sequence[RowSampling]) -> Any:
+        """Queue the sampling of logits rows 0..len(rows)-1 with the `sampling` kernels: the rows'
+        inputs go up in one pinned block (row parameters, bitmasks, penalty lists), the ids come
+        back into `sample_host["ids"]`; returns the event that marks them there."""
         b = len(rows)
         v, words = self.vocab_size, self.mask_words
         host = self.sample_host
@@ -508,10 +628,9 @@ class CudaRunner:
             dev.memcpy_htod(self.buf["sample_in"] + off["pen_delta"], host["pen_delta"][:pen], st)
         for launch in self._plan(("sample", b), lambda: self._bind_sampling(b)):
             launch(st)
-        ids = host["ids"][:b]
-        dev.memcpy_dtoh(ids, self.buf["sample_ids"], st)
-        st.synchronize()
-        return ids.copy()
+        dev.memcpy_dtoh(host["ids"][:b], self.buf["sample_ids"], st)
+        self._ids_ready.record(st)
+        return self._ids_ready
 
     def _bind_sampling(self, rows: int) -> list:
         k, lib, buf, off = self.kernels, self.library, self.buf, self.sample_off
@@ -530,17 +649,25 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ host <-> device
 
-    def _meta_clear(self) -> dict[str, np.ndarray]:
-        self.stream.synchronize()  # the previous step's upload may still read the pinned block
-        arr = self.meta_host.array(np.int32, self.meta_count)
+    def _next_meta_block(self) -> np.ndarray:
+        """The other pinned metadata block, zeroed (the one the last upload read stays intact)."""
+        self._meta_turn ^= 1
+        arr = self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count)
         arr[:] = 0
+        return arr
+
+    def _meta_views(self, arr: np.ndarray) -> dict[str, np.ndarray]:
         sizes = {"ids": self.rows, "pos": self.rows, "wrow": self.rows, "qseq": self.rows,
                  "slots": self.max_batch, "slots_in": self.max_batch, "err": 4,
                  "table": self.max_batch * self.maxp}
         return {name: arr[off:off + sizes[name]] for name, off in self.meta_off.items()}
 
+    def _meta_clear(self) -> dict[str, np.ndarray]:
+        self.stream.synchronize()  # earlier uploads may still read the pinned blocks
+        return self._meta_views(self._next_meta_block())
+
     def _upload_step(self, tokens: np.ndarray, rows: int) -> None:
-        arr = self.meta_host.array(np.int32, self.meta_count)
+        arr = self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count)
         self.device.memcpy_htod(self.buf["meta"], arr, self.stream)
         if not self.kernels.embedding:
             embed = self._embed_table()
@@ -576,6 +703,7 @@ class CudaRunner:
         st = np.empty((c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim), np.float32)
         win = np.empty((c.linear_conv_kernel_dim - 1, c.conv_dim), np.uint16)
         self.stream.synchronize()
+        slot = self._phys[slot]
         self.device.memcpy_dtoh(st, self.states[layer] + slot * self.state_slot_bytes, self.stream)
         self.device.memcpy_dtoh(win, self.windows[layer] + slot * self.win_slot_bytes, self.stream)
         self.stream.synchronize()
@@ -593,7 +721,7 @@ class CudaRunner:
             graph.destroy()
         self._graphs.clear()
         self._plans.clear()
-        for pinned in (self.meta_host, self.logits_host, self.embed_host, self.sample_pinned):
+        for pinned in (*self.meta_hosts, self.logits_host, self.embed_host, self.sample_pinned):
             if pinned is not None:
                 pinned.free()
         self.arenas.release()

@@ -8,7 +8,8 @@ downloaded logits. Both see the same bf16 logits and the same counter-based draw
 request must produce the same tokens. The only way they may differ is the fp32 (device) vs
 fp64 (host) softmax putting a draw on the other side of a cumulative boundary; no such case
 occurs for these seeds, so the test asks for identity. A last check: the device path really
-ran (the runner's sampling plans were bound).
+ran (the runner's sampling plans were bound). The second test does the same while sequences join
+and leave the decode batch, so the runner's look-ahead steps are both used and dropped.
 """
 
 from __future__ import annotations
@@ -63,21 +64,30 @@ def _requests(vocab):
     return out
 
 
-def _run(runner, device_sampling):
+def _run(runner, device_sampling, requests=None, stagger=0):
+    """Tokens of each request; with `stagger`, request i is submitted once request i - 1 has
+    `stagger` tokens (sequences join and leave a running decode batch)."""
     from runtime.engine.engine_loop import Engine, EngineConfig
 
     engine = Engine(runner, EngineConfig(num_lanes=8, max_context=512, prefill_chunk=128,
                                          device_sampling=device_sampling),
                     on_thread_start=runner.device.make_current).start()
     try:
-        streams = [engine.submit(r) for r in _requests(runner.vocab_size)]
-        results = []
-        for stream in streams:
-            tokens = []
+        streams, tokens = [], []
+
+        def pull(i):
+            tokens[i].extend(streams[i].get(timeout=60).token_ids)
+
+        for request in requests or _requests(runner.vocab_size):
+            if stagger and streams:
+                while len(tokens[-1]) < stagger and not streams[-1].done:
+                    pull(len(streams) - 1)
+            streams.append(engine.submit(request))
+            tokens.append([])
+        for i, stream in enumerate(streams):
             while not stream.done:
-                tokens.extend(stream.get(timeout=60).token_ids)
-            results.append(tokens)
-        return results
+                pull(i)
+        return tokens
     finally:
         engine.shutdown()
 
@@ -100,3 +110,83 @@ def test_device_sampling_equals_host_sampling(tiny_path, device, library):  # no
     assert len(set(on_device[1])) > 5, "sampled output looks degenerate"
     for i, (a, b) in enumerate(zip(on_device, on_host)):
         assert a == b, f"request {i}: device {a} != host {b}"
+
+
+def test_lookahead_through_joins_and_leaves(tiny_path, device, library):  # noqa: F811
+    """Sequences with different lengths, submitted while others decode: the runner computes
+    steps ahead while the batch is steady; the tokens must still be those of host sampling."""
+    from runtime.engine.api import EngineRequest, SamplingParams
+    from runtime.model.cuda_runner import CudaRunner
+
+    runner = CudaRunner.from_artifact(tiny_path, num_pages=80, num_slots=8, max_batch=8, device=device,
+                                      library=library, prefill_chunk=128)
+    rng = np.random.default_rng(9)
+    requests = [EngineRequest(request_id=f"s{i}", prompt_ids=tuple(int(t) for t in rng.integers(0, 512, 9 + 5 * i)),
+                              sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=100 + i,
+                                                      presence_penalty=0.5 * (i % 2)),
+                              max_new_tokens=(20, 50, 35, 70, 12, 60)[i])
+                for i in range(6)]
+    try:
+        if not runner.samples_on_device:
+            pytest.skip("the sampling kernels were not built")
+        on_device = _run(runner, True, requests, stagger=6)
+        used, dropped = runner.lookahead_steps[True], runner.lookahead_steps[False]
+        on_host = _run(runner, False, requests, stagger=6)
+    finally:
+        runner.close()
+    assert [len(t) for t in on_device] == [20, 50, 35, 70, 12, 60]
+    # The engine asks for look-ahead only while nobody waits for a lane and no row is at its
+    # limit, so steps are computed ahead in the steady stretches (the H200 run: 76 used, 0 dropped).
+    assert used > 50, (used, dropped)
+    for i, (a, b) in enumerate(zip(on_device, on_host)):
+        assert a == b, f"request {i}: device {a} != host {b}"
+
+
+def test_a_step_ahead_used_or_dropped_changes_nothing(tiny_path, device, library):  # noqa: F811
+    """Runner level, greedy: two sequences decode two steps without look-ahead (the reference),
+    then again with a step computed ahead that the second call uses, and again with one it drops
+    (the second call feeds other tokens). Ids and the GDN states after the second step must be
+    bit-identical to the reference in both cases."""
+    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.runner import DecodeItem, PrefillChunk
+    from runtime.model.sampling import RowSampling
+
+    runner = CudaRunner.from_artifact(tiny_path, num_pages=16, num_slots=2, max_batch=2, device=device,
+                                      library=library, prefill_chunk=128)
+    rows = lambda: [RowSampling(greedy=True)] * 2  # noqa: E731
+    prompts = ([3, 17, 250, 9, 44], [101, 7, 7, 300])
+    tables = ([0], [1])
+
+    def start():
+        for slot, prompt in enumerate(prompts):
+            runner.reset_slot(slot)
+            runner.prefill(PrefillChunk(slot=slot, token_ids=prompt, start_pos=0, page_table=tables[slot]))
+        return [DecodeItem(slot=s, token_id=40 + s, pos=len(p), page_table=tables[s]) for s, p in enumerate(prompts)]
+
+    def second(items, ids, shift):
+        return [DecodeItem(it.slot, (int(t) + shift) % runner.vocab_size, it.pos + 1, it.page_table)
+                for it, t in zip(items, ids)]
+
+    def states():
+        return [runner.read_state(n, s)[0] for n in range(len(runner.config.linear_layers)) for s in (0, 1)]
+
+    try:
+        if not runner.samples_on_device or not runner.kernels.embedding:
+            pytest.skip("the sampling or embedding kernels were not built")
+        results = {}
+        for case, ahead, shift in (("reference", False, 0), ("used", True, 0), ("reference other", False, 1),
+                                   ("dropped", True, 1)):
+            items = start()
+            first = runner.decode_sampled(items, rows, lookahead=ahead)
+            before = dict(runner.lookahead_steps)
+            last = runner.decode_sampled(second(items, first, shift), rows)
+            outcome = {k: runner.lookahead_steps[k] - before[k] for k in (True, False)}
+            results[case] = (first.tolist(), last.tolist(), states(), outcome)
+    finally:
+        runner.close()
+    assert results["used"][3] == {True: 1, False: 0}
+    assert results["dropped"][3] == {True: 0, False: 1}
+    for case, ref in (("used", "reference"), ("dropped", "reference other")):
+        assert results[case][:2] == results[ref][:2], case
+        for got, want in zip(results[case][2], results[ref][2]):
+            np.testing.assert_array_equal(got, want)

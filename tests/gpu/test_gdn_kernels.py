@@ -68,7 +68,8 @@ def test_conv1d(library, mem, stream, device, key, b, t, alias):
 
 @pytest.mark.parametrize("key,b,t", [("k2_v4_d32", 1, 1), ("k2_v4_d32", 3, 1), ("k2_v4_d32", 1, 70),
                                      ("k16_v48_d128", 2, 1), ("k16_v48_d128", 1, 20)])
-def test_gdn(library, mem, stream, key, b, t):
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_gdn(library, mem, stream, key, b, t, out_of_place):
     v = _variant(gdn, key)
     cfg = v.config
     hk, hv, dk, dv = cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"]
@@ -76,6 +77,8 @@ def test_gdn(library, mem, stream, key, b, t):
     rng = np.random.default_rng(7 * b + t)
     ns = 6
     slots = np.array([4, 1, 3][:b])
+    # Out of place: read slots[b], write slots_out[b] (the runner's look-ahead); slots stay intact.
+    slots_out = np.array([0, 5, 2][:b]) if out_of_place else slots
     qkv = _bf(rng, (b * t, conv_dim))
     x = _bf(rng, (b * t, stride), 1.5)
     a_log = _bf(rng, (hv,), 0.5)
@@ -87,8 +90,8 @@ def test_gdn(library, mem, stream, key, b, t):
     out = mem.poisoned((b * t + 1) * hv * dv)
     library.kernel("gdn", key).launch(stream, {
         "qkv": mem.bf16(qkv), "x": mem.bf16(x), "a_log": mem.bf16(a_log), "dt_bias": mem.bf16(dt_bias),
-        "norm_w": mem.bf16(norm_w), "state": state_buf, "slots": mem.i32(slots), "out": out},
-        {"B": b, "T": t, "NS": ns})
+        "norm_w": mem.bf16(norm_w), "state": state_buf, "slots": mem.i32(slots),
+        "slots_out": mem.i32(slots_out), "out": out}, {"B": b, "T": t, "NS": ns})
     got = mem.read_bf16(out, (b * t + 1, hv * dv))
     assert np.isnan(got[b * t]).all()
     new_state = np.empty_like(state_vk)
@@ -104,8 +107,8 @@ def test_gdn(library, mem, stream, key, b, t):
         want, want_state = gdn.reference(*args, hk=hk, exact=True)
         base, _ = gdn.reference(*args, hk=hk)
         assert_close_to_baseline(got[rows].reshape(t, hv, dv), want, base, f"gdn {key} seq {i} T={t}", slack=2.5)
-        assert rel_err(new_state[slots[i]], want_state) < 2e-5, f"state of seq {i}"
-    untouched = np.setdiff1d(np.arange(ns), slots)
+        assert rel_err(new_state[slots_out[i]], want_state) < 2e-5, f"state of seq {i}"
+    untouched = np.setdiff1d(np.arange(ns), slots_out)
     np.testing.assert_array_equal(new_state[untouched], state_vk[untouched])
 
 
@@ -147,7 +150,8 @@ def test_gdn_split(library, mem, stream, fused_key, split_key, norm_key, b, t):
         mem.device.memcpy_htod(states[name], state_vk, stream)
     fused_out = mem.poisoned((b * t + 1) * hv * dv)
     library.kernel("gdn", fused_key).launch(stream, {**common, "norm_w": norm_w, "state": states["fused"],
-                                                      "out": fused_out}, {"B": b, "T": t, "NS": ns})
+                                                      "slots_out": common["slots"], "out": fused_out},
+                                            {"B": b, "T": t, "NS": ns})
     o_buf = mem.poisoned((b * t + 1) * hv * dv)
     library.kernel("gdn", split_key).launch(stream, {**common, "state": states["split"], "out": o_buf},
                                             {"B": b, "T": t, "NS": ns})

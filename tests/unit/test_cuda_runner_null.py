@@ -74,3 +74,50 @@ def test_rejects_bad_requests(runner):
         runner.prefill(PrefillChunk(slot=0, token_ids=[runner.vocab_size], start_pos=0, page_table=[0]))
     with pytest.raises(ValueError, match="max_batch"):
         runner.decode([DecodeItem(slot=i % 4, token_id=1, pos=0, page_table=[0]) for i in range(9)])
+
+
+def test_lookahead_step_is_used_when_asked_for_and_dropped_otherwise(runner):
+    from runtime.model.sampling import RowSampling
+
+    if not runner.samples_on_device:
+        pytest.skip("the sampling kernels were not built")
+    dev = runner.device
+    rows = lambda: [RowSampling(greedy=True)] * 2  # noqa: E731
+    items = [DecodeItem(slot=2, token_id=5, pos=10, page_table=[5]),
+             DecodeItem(slot=3, token_id=7, pos=20, page_table=[6])]
+    ids = runner.decode_sampled(items, rows, lookahead=True)
+    ahead = runner._ahead
+    assert ahead is not None and ahead.positions == [11, 21] and ahead.tokens.tolist() == ids.tolist()
+    # The step ahead reads the sequences' slots and writes two spares; its ids come from the
+    # sampler's output on the device, not from the host.
+    meta = np.empty(runner.meta_count, np.int32)
+    dev.memcpy_dtoh(meta, runner.buf["meta"])
+    off = runner.meta_off
+    assert meta[off["slots_in"]:off["slots_in"] + 2].tolist() == [runner._phys[2], runner._phys[3]]
+    assert meta[off["slots"]:off["slots"] + 2].tolist() == ahead.spares
+    assert meta[off["pos"]:off["pos"] + 2].tolist() == [11, 21]
+
+    # Asked for exactly that step: no forward pass is launched again, the spares become the slots.
+    n = len(dev.launches)
+    nxt = [DecodeItem(slot=it.slot, token_id=int(t), pos=it.pos + 1, page_table=it.page_table)
+           for it, t in zip(items, ids)]
+    runner.decode_sampled(nxt, rows)
+    names = {launch.function for launch in dev.launches[n:]}
+    assert all("sampling" in name for name in names), names
+    assert [runner._phys[2], runner._phys[3]] == ahead.spares
+    assert sorted(runner._phys + runner._spares) == list(range(runner.phys_slots - 1))
+    assert runner._ahead is None
+
+    # A different next step (another token): the step ahead is dropped, the slots stay.
+    runner.decode_sampled(nxt, rows, lookahead=True)
+    phys = list(runner._phys)
+    n = len(dev.launches)
+    other = [DecodeItem(slot=it.slot, token_id=it.token_id + 1, pos=it.pos + 1, page_table=it.page_table)
+             for it in nxt]
+    runner.decode_sampled(other, rows)
+    assert any("sampling" not in launch.function for launch in dev.launches[n:])  # the forward ran
+    assert runner._phys == phys
+    # A page boundary ahead (position 64 needs a page the table does not hold): nothing ahead.
+    runner.decode_sampled([DecodeItem(slot=2, token_id=1, pos=63, page_table=[5])],
+                          lambda: [RowSampling(greedy=True)], lookahead=True)
+    assert runner._ahead is None
