@@ -40,6 +40,18 @@ class OutputFormat:
 
 
 @dataclass(frozen=True)
+class ToolGrammar:
+    """A grammar a tool's raw text parameter must match: an OpenAI Responses custom tool with
+    `format: {"type": "grammar", "syntax", "definition"}` (its one parameter `input`).
+    syntax: "lark" (llguidance's Lark dialect) or "regex" (Rust regex syntax, the whole value)."""
+
+    tool: str
+    syntax: str
+    definition: str
+    parameter: str = "input"
+
+
+@dataclass(frozen=True)
 class GenerationJob:
     """One validated generation request, independent of the API it came from.
 
@@ -49,6 +61,8 @@ class GenerationJob:
         "tool_call_id"?}. Assistant `arguments` are parsed from JSON text when possible (the
         template iterates them); unparseable history arguments stay the raw string.
     tools: [{"type": "function", "function": {"name", "description", "parameters"}}, ...].
+    tool_grammars: grammars that tools' raw text parameters must match (enforced with the
+        tool-call constraint whenever those tools can be called).
     max_tokens: output limit asked for; None = the server default. It is clamped to the room
         left in the context, never rejected for being large.
     Sampling fields left None take the model's preset for the thinking mode.
@@ -64,6 +78,7 @@ class GenerationJob:
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    tool_grammars: tuple[ToolGrammar, ...] = ()
     parallel_tool_calls: bool = True
     max_tool_calls: Optional[int] = None
     max_tokens: Optional[int] = None

@@ -8,10 +8,16 @@ and `*_output` items become tool messages. Function tools are flat; custom tools
 the model as a function with one string parameter `input`; namespace tools are flattened to
 `namespace.name`. Built-in tools (web search, file search, ...) are accepted but never shown to
 the model; forcing one is a 400.
+
+A custom tool's grammar format (`{"type": "grammar", "syntax": "lark" | "regex", "definition"}`)
+is shown to the model in the tool's description and, where constrained decoding is available,
+checked here (a bad grammar is a 400 naming the tool) and enforced on the `input` of every call
+of that tool (job.tool_grammars; the backend builds the constraint).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,8 +25,8 @@ from typing import Optional
 import orjson
 
 from protocols.errors import ApiError, invalid, unsupported
-from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
-                           openai_tool_choice_mode, read_sampling,
+from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, ToolGrammar,
+                           get_bool, openai_tool_choice_mode, read_sampling,
                            get_dict, get_effort, get_int, get_list, get_str,
                            parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
@@ -115,7 +121,8 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
     if not items:
         raise invalid("input", "is required", "missing_required_parameter")
 
-    tools, custom_tools, namespaces, builtins = _tools(get_list(body, "tools") or [])
+    tools, custom_tools, namespaces, builtins, grammars = _tools(get_list(body, "tools") or [],
+                                                                check=caps.constraints)
     tool_choice = _tool_choice(body.get("tool_choice"), tools, builtins)
     messages = _messages(items, len(history), instructions)
 
@@ -160,6 +167,7 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
         messages=tuple(messages),
         tools=tuple(tools) if tool_choice.mode != "none" else (),
         tool_choice=tool_choice,
+        tool_grammars=tuple(grammars) if tool_choice.mode != "none" else (),
         parallel_tool_calls=True if parallel is None else parallel,
         max_tool_calls=max_tool_calls,
         max_tokens=max_output,
@@ -192,12 +200,15 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
     return job, options
 
 
-def _tools(raw: list) -> tuple[list[dict], set, dict, set]:
-    """Model-facing function tools, custom tool names, namespace map, built-in tool types."""
+def _tools(raw: list, *, check: bool = True) -> tuple[list[dict], set, dict, set,
+                                                     list[ToolGrammar]]:
+    """Model-facing function tools, custom tool names, namespace map, built-in tool types, and
+    the custom tools' input grammars (validated when `check`: constrained decoding exists)."""
     tools: list[dict] = []
     custom: set = set()
     namespaces: dict = {}
     builtins: set = set()
+    grammars: list[ToolGrammar] = []
 
     def add(tool: dict, where: str, namespace: Optional[str] = None) -> None:
         kind = tool.get("type", "function")
@@ -236,8 +247,10 @@ def _tools(raw: list) -> tuple[list[dict], set, dict, set]:
                 raise unsupported(f"{where}.format.type")
             hint = ""
             if fmt.get("type") == "grammar":
-                hint = (f"\n\nThe input must match this {fmt.get('syntax', 'lark')} grammar:\n"
-                        f"{fmt.get('definition', '')}")
+                grammar = _grammar_format(fmt, f"{where}.format", public, check)
+                grammars.append(grammar)
+                hint = (f"\n\nThe input must match this {grammar.syntax} grammar:\n"
+                        f"{grammar.definition}")
             declared["description"] = (description or "") + hint
             declared["parameters"] = {"type": "object", "properties": {
                 "input": {"type": "string", "description": "the raw tool input"}},
@@ -251,7 +264,36 @@ def _tools(raw: list) -> tuple[list[dict], set, dict, set]:
         if not isinstance(tool, dict):
             raise invalid(f"tools[{index}]", "must be an object")
         add(tool, f"tools[{index}]")
-    return tools, custom, namespaces, builtins
+    return tools, custom, namespaces, builtins, grammars
+
+
+def _grammar_format(fmt: dict, where: str, name: str, check: bool) -> ToolGrammar:
+    """A custom tool's `{"type": "grammar", "syntax", "definition"}` format, checked."""
+    syntax = get_str(fmt, "syntax", f"{where}.syntax", required=True)
+    if syntax not in ("lark", "regex"):
+        raise unsupported(f"{where}.syntax", f"grammar syntax {syntax!r} is not supported "
+                                             "(lark, regex)")
+    definition = get_str(fmt, "definition", f"{where}.definition", required=True)
+    if check:
+        problem = _grammar_problem(syntax, definition)
+        if problem is not None:
+            raise invalid(f"{where}.definition", f"custom tool {name!r}: {problem}",
+                          "invalid_constraint")
+    return ToolGrammar(name, syntax, definition)
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar_problem(syntax: str, definition: str) -> Optional[str]:
+    """What is wrong with a custom tool grammar, or None. Cached: agents send the same tools
+    with every request."""
+    from runtime.text.constraints import ConstraintError
+    from runtime.text.constraints_tools import check_value_grammar, value_grammar_spec
+
+    try:
+        check_value_grammar(value_grammar_spec(syntax, definition))
+    except ConstraintError as exc:
+        return str(exc)
+    return None
 
 
 def _tool_choice(raw, tools: list[dict], builtins: set) -> ToolChoice:

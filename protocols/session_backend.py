@@ -225,12 +225,28 @@ class SessionBackend:
 
         param = _constraint_param(job)
         try:
-            spec, param = constraint_spec(job)
+            spec, _ = constraint_spec(job)
             if spec is None:
                 return None
-            return self.session.compile_constraint(spec, thinking)
+            return self._compile(job, spec, thinking)
         except ConstraintError as exc:
-            raise invalid(param, str(exc), "invalid_constraint") from None
+            if param != "tools":
+                raise invalid(param, str(exc), "invalid_constraint") from None
+            error = exc
+        # "auto" with strict tools or tool grammars: a non-strict tool whose schema the grammar
+        # cannot take (a sloppy MCP schema) must not fail the request; its calls are then
+        # checked only up to the function header.
+        try:
+            constraint = self._compile(job, constraint_spec(job, loose=True)[0], thinking)
+        except ConstraintError:
+            raise invalid(param, str(error), "invalid_constraint") from None
+        log.warning("non-strict tools' calls left unchecked: %s", error)
+        return constraint
+
+    def _compile(self, job: GenerationJob, spec, thinking: bool):
+        # With tools, the spec covers the calls: a `<tool_call>` inside the think block would
+        # be parsed as a call the grammar never saw, so it is not allowed there.
+        return self.session.compile_constraint(spec, thinking, tool_calls=bool(job.tools))
 
     def _parser(self, job: GenerationJob, prepared: _Prepared):
         from runtime.text.parser import QwenOutputParser
@@ -311,10 +327,12 @@ def _logprob_entry(token_bytes, token_id: int, logprob: float, top: list) -> dic
     return entry
 
 
-def constraint_spec(job: GenerationJob) -> tuple[Any, str]:
-    """The output constraint a job asks for, and the request field it came from."""
+def constraint_spec(job: GenerationJob, *, loose: bool = False) -> tuple[Any, str]:
+    """The output constraint a job asks for, and the request field it came from. loose: in
+    "auto", check the calls of non-strict tools without a grammar only up to their header."""
     from runtime.text.constraints import ConstraintSpec
-    from runtime.text.constraints_tools import json_or_tool_calls_spec, tool_call_spec
+    from runtime.text.constraints_tools import (json_or_tool_calls_spec, tool_call_spec,
+                                                value_grammar_spec)
 
     param = _constraint_param(job)
     answer = None
@@ -326,21 +344,33 @@ def constraint_spec(job: GenerationJob) -> tuple[Any, str]:
                                                 strict=job.output_format.strict)
     choice = job.tool_choice
     tools = list(job.tools)
+    grammars = {(grammar.tool, grammar.parameter): value_grammar_spec(grammar.syntax,
+                                                                       grammar.definition)
+                for grammar in job.tool_grammars} if tools else {}
     if choice.mode in ("required", "named"):
         return tool_call_spec(tools, required=True, name=choice.name,
-                              parallel=job.parallel_tool_calls), "tool_choice"
+                              parallel=job.parallel_tool_calls,
+                              value_grammars=grammars), "tool_choice"
     if answer is not None and tools:
-        return json_or_tool_calls_spec(answer, tools, parallel=job.parallel_tool_calls), param
+        return json_or_tool_calls_spec(answer, tools, parallel=job.parallel_tool_calls,
+                                       value_grammars=grammars), param
     if answer is not None:
         return answer, param
-    if tools and any(tool["function"].get("strict") for tool in tools):
-        return tool_call_spec(tools, required=False, parallel=job.parallel_tool_calls), "tools"
+    if tools and (grammars or any(tool["function"].get("strict") for tool in tools)):
+        # "auto": free text, and calls checked from their `<tool_call>` on.
+        enforced = {name for name, _ in grammars}
+        unchecked = [tool["function"]["name"] for tool in tools if loose and not
+                     tool["function"].get("strict") and tool["function"]["name"] not in enforced]
+        return tool_call_spec(tools, required=False, parallel=job.parallel_tool_calls,
+                              value_grammars=grammars, loose=unchecked), "tools"
     return None, param
 
 
 def _constraint_param(job: GenerationJob) -> str:
     if job.tool_choice.mode in ("required", "named"):
         return "tool_choice"
+    if job.output_format is None and job.tools:
+        return "tools"
     return {"chat": "response_format", "responses": "text.format",
             "messages": "output_config.format"}[job.api]
 

@@ -13,15 +13,25 @@ admits a string (the template writes strings raw), else compact JSON checked aga
 property's schema; `enum` / `const` values are the exact rendered texts. A raw text value ends at
 the first "\\n</parameter>\\n": no line of it can be exactly "</parameter>" (elsewhere in a line
 the text is fine).
+
+Value grammars (OpenAI Responses custom tools with a grammar format): a raw text parameter may be
+given a regex or Lark grammar its value must match. A regex becomes one lazy lexeme
+`/REGEX/ "\\n</parameter>\\n"` (the value ends at the first parameter end that follows a complete
+match, so any regex can be closed, newlines included); a Lark grammar is nested as
+`%lark { ... }` (its own `start`, rules and `%ignore`, in their own namespace) followed by the
+parameter end. llguidance's lexer is greedy, so a Lark grammar whose last terminal can go on with
+a newline (`/(?s:.+)/`, `/[^;]+/` at the very end) never lets the value close; end such grammars
+with a terminal that cannot (docs/constraints.md).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
-from runtime.text.constraints import ConstraintError, ConstraintSpec, json_schema_for_lark
+from runtime.text.constraints import (ConstraintError, ConstraintSpec, check_spec,
+                                      json_schema_for_lark)
 
 _PARAMETER_END = "\n</parameter>\n"
 
@@ -49,6 +59,55 @@ class ToolSchema:
     name: str
     parameters: Mapping[str, Any]
     strict: bool = False
+
+
+ValueGrammars = Mapping[tuple[str, str], ConstraintSpec]
+"""(tool name, parameter name) -> the regex or Lark spec that parameter's raw text value must
+match (OpenAI Responses custom tools: (name, "input"))."""
+
+VALUE_GRAMMAR_KINDS = ("regex", "lark")
+
+
+def value_grammar_spec(syntax: str, definition: str) -> ConstraintSpec:
+    """The spec for a grammar given as (syntax, text): "regex" or "lark" (OpenAI custom tool
+    `format.syntax`)."""
+    if syntax == "regex":
+        return ConstraintSpec.regex(definition)
+    if syntax == "lark":
+        return ConstraintSpec.lark(definition)
+    raise ConstraintError(f"unknown grammar syntax {syntax!r}; expected regex or lark")
+
+
+def check_value_grammar(spec: ConstraintSpec) -> list[str]:
+    """Validate a value grammar on its own, without a tokenizer (request checking). Raises
+    ConstraintError naming the problem; returns llguidance's warnings. Special tokens
+    (`<name>`, `<[id]>`) are refused: a value is text, and an end-of-turn token inside one
+    would end the answer mid-call."""
+    if spec.kind not in VALUE_GRAMMAR_KINDS:
+        raise ConstraintError(f"a value grammar must be a regex or Lark, not {spec.kind}")
+    warnings = check_spec(spec)
+    # Without a tokenizer llguidance can only warn about special-token references
+    # ("no tokenizer - can't validate <special_token>", "... <[...]>", "... <any_token>").
+    if any("can't validate <" in warning for warning in warnings):
+        raise ConstraintError("invalid Lark grammar: special tokens (<...>) are not allowed in "
+                              "a tool input grammar")
+    return warnings
+
+
+def _lark_regex_body(pattern: str) -> str:
+    """`pattern` for the inside of a Lark `/.../` literal: every unescaped `/` escaped (`\\/`
+    means `/` in the regex syntax too) and line breaks written as escapes."""
+    out = []
+    index = 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\" and index + 1 < len(pattern):
+            out.append(pattern[index:index + 2])
+            index += 2
+            continue
+        out.append({"/": "\\/", "\n": "\\n", "\r": "\\r"}.get(char, char))
+        index += 1
+    return "".join(out)
 
 
 def normalize_tools(tools: Sequence[Any]) -> list[ToolSchema]:
@@ -109,10 +168,13 @@ def _admits_string(schema: Any, root: Mapping[str, Any]) -> bool:
 
 
 class _LarkBuilder:
-    def __init__(self) -> None:
+    def __init__(self, value_grammars: Optional[ValueGrammars] = None,
+                 loose: Collection[str] = ()) -> None:
         self.lines: list[str] = []
         self.count = 0
         self.text_value_rule: Optional[str] = None
+        self.value_grammars = dict(value_grammars or {})
+        self.loose = frozenset(loose)
 
     def add(self, prefix: str, body: str) -> str:
         self.count += 1
@@ -122,6 +184,22 @@ class _LarkBuilder:
 
     def terminal(self, text: str) -> str:
         return self.add("T", f"/{_regex(text)}/")
+
+    def grammar_value(self, spec: ConstraintSpec) -> str:
+        """A raw text value matching `spec` (regex or Lark), then the parameter end."""
+        end = self.terminal(_PARAMETER_END)
+        if spec.kind == "regex":
+            # One lazy lexeme: it ends at the first parameter end after a match of the regex
+            # (the regex stays its own terminal, so its ^ / $ anchors keep their meaning).
+            pattern = self.add("RX", f"/{_lark_regex_body(spec.payload)}/")
+            self.count += 1
+            name = f"rxvalue{self.count}"
+            self.lines.append(f"{name}[lazy]: {pattern} {end}")
+            return name
+        if spec.kind == "lark":
+            nested = self.add("input", "%lark {\n" + spec.payload.rstrip("\n") + "\n}")
+            return self.add("p", f"{nested} {end}")
+        raise ConstraintError(f"a value grammar must be a regex or Lark, not {spec.kind}")
 
     def value(self, schema: Any, root: Mapping[str, Any], strict: bool) -> str:
         resolved = _resolve(schema, root)
@@ -146,6 +224,12 @@ class _LarkBuilder:
         return self.add("p", f"{json_rule} {self.terminal(_PARAMETER_END)}")
 
     def call(self, tool: ToolSchema) -> str:
+        if tool.name in self.loose:
+            # Only the header is checked; the body is any text up to `</tool_call>`.
+            if "LOOSE_BODY: /(?s:.*)/" not in self.lines:
+                self.lines.append("LOOSE_BODY: /(?s:.*)/")
+            header = self.terminal(f"\n<function={tool.name}>")
+            return self.add("call", f"<tool_call> {header} LOOSE_BODY </tool_call>")
         schema = tool.parameters
         properties = schema.get("properties") or {}
         required = set(schema.get("required") or [])
@@ -155,14 +239,24 @@ class _LarkBuilder:
                                   "are not declared in properties")
         parts = [self.terminal(f"\n<function={tool.name}>\n")]
         for key, prop in properties.items():
-            param = self.add("p", f"{self.terminal(f'<parameter={key}>' + chr(10))} "
-                                  f"{self.value(prop, schema, tool.strict)}")
+            grammar = self.value_grammars.pop((tool.name, key), None)
+            if grammar is not None and not _admits_string(prop, schema):
+                raise ConstraintError(f"tool {tool.name!r}: parameter {key!r} has an input "
+                                      "grammar but is not a string")
+            value = self.grammar_value(grammar) if grammar is not None \
+                else self.value(prop, schema, tool.strict)
+            param = self.add("p", f"{self.terminal(f'<parameter={key}>' + chr(10))} {value}")
             parts.append(param if key in required else f"{param}?")
         parts.append(self.terminal("</function>\n"))
         return self.add("call", f"<tool_call> {' '.join(parts)} </tool_call>")
 
     def calls(self, tools: Sequence[ToolSchema], parallel: bool) -> str:
         one = self.add("any_call", " | ".join(self.call(tool) for tool in tools))
+        for tool_name, key in self.value_grammars:
+            if not any(tool.name == tool_name for tool in tools):
+                continue  # a tool this answer cannot call (a named tool_choice)
+            raise ConstraintError(f"tool {tool_name!r} has an input grammar for {key!r}, "
+                                  "which is not among its parameters")
         if not parallel:
             return one
         return self.add("calls", f"{one} ({self.terminal(chr(10))} {one})*")
@@ -182,15 +276,20 @@ def _select(tools: Sequence[Any], name: Optional[str]) -> list[ToolSchema]:
 
 
 def tool_call_spec(tools: Sequence[Any], *, required: bool = True, name: Optional[str] = None,
-                   parallel: bool = True) -> ConstraintSpec:
+                   parallel: bool = True, value_grammars: Optional[ValueGrammars] = None,
+                   loose: Collection[str] = ()) -> ConstraintSpec:
     """A spec for the answer when tools constrain it.
 
     required=True (tool_choice "required" / Anthropic "any"): the answer is one or more tool
     calls and nothing else. name="f" (a named tool_choice / Anthropic "tool"): calls of that
-    tool only. required=False and no name ("auto" with strict tools): free text, optionally
-    followed by tool calls whose arguments follow the schemas. parallel=False: at most one call.
+    tool only. required=False and no name ("auto" with strict tools or value grammars): free
+    text, optionally followed by tool calls whose arguments follow the schemas (the `<tool_call>`
+    special token, which free text cannot contain, starts them). parallel=False: at most one
+    call. value_grammars: raw text parameters whose values must match a regex or Lark grammar.
+    loose: names of tools whose calls are checked only up to the `<function=NAME>` header (for
+    the server's "auto" fallback when a non-strict tool's schema cannot be compiled).
     """
-    builder = _LarkBuilder()
+    builder = _LarkBuilder(value_grammars, loose)
     calls = builder.calls(_select(tools, name), parallel)
     if required or name is not None:
         start = f"start: {calls}"
@@ -201,7 +300,8 @@ def tool_call_spec(tools: Sequence[Any], *, required: bool = True, name: Optiona
 
 
 def json_or_tool_calls_spec(answer: ConstraintSpec, tools: Sequence[Any], *,
-                            parallel: bool = True) -> ConstraintSpec:
+                            parallel: bool = True,
+                            value_grammars: Optional[ValueGrammars] = None) -> ConstraintSpec:
     """JSON mode with tools present: the answer is either the JSON value (as `answer`, a
     json_object or json_schema spec) or a tool-call sequence."""
     if answer.kind == "json_object":
@@ -212,7 +312,7 @@ def json_or_tool_calls_spec(answer: ConstraintSpec, tools: Sequence[Any], *,
         strict = answer.strict
     else:
         raise ConstraintError(f"only JSON answers can be combined with tools, not {answer.kind}")
-    builder = _LarkBuilder()
+    builder = _LarkBuilder(value_grammars)
     calls = builder.calls(_select(tools, None), parallel)
     json_rule = builder.add("answer", f"%json {json_schema_for_lark(schema, strict=strict)}")
     return ConstraintSpec.lark(

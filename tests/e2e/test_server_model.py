@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -146,6 +147,116 @@ def test_forced_tool_call_responses(model_server, clients):
         response = stream.get_final_response()
     call = next(item for item in response.output if item.type == "function_call")
     assert call.name == "get_time" and json.loads(call.arguments) == {}
+
+
+# Custom tools with a grammar format: the input of every call must match. The regex is bounded,
+# so every request finishes; the recursive Lark grammar nests as deep as the random model likes,
+# so a request may hit the output limit, and its (incomplete) input must then be a prefix of the
+# language.
+PLATE = r"[0-9]{3}-[a-z]{1,6}"  # [0-9]: the regex `\d` is Unicode-wide (docs)
+NESTED = 'start: item (", " item)*\nitem: "yes" | "no" | "[" start "]"\n'
+CUSTOM_SEEDS = 20
+
+
+def _nested(text: str, *, prefix: bool = False) -> bool:
+    """Whether `text` is in the language of NESTED (or, with `prefix`, starts a word of it);
+    checked without llguidance."""
+    depth, position, want_item = 0, 0, True
+    while position < len(text):
+        rest = text[position:]
+        if want_item:
+            word = next((w for w in ("yes", "no", "[") if rest.startswith(w)), None)
+            if word is None:
+                return prefix and any(w.startswith(rest) for w in ("yes", "no"))
+            position += len(word)
+            depth += word == "["
+            want_item = word == "["
+        elif rest.startswith(", "):
+            position += 2
+            want_item = True
+        elif rest.startswith("]") and depth:
+            position += 1
+            depth -= 1
+        else:
+            return prefix and rest == ","
+    return prefix or (not want_item and depth == 0)
+
+
+def _custom_tool_calls(server, clients, tool: dict, tool_choice) -> list:
+    """CUSTOM_SEEDS seeded responses that must call `tool`: (status, input) in seed order."""
+    client = clients.openai(server, timeout=180)
+
+    def one(seed: int):
+        return client.responses.create(
+            model="tiny", input="Use the tool.", tools=[tool], tool_choice=tool_choice,
+            parallel_tool_calls=False, reasoning={"effort": "none"}, max_output_tokens=128,
+            extra_body={"seed": seed})
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(CUSTOM_SEEDS)))
+    calls = []
+    for response in responses:
+        assert [item.type for item in response.output] == ["custom_tool_call"]
+        call = response.output[0]
+        assert call.name == tool["name"] and call.call_id
+        calls.append((response.status, call.input))
+    return calls
+
+
+def test_custom_tool_regex_grammar_is_enforced(model_server, clients):
+    tool = {"type": "custom", "name": "plate", "description": "Look up a plate.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": f"^{PLATE}$"}}
+    calls = _custom_tool_calls(model_server, clients, tool, "required")
+    assert {status for status, _ in calls} == {"completed"}
+    inputs = [text for _, text in calls]
+    assert [text for text in inputs if not re.fullmatch(PLATE, text)] == []
+    assert len(set(inputs)) > 1  # seeds really vary the output
+
+
+def test_custom_tool_lark_grammar_is_enforced(model_server, clients):
+    tool = {"type": "custom", "name": "vote", "description": "Cast nested votes.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": NESTED}}
+    calls = _custom_tool_calls(model_server, clients, tool, {"type": "custom", "name": "vote"})
+    done = [text for status, text in calls if status == "completed"]
+    cut = [text for status, text in calls if status == "incomplete"]
+    assert len(done) + len(cut) == CUSTOM_SEEDS and len(done) >= CUSTOM_SEEDS * 3 // 4
+    assert [text for text in done if not _nested(text)] == []
+    assert [text for text in cut if not _nested(text, prefix=True)] == []
+    assert len(set(done)) > 1 and any("[" in text for text in done)  # recursion used
+
+
+def test_custom_tool_broken_grammar_is_400(model_server, clients):
+    client = clients.openai(model_server)
+    for syntax, definition, problem in [("lark", "start: expr\n", "invalid Lark grammar"),
+                                        ("regex", "[0-9", "invalid regex")]:
+        tool = {"type": "custom", "name": "calc",
+                "format": {"type": "grammar", "syntax": syntax, "definition": definition}}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="tiny", input="hi", tools=[tool],
+                                    max_output_tokens=4)
+        assert info.value.status_code == 400 and info.value.code == "invalid_constraint"
+        assert info.value.param == "tools[0].format.definition"
+        assert f"custom tool 'calc': {problem}" in info.value.body["message"]
+    assert model_server.backend.healthy()
+
+
+def test_custom_tool_grammar_with_a_sloppy_function_schema_is_served(model_server, clients):
+    """A grammar tool makes "auto" constrained; a non-strict function tool whose schema the
+    tool-call grammar cannot take (required but undeclared) must not turn that into a 400."""
+    sloppy = {"type": "function", "name": "mcp_lookup", "parameters": {
+        "type": "object", "properties": {}, "required": ["query"]}}
+    plate = {"type": "custom", "name": "plate",
+             "format": {"type": "grammar", "syntax": "regex", "definition": PLATE}}
+    response = clients.openai(model_server).responses.create(
+        model="tiny", input="hi", tools=[plate, sloppy], max_output_tokens=3,
+        reasoning={"effort": "none"})
+    assert response.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as info:  # forced: the schema must compile
+        clients.openai(model_server).responses.create(
+            model="tiny", input="hi", tools=[plate, sloppy], max_output_tokens=3,
+            tool_choice="required", reasoning={"effort": "none"})
+    assert info.value.param == "tool_choice" and "required parameters" in info.value.body[
+        "message"]
 
 
 def test_json_schema_output(model_server, clients):
