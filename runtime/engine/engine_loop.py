@@ -13,7 +13,8 @@ A step: `Scheduler.schedule()` -> runner calls (`reset_slot` + `prefill` per chu
 decision) -> `Scheduler.update()` -> outputs. A runner with `samples_on_device` (the CUDA
 runner, when its sampling kernels were built) samples decode rows itself (`decode_sampled`)
 from `RowSampling` inputs the engine builds, the same decision the host sampler makes, and only
-ids come back (`LiveRequest.step_sampled`); rows asking for logprobs keep the logits path.
+ids come back (`LiveRequest.step_sampled`); so does the token after a prompt chunk
+(`prefill_sampled`). Rows asking for logprobs keep the logits path.
 Output-constraint masks of the step's sampled rows depend only on tokens already committed, so
 a worker thread computes them while the runner works (llguidance and the runners release the
 GIL) instead of after the logits arrive; the device path asks for them once the forward pass
@@ -320,25 +321,29 @@ class Engine:
         runner = self.runner
         masks = self._start_masks(batch)
         rows: dict[str, np.ndarray] = {}
+        sampled: dict[str, int] = {}
+        sampling_errors: dict[str, Exception] = {}
         for work in batch.prefills:
             live = self._live[work.request_id]
             try:
                 if work.reset_slot:
                     runner.reset_slot(work.slot)
-                logits = runner.prefill(work.chunk())
+                if work.samples and self._samples_on_device([work]):
+                    sampled[work.request_id] = int(runner.prefill_sampled(
+                        work.chunk(), lambda work=work: self._row_sampling([work], masks, sampling_errors))[0])
+                else:
+                    logits = runner.prefill(work.chunk())
+                    if work.samples:
+                        rows[work.request_id] = logits[-1]
             except Exception as exc:  # noqa: BLE001 - isolate this request
                 self._end(live, FinishReason.ERROR, error=f"prefill failed: {exc}")
                 continue
-            if work.samples:
-                rows[work.request_id] = logits[-1]
             self.counters["prefill_tokens"] += work.num_tokens
             if work.replay:
                 self.counters["replayed_tokens"] += work.num_tokens
         # Rows under suspicion (their batch failed before) decode alone until one step works.
         groups = [[w for w in batch.decodes if not self._live[w.request_id].suspect]]
         groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
-        sampled: dict[str, int] = {}
-        sampling_errors: dict[str, Exception] = {}
         for group in groups:
             if not group:
                 continue

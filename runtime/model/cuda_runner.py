@@ -276,6 +276,21 @@ class CudaRunner:
                                     self.win_slot_bytes, self.stream)
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
+        return self._prefill(chunk, sample=False)
+
+    def prefill_sampled(self, chunk: PrefillChunk, sampling: Callable[[], Sequence[RowSampling]]) -> np.ndarray:
+        """Compute a chunk and sample the token after its last position on the device (as
+        `decode_sampled` does for a decode row): int32 ids [1]."""
+        if chunk.all_logits:
+            raise ValueError("prefill_sampled samples the last position; all_logits asks for logits")
+        self._prefill(chunk, sample=True)
+        rows = list(sampling())
+        if len(rows) != 1:
+            raise ValueError(f"sampling gave {len(rows)} rows for one prefill chunk")
+        self._queue_sampling(rows).synchronize()
+        return self.sample_host["ids"][:1].copy()
+
+    def _prefill(self, chunk: PrefillChunk, *, sample: bool) -> np.ndarray:
         tokens = checked_tokens(chunk.token_ids, self.vocab_size)
         self._check_slot(chunk.slot)
         start = int(chunk.start_pos)
@@ -290,11 +305,12 @@ class CudaRunner:
         for lo in range(0, len(tokens), self.prefill_chunk):
             piece = tokens[lo:lo + self.prefill_chunk]
             last = lo + len(piece) == len(tokens)
-            want = "all" if chunk.all_logits else ("last" if last else "none")
+            want = "none" if not last and not chunk.all_logits else \
+                "all" if chunk.all_logits else "sample" if sample else "last"
             out = self._prefill_piece(self._phys[chunk.slot], piece, start + lo, pages, want)
             if out is not None:
                 outputs.append(out)
-        return np.concatenate(outputs, axis=0)
+        return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, self.vocab_size), np.float32)
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
         self._ahead = None
@@ -442,6 +458,10 @@ class CudaRunner:
                                                                                        prefill=True)):
             launch(self.stream)
         if want == "none":
+            return None
+        if want == "sample":  # the last row's logits stay in the logits buffer for the sampler
+            for launch in self._plan(("lm_head", t - 1, 1), lambda: self._bind_lm_head(t - 1, 1)):
+                launch(self.stream)
             return None
         rows = range(t) if want == "all" else range(t - 1, t)
         out = []

@@ -121,3 +121,20 @@ def test_lookahead_step_is_used_when_asked_for_and_dropped_otherwise(runner):
     runner.decode_sampled([DecodeItem(slot=2, token_id=1, pos=63, page_table=[5])],
                           lambda: [RowSampling(greedy=True)], lookahead=True)
     assert runner._ahead is None
+
+
+def test_prefill_sampled_samples_the_last_position_on_the_device(runner):
+    from runtime.model.sampling import RowSampling
+
+    if not runner.samples_on_device:
+        pytest.skip("the sampling kernels were not built")
+    dev = runner.device
+    n = len(dev.launches)
+    chunk = PrefillChunk(slot=1, token_ids=list(range(1, 100)), start_pos=0, page_table=[7, 8])
+    ids = runner.prefill_sampled(chunk, lambda: [RowSampling(greedy=True)])
+    assert ids.shape == (1,) and ids.dtype == np.int32
+    names = [launch.function for launch in dev.launches[n:]]
+    assert any("sampling_candidates" in name for name in names) and "sampling_pick" in names[-1]
+    with pytest.raises(ValueError, match="all_logits"):
+        runner.prefill_sampled(PrefillChunk(slot=1, token_ids=[1], start_pos=0, page_table=[7], all_logits=True),
+                               lambda: [RowSampling(greedy=True)])
