@@ -151,11 +151,21 @@ def test_context_limit_ends_with_context(engine_factory):
 
 
 def test_cancel_mid_stream_frees_everything(engine_factory):
-    engine = engine_factory()
+    # Decode waits until the cancel has been sent: a fast fake runner could otherwise finish all
+    # 400 tokens before the engine sees the cancel (it did on a loaded CI machine).
+    cancelled = threading.Event()
+
+    class GatedRunner(FakeRunner):
+        def decode(self, items):
+            cancelled.wait(timeout=10)
+            return super().decode(items)
+
+    engine = engine_factory(GatedRunner())
     stream = engine.submit(request("a", [1, 2], max_new=400))
     first = stream.get(timeout=10)
     assert first.token_ids
     stream.cancel()
+    cancelled.set()
     tokens, final = collect(stream)
     assert final.finish_reason is FinishReason.CANCELLED and len(tokens) < 400
     assert engine.num_in_flight == 0
