@@ -32,17 +32,21 @@ def _gemv_key(name: str, mb: int) -> str:
                   ("attn_qkv", 8, 5)]
 )
 def test_gemv(library, mem, stream, name, mb, m):
-    key = _gemv_key(name, mb)
-    kernel = library.kernel("gemv", key)
-    n, k = kernel.entry.config["N"], kernel.entry.config["K"]
+    n, k = next((n, k) for nm, n, k in gemv.SHAPES if nm == name)
     rng = np.random.default_rng(n + m)
     x = _bf(rng, (m, k))
     w = _bf(rng, (n, k), 0.05)
-    out = mem.poisoned((m + 1) * n)
-    kernel.launch(stream, {"x": mem.bf16(x), "w": mem.bf16(w), "out": out}, {"M": m})
-    got = mem.read_bf16(out, (m + 1, n))
-    assert np.isnan(got[m]).all(), "wrote past M"
-    assert_close_to_baseline(got[:m], gemv.reference(x, w, exact=True), gemv.reference(x, w), f"gemv {key} M={m}")
+    x_buf, w_buf = mem.bf16(x), mem.bf16(w)
+    want, base = gemv.reference(x, w, exact=True), gemv.reference(x, w)
+    # Every compiled form of the shape (the default and any gemv.TRIALS form).
+    for v in gemv.variants():
+        if (v.config["N"], v.config["K"], v.config["MB"]) != (n, k, mb):
+            continue
+        out = mem.poisoned((m + 1) * n)
+        library.kernel("gemv", v.key).launch(stream, {"x": x_buf, "w": w_buf, "out": out}, {"M": m})
+        got = mem.read_bf16(out, (m + 1, n))
+        assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
+        assert_close_to_baseline(got[:m], want, base, f"gemv {v.key} M={m}")
 
 
 def test_gemv_rejects_large_m(library):
