@@ -1,0 +1,85 @@
+"""`infernix-serve` on the GPU backend: the tiny dense model (512-token vocabulary) behind the
+real HTTP server, driven by the official SDKs.
+
+Four concurrent streamed chat requests decode in one batch (device sampling, steps computed
+ahead while the batch is steady); each must finish with consistent usage, and the same seeds
+asked again, one at a time, must give the same texts (batched == alone, and the counter-based
+draws do not depend on batching). An Anthropic Messages stream must end with `message_stop`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.e2e.conftest import Clients
+
+pytestmark = pytest.mark.gpu
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def cuda_server(tiny_dense_path):
+    from protocols.app import App
+    from protocols.request_log import RequestLog
+    from protocols.serve import BackgroundServer, app_config_from_settings
+    from protocols.session_backend import open_backend
+    from runtime.config import parse_settings
+
+    settings = parse_settings("serve", [str(tiny_dense_path), "--device", "cuda", "--max-context", "512",
+                                        "--max-concurrency", "4", "--max-new", "24"])
+    backend = open_backend(settings)
+    log = RequestLog(None)
+    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings), request_log=log),
+                              grace_s=2.0).start()
+    yield server
+    server.stop()
+    log.close()
+    backend.close()
+
+
+def _chat(client, seed):
+    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": f"count {seed}"}],
+                                        max_tokens=24, seed=seed, temperature=1.0,
+                                        stream_options={"include_usage": True}, extra_body=NO_THINKING) as stream:
+        for _ in stream:
+            pass
+        return stream.current_completion_snapshot
+
+
+def test_concurrent_streams_then_the_same_seeds_alone(cuda_server):
+    client = Clients.openai(cuda_server)
+    results, errors = {}, []
+
+    def run(seed):
+        try:
+            results[seed] = _chat(client, seed)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+    for seed, snapshot in results.items():
+        usage = snapshot.usage
+        assert 0 < usage.completion_tokens <= 24 and usage.prompt_tokens > 3, seed
+        assert snapshot.choices[0].finish_reason in ("length", "stop")
+        alone = _chat(client, seed)
+        assert alone.choices[0].message.content == snapshot.choices[0].message.content, seed
+        assert alone.usage.completion_tokens == usage.completion_tokens
+
+
+def test_anthropic_messages_stream(cuda_server):
+    client = Clients.anthropic(cuda_server)
+    with client.messages.stream(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                thinking={"type": "disabled"}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason in ("max_tokens", "end_turn") and 0 < final.usage.output_tokens <= 8
