@@ -48,14 +48,16 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
         device.mem_free(dst)
 
 
-def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0) -> Any:
+def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
+                decode_split: int | None = None) -> Any:
     from runtime.model.config import ModelConfig
     from runtime.model.cuda_runner import CudaRunner
 
     config = ModelConfig.from_dict(QWEN36_27B)
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch, max_batch=max_batch,
-                                max_context=max_context + 64, prefill_chunk=prefill_chunk)
+                                max_context=max_context + 64, prefill_chunk=prefill_chunk,
+                                **({"decode_split": decode_split} if decode_split else {}))
 
 
 def step_bytes(runner: Any, batch: int, context: int) -> int:
@@ -103,10 +105,10 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
     return (time.perf_counter() - wall0) / steps
 
 
-def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
+def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None) -> dict[str, Any]:
     from runtime.model.runner import DecodeItem
 
-    runner = make_runner(max(batches), max(contexts))
+    runner = make_runner(max(batches), max(contexts), decode_split=decode_split)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -142,7 +144,8 @@ def run(batches: list[int], contexts: list[int], steps: int) -> dict[str, Any]:
             print(json.dumps(row), flush=True)
             if batch == 1:
                 breakdown[str(context)] = kernel_breakdown(runner, 1)
-    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "results": results,
+    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "decode_split": runner.decode_split,
+            "results": results,
             "breakdown_us": breakdown}
 
 
@@ -171,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
     args = ap.parse_args(argv)
-    data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps)
+    data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
+               args.decode_split)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))
