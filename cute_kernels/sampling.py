@@ -40,17 +40,30 @@ import numpy as np
 
 from runtime.model.sampling import (
     DEAD_END,
+    DRAW_INDEX,
     DRAW_SALT,
+    GREEDY,
+    MIN_P,
+    PEN_END,
+    PEN_START,
+    ROW_F32,
+    ROW_I32,
+    SEED_KEY,
+    TEMPERATURE,
+    TOP_K,
     TOP_K_CAP,
+    TOP_P,
+    USE_MASK,
     RowSampling,
     draw_uniform,
+    fill_row,
     mix32,
-    seed_key,
 )
 
 from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 
 FAMILY = "sampling"
+CONTRACT = "runtime/model/sampling.py"  # hash constants and row layout are compiled in: a source
 CTAS_PER_ROW = 64  # C: CTAs per row in `candidates` (~3.9K ids each at V = 248320)
 CAND_THREADS = 256
 PER_THREAD = 16  # elements a `candidates` thread holds
@@ -59,14 +72,6 @@ MAX_VOCAB = CTAS_PER_ROW * SLICE_CAP  # 262144
 PICK_THREADS = 128
 NO_ID = 0x7FFFFFFF  # the id of an unused candidate slot (its value is -inf)
 TOP_P_SLACK = 1e-9  # the host's tolerance on the top-p mass (see runtime.engine.sampler)
-
-# row_i32 [R, 8] columns
-GREEDY, TOP_K, SEED_KEY, DRAW_INDEX, USE_MASK, PEN_START, PEN_END = range(7)
-ROW_I32 = 8
-# row_f32 [R, 4] columns
-TEMPERATURE, TOP_P, MIN_P = range(3)
-ROW_F32 = 4
-
 _MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers (runtime.model.sampling.mix32)
 
 
@@ -94,6 +99,7 @@ def _candidates_variant() -> Variant:
         grid=(c, "R", 1),
         requires=("R >= 1", "R <= 65535", "V >= 1", f"V <= {MAX_VOCAB}"),
         arches=ALL_ARCHES,
+        extra_sources=(CONTRACT,),
         note=f"sampling step 1: mask, penalties, the top {k} of each of {c} slices of a row",
         example_sizes={"R": 8, "V": 248320},
     )
@@ -118,6 +124,7 @@ def _pick_variant() -> Variant:
         grid=("R", 1, 1),
         requires=("R >= 1",),
         arches=ALL_ARCHES,
+        extra_sources=(CONTRACT,),
         note=f"sampling step 2: merge {c} x {k} candidates, top-k/p/min-p, seeded draw",
         example_sizes={"R": 8},
     )
@@ -144,12 +151,6 @@ class PackedRows:
     num_penalties: int  # P
 
 
-def _as_i32(value: int) -> int:
-    """The int32 with the same 32 bits as `value` (uint32 words travel in int32 buffers)."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
 def pack_rows(rows: Sequence[RowSampling], vocab: int) -> PackedRows:
     """The `row_i32`, `row_f32`, `bitmask` and penalty buffers for `rows` over a vocabulary."""
     words = -(-vocab // 32)
@@ -160,10 +161,7 @@ def pack_rows(rows: Sequence[RowSampling], vocab: int) -> PackedRows:
     pen_ids, pen_delta = [], []
     start = 0
     for i, row in enumerate(rows):
-        n = len(row.penalty_ids)
-        row_i32[i] = [int(row.greedy), row.top_k, _as_i32(seed_key(row.seed)), _as_i32(row.draw_index),
-                      int(row.bitmask is not None), start, start + n, 0]
-        row_f32[i] = [row.temperature, row.top_p, row.min_p, 0.0]
+        n = fill_row(row, row_i32[i], row_f32[i], start)
         if row.bitmask is not None:
             bitmask[i] = np.asarray(row.bitmask, np.uint32)[:words].view(np.int32)
         pen_ids.append(np.asarray(row.penalty_ids, np.int32))

@@ -47,7 +47,7 @@ from runtime.model.cuda_plan import KernelChoice
 from runtime.model.cuda_weights import WeightLayout, fill_synthetic, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_page_table,
                                   checked_tokens)
-from runtime.model.sampling import TOP_K_CAP, RowSampling, seed_key
+from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP, RowSampling, fill_row
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -194,7 +194,7 @@ class CudaRunner:
         self.max_penalties = self.max_batch * min(self.max_context, c.vocab_size)
         self.sample_off = {}
         off = 0
-        for name, count in (("row_i32", self.max_batch * 8), ("row_f32", self.max_batch * 4),
+        for name, count in (("row_i32", self.max_batch * ROW_I32), ("row_f32", self.max_batch * ROW_F32),
                             ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
                             ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
             self.sample_off[name] = off
@@ -235,7 +235,7 @@ class CudaRunner:
         self.sample_host = {}
         if self.sample_pinned is not None:
             raw = self.sample_pinned.array(np.uint8)
-            for name, count in (("row_i32", self.max_batch * 8), ("row_f32", self.max_batch * 4),
+            for name, count in (("row_i32", self.max_batch * ROW_I32), ("row_f32", self.max_batch * ROW_F32),
                                 ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
                                 ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
                 dtype = {"row_f32": np.float32, "pen_delta": np.float32, "bitmask": np.uint32}.get(name, np.int32)
@@ -619,8 +619,8 @@ class CudaRunner:
         b = len(rows)
         v, words = self.vocab_size, self.mask_words
         host = self.sample_host
-        row_i32 = host["row_i32"].reshape(self.max_batch, 8)
-        row_f32 = host["row_f32"].reshape(self.max_batch, 4)
+        row_i32 = host["row_i32"].reshape(self.max_batch, ROW_I32)
+        row_f32 = host["row_f32"].reshape(self.max_batch, ROW_F32)
         masks = host["bitmask"].reshape(self.max_batch, words)
         pen = 0
         for r, row in enumerate(rows):
@@ -631,15 +631,11 @@ class CudaRunner:
                 raise ValueError(f"penalised ids must be in [0, {v})")
             host["pen_ids"][pen:pen + n] = row.penalty_ids
             host["pen_delta"][pen:pen + n] = row.penalty_deltas
-            use_mask = row.bitmask is not None
-            if use_mask:
+            if row.bitmask is not None:
                 if row.bitmask.shape != (words,):
                     raise ValueError(f"bitmask of row {r} has shape {row.bitmask.shape}, not ({words},)")
                 masks[r] = row.bitmask.view(np.uint32)
-            row_i32[r] = (int(row.greedy), row.top_k, np.uint32(seed_key(row.seed)).view(np.int32),
-                          row.draw_index, int(use_mask), pen, pen + n, 0)
-            row_f32[r] = (row.temperature, row.top_p, row.min_p, 0.0)
-            pen += n
+            pen += fill_row(row, row_i32[r], row_f32[r], pen)
         dev, st, off = self.device, self.stream, self.sample_off
         for name in ("row_i32", "row_f32", "bitmask"):
             dev.memcpy_htod(self.buf["sample_in"] + off[name], host[name], st)

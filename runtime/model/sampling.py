@@ -106,3 +106,26 @@ class RowSampling:
 
 DEAD_END = -1
 """The id a device sampler returns for a row whose constraint allows no token."""
+
+# The device sampler's per-row parameter blocks: row_i32 [R, ROW_I32] and row_f32 [R, ROW_F32].
+GREEDY, TOP_K, SEED_KEY, DRAW_INDEX, USE_MASK, PEN_START, PEN_END = range(7)
+ROW_I32 = 8
+TEMPERATURE, TOP_P, MIN_P = range(3)
+ROW_F32 = 4
+
+
+def _int32_bits(value: int) -> int:
+    """The int32 with the bits of `value` mod 2**32."""
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def fill_row(row: RowSampling, row_i32: np.ndarray, row_f32: np.ndarray, pen_start: int) -> int:
+    """Write `row`'s parameters into one row of the blocks (its penalties go to entries
+    [pen_start, pen_start + n) of the penalty lists, written by the caller); returns n. The seed
+    key and the draw index travel as the int32 bits of their uint32 values."""
+    n = len(row.penalty_ids)
+    row_i32[:] = (int(row.greedy), row.top_k, _int32_bits(seed_key(row.seed)), _int32_bits(row.draw_index),
+                  int(row.bitmask is not None), pen_start, pen_start + n, 0)
+    row_f32[:] = (row.temperature, row.top_p, row.min_p, 0.0)
+    return n
