@@ -403,8 +403,8 @@ class Engine:
                     logprobs=result.logprobs))
 
     def _samples_on_device(self, group: list) -> bool:
-        """Whether the runner samples this decode group itself (only ids come back): it can, the
-        engine allows it, and no row asks for logprobs (those need the logits on the host)."""
+        """Whether the runner samples these rows itself (only ids come back): it can, the engine
+        allows it, and no row asks for logprobs (those need the logits on the host)."""
         return (self.config.device_sampling and getattr(self.runner, "samples_on_device", False)
                 and not any(self._live[w.request_id].request.logprobs for w in group))
 
@@ -414,12 +414,7 @@ class Engine:
         and no row at its output or context limit after this token."""
         if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting:
             return False
-        for work in batch.decodes:
-            live = self._live[work.request_id]
-            if (len(live.output_ids) + 2 > live.request.max_new_tokens
-                    or live.total_len + 2 > live.max_context):
-                return False
-        return True
+        return all(self._live[work.request_id].limit_reason(extra=1) is None for work in batch.decodes)
 
     def _row_sampling(self, group: list, masks: dict[str, Future],
                       errors: dict[str, Exception]) -> list[RowSampling]:

@@ -68,10 +68,11 @@ class LiveRequest:
         if self.request.constraint is not None:
             self.request.constraint.commit(token_id)
 
-    def _limit_reason(self) -> Optional[FinishReason]:
-        if len(self.output_ids) >= self.request.max_new_tokens:
+    def limit_reason(self, extra: int = 0) -> Optional[FinishReason]:
+        """The limit the request has reached, or will have reached after `extra` more tokens."""
+        if len(self.output_ids) + extra >= self.request.max_new_tokens:
             return FinishReason.LENGTH
-        if self.total_len >= self.max_context:
+        if self.total_len + extra >= self.max_context:
             return FinishReason.CONTEXT
         return None
 
@@ -109,7 +110,7 @@ class LiveRequest:
 
         if token in request.stop_token_ids:
             return StepResult(tuple(tokens), tuple(inserted), FinishReason.STOP, logprobs)
-        reason = self._limit_reason()
+        reason = self.limit_reason()
         if reason is not None:
             return StepResult(tuple(tokens), tuple(inserted), reason, logprobs)
         if action is ThinkingAction.STOP:
@@ -132,7 +133,7 @@ class LiveRequest:
                 # Forced, not sampled: probability 1 under the engine's policy.
                 logprobs.extend({"token_id": t, "logprob": 0.0, "top_logprobs": []}
                                 for t in close)
-            reason = self._limit_reason()
+            reason = self.limit_reason()
         return StepResult(tuple(tokens), tuple(inserted), reason, logprobs)
 
     # --- publishing -------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_p
 from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP, RowSampling, fill_row
 
 BUCKETS = (1, 2, 4, 8)
+PREFILL_SPLITS = 16  # most KV splits per query row in prefill
 
 
 @dataclass
@@ -74,7 +75,6 @@ class _Ahead:
             if not np.array_equal(pages, self.tables[i]):
                 return False
         return True
-PREFILL_SPLITS = 16  # most KV splits per query row in prefill
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -192,11 +192,14 @@ class CudaRunner:
         # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
         self.mask_words = _cdiv(c.vocab_size, 32)
         self.max_penalties = self.max_batch * min(self.max_context, c.vocab_size)
+        sample_fields = (("row_i32", self.max_batch * ROW_I32, np.int32),
+                         ("row_f32", self.max_batch * ROW_F32, np.float32),
+                         ("bitmask", self.max_batch * self.mask_words, np.uint32),
+                         ("pen_ids", self.max_penalties, np.int32), ("pen_delta", self.max_penalties, np.float32),
+                         ("ids", self.max_batch, np.int32))
         self.sample_off = {}
         off = 0
-        for name, count in (("row_i32", self.max_batch * ROW_I32), ("row_f32", self.max_batch * ROW_F32),
-                            ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
-                            ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
+        for name, count, _ in sample_fields:
             self.sample_off[name] = off
             off += _cdiv(count * 4, 256) * 256
         sample_bytes = off
@@ -204,11 +207,11 @@ class CudaRunner:
             cands = self.max_batch * k.sample_ctas * TOP_K_CAP * 4
             sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": self.max_batch * 4})
         # Metadata (int32): ids, pos, wrow, qseq [rows]; slots, slots_in [max_batch]; err; table.
+        self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": self.max_batch,
+                          "slots_in": self.max_batch, "err": 4, "table": self.max_batch * self.maxp}
         self.meta_off = {}
         off = 0
-        for name, count in (("ids", rows), ("pos", rows), ("wrow", rows), ("qseq", rows),
-                            ("slots", self.max_batch), ("slots_in", self.max_batch), ("err", 4),
-                            ("table", self.max_batch * self.maxp)):
+        for name, count in self.meta_size.items():
             self.meta_off[name] = off
             off += _cdiv(count, 64) * 64
         self.meta_count = off
@@ -235,10 +238,7 @@ class CudaRunner:
         self.sample_host = {}
         if self.sample_pinned is not None:
             raw = self.sample_pinned.array(np.uint8)
-            for name, count in (("row_i32", self.max_batch * ROW_I32), ("row_f32", self.max_batch * ROW_F32),
-                                ("bitmask", self.max_batch * self.mask_words), ("pen_ids", self.max_penalties),
-                                ("pen_delta", self.max_penalties), ("ids", self.max_batch)):
-                dtype = {"row_f32": np.float32, "pen_delta": np.float32, "bitmask": np.uint32}.get(name, np.int32)
+            for name, count, dtype in sample_fields:
                 start = self.sample_off[name]
                 self.sample_host[name] = raw[start:start + count * 4].view(dtype)
 
@@ -331,9 +331,10 @@ class CudaRunner:
         discards it otherwise; a discarded step changed nothing but K/V rows at positions the
         real step rewrites before any query reads them."""
         ahead, self._ahead = self._ahead, None
+        used = ahead is not None and ahead.matches(items)
         if ahead is not None:
-            self.lookahead_steps[ahead.matches(items)] += 1
-        if ahead is not None and ahead.matches(items):
+            self.lookahead_steps[used] += 1
+        if used:
             b = len(items)
             for logical, spare in zip(ahead.slots, ahead.spares):
                 self._spares[self._spares.index(spare)] = self._phys[logical]
@@ -365,27 +366,40 @@ class CudaRunner:
         if len(set(slots)) != b:
             raise ValueError(f"decode items must use distinct slots, got {slots}")
         tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
-        bucket = next(x for x in BUCKETS if x >= b)
-        meta = self._meta_clear()
-        table = meta["table"].reshape(self.max_batch, self.maxp)
-        table[:] = self.num_pages  # pad page
-        for i, item in enumerate(items):
-            pos = int(item.pos)
+        positions = [int(item.pos) for item in items]
+        for pos in positions:
             if pos < 0 or pos >= self.max_context:
                 raise ValueError(f"decode position {pos} outside [0, {self.max_context})")
-            pages = checked_page_table(item.page_table, pos + 1, self.num_pages)
-            table[i, :len(pages)] = pages
-            meta["pos"][i] = pos
-            meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        tables = [checked_page_table(item.page_table, pos + 1, self.num_pages) for item, pos in zip(items, positions)]
+        meta = self._meta_clear()
+        phys = [self._phys[s] for s in slots]
+        bucket = self._decode_meta(meta, positions, tables, phys, phys)
         meta["ids"][:b] = tokens
-        meta["qseq"][:bucket] = np.arange(bucket)
-        meta["slots"][:bucket] = self.pad_slot
-        meta["slots"][:b] = [self._phys[s] for s in slots]
-        meta["slots_in"][:bucket] = meta["slots"][:bucket]
-        meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
         self._upload_step(tokens, bucket)
         self._run_decode(bucket)
         return b
+
+    def _decode_meta(self, meta: dict[str, np.ndarray], positions: Sequence[int], tables: Sequence[np.ndarray],
+                     slots_in: Sequence[int], slots_out: Sequence[int]) -> int:
+        """Fill a decode step's metadata (all but the ids): row i at `positions[i]` over the pages
+        `tables[i]`, its GDN state and conv window read from physical slot `slots_in[i]` and
+        written to `slots_out[i]`; the rows up to the batch bucket use the pad page and slot.
+        Returns the bucket."""
+        b = len(positions)
+        bucket = next(x for x in BUCKETS if x >= b)
+        table = meta["table"].reshape(self.max_batch, self.maxp)
+        table[:] = self.num_pages  # pad page
+        for i, (pos, pages) in enumerate(zip(positions, tables)):
+            table[i, :len(pages)] = pages
+            meta["pos"][i] = pos
+            meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
+        meta["qseq"][:bucket] = np.arange(bucket)
+        meta["slots_in"][:bucket] = self.pad_slot
+        meta["slots_in"][:b] = slots_in
+        meta["slots"][:bucket] = self.pad_slot
+        meta["slots"][:b] = slots_out
+        return bucket
 
     def _run_decode(self, bucket: int) -> None:
         if self.cuda_graphs:
@@ -409,22 +423,10 @@ class CudaRunner:
         if any(p >= self.max_context or p // PAGE_SIZE >= len(t) for p, t in zip(positions, tables)):
             return None
         tables = [checked_page_table(t, p + 1, self.num_pages) for p, t in zip(positions, tables)]
-        bucket = next(x for x in BUCKETS if x >= b)
         spares = self._spares[:b]
         meta = self._meta_views(self._next_meta_block())
-        meta["table"].reshape(self.max_batch, self.maxp)[:] = self.num_pages
-        for i, (p, pages) in enumerate(zip(positions, tables)):
-            meta["table"].reshape(self.max_batch, self.maxp)[i, :len(pages)] = pages
-            meta["pos"][i] = p
-            meta["wrow"][i] = pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
-        meta["qseq"][:bucket] = np.arange(bucket)
-        meta["slots_in"][:bucket] = self.pad_slot
-        meta["slots_in"][:b] = [self._phys[int(item.slot)] for item in items]
-        meta["slots"][:bucket] = self.pad_slot
-        meta["slots"][:b] = spares
-        meta["wrow"][b:bucket] = self.num_pages * PAGE_SIZE
-        self.device.memcpy_htod(self.buf["meta"], self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count),
-                                self.stream)
+        bucket = self._decode_meta(meta, positions, tables, [self._phys[int(item.slot)] for item in items], spares)
+        self._upload_meta()
         self.device.memcpy_dtod(self.buf["meta"] + self.meta_off["ids"] * 4, self.buf["sample_ids"], b * 4,
                                 self.stream)
         self._run_decode(bucket)
@@ -673,18 +675,19 @@ class CudaRunner:
         return arr
 
     def _meta_views(self, arr: np.ndarray) -> dict[str, np.ndarray]:
-        sizes = {"ids": self.rows, "pos": self.rows, "wrow": self.rows, "qseq": self.rows,
-                 "slots": self.max_batch, "slots_in": self.max_batch, "err": 4,
-                 "table": self.max_batch * self.maxp}
-        return {name: arr[off:off + sizes[name]] for name, off in self.meta_off.items()}
+        return {name: arr[off:off + self.meta_size[name]] for name, off in self.meta_off.items()}
 
     def _meta_clear(self) -> dict[str, np.ndarray]:
         self.stream.synchronize()  # earlier uploads may still read the pinned blocks
         return self._meta_views(self._next_meta_block())
 
+    def _upload_meta(self) -> None:
+        """Upload the metadata block filled last."""
+        self.device.memcpy_htod(self.buf["meta"], self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count),
+                                self.stream)
+
     def _upload_step(self, tokens: np.ndarray, rows: int) -> None:
-        arr = self.meta_hosts[self._meta_turn].array(np.int32, self.meta_count)
-        self.device.memcpy_htod(self.buf["meta"], arr, self.stream)
+        self._upload_meta()
         if not self.kernels.embedding:
             embed = self._embed_table()
             host = self.embed_host.array(np.uint16, rows * self.config.hidden_size).reshape(rows, -1)
