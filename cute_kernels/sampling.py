@@ -58,6 +58,7 @@ from runtime.model.sampling import (
     draw_uniform,
     fill_row,
     mix32,
+    unpack_mask,
 )
 
 from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
@@ -172,22 +173,6 @@ def pack_rows(rows: Sequence[RowSampling], vocab: int) -> PackedRows:
     return PackedRows(row_i32, row_f32, bitmask, ids, delta, start)
 
 
-def allowed_ids(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """bool [V] of a packed mask (bit i % 32 of word i // 32)."""
-    words = np.asarray(bitmask).astype(np.uint32)
-    bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
-    return bits.reshape(-1)[:vocab].astype(bool)
-
-
-def pack_mask(allowed: np.ndarray) -> np.ndarray:
-    """uint32 [cdiv(V, 32)] of a bool [V] mask (the inverse of `allowed_ids`)."""
-    allowed = np.asarray(allowed, bool)
-    padded = np.zeros(-(-allowed.shape[0] // 32) * 32, bool)
-    padded[:allowed.shape[0]] = allowed
-    weights = np.uint32(1) << np.arange(32, dtype=np.uint32)
-    return (padded.reshape(-1, 32).astype(np.uint32) * weights).sum(axis=1, dtype=np.uint64).astype(np.uint32)
-
-
 def scores(logits_row: np.ndarray, row: RowSampling) -> np.ndarray:
     """float32 [V]: the row's logits after steps 1-3 (NaN and disallowed ids -inf, then the
     penalties in fp32 for a sampled row)."""
@@ -195,7 +180,7 @@ def scores(logits_row: np.ndarray, row: RowSampling) -> np.ndarray:
     vocab = x.shape[0]
     x[np.isnan(x)] = -np.inf
     if row.bitmask is not None:
-        x[~allowed_ids(row.bitmask, vocab)] = -np.inf
+        x[~unpack_mask(row.bitmask, vocab)] = -np.inf
     if not row.greedy and len(row.penalty_ids):
         ids = np.asarray(row.penalty_ids, np.int64)
         keep = (ids >= 0) & (ids < vocab)

@@ -27,7 +27,7 @@ import numpy as np
 
 from runtime.engine.api import SamplingParams
 from runtime.model.sampling import (DEAD_END, GREEDY_TEMPERATURE, TOP_K_CAP, RowSampling,
-                                    draw_uniform)
+                                    draw_uniform, unpack_mask)
 
 
 class DeadEndError(Exception):
@@ -103,12 +103,6 @@ def apply_penalties(logits: np.ndarray, state: SamplerState) -> np.ndarray:
     out = logits.astype(np.float32, copy=True)
     out[ids] -= deltas
     return out
-
-
-def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Bool [vocab_size] of a packed allowed-token mask (bit id % 32 of word id // 32)."""
-    bits = np.unpackbits(bitmask.view(np.uint8), count=vocab_size, bitorder="little")
-    return bits.view(np.bool_)
 
 
 SAMPLE_STRIDE = 64        # top-k pre-filter: every 64th logit bounds the k-th largest from below

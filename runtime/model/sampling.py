@@ -107,6 +107,22 @@ class RowSampling:
 DEAD_END = -1
 """The id a device sampler returns for a row whose constraint allows no token."""
 
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """The packed form of a bool [V] allowed-token mask: uint32 [ceil(V / 32)], bit `i % 32` of
+    word `i // 32` set for an allowed id `i` (the padding bits clear)."""
+    allowed = np.asarray(allowed, bool)
+    bits = np.zeros(-(-allowed.shape[0] // 32) * 32, bool)
+    bits[:allowed.shape[0]] = allowed
+    return np.packbits(bits, bitorder="little").view(np.uint32)
+
+
+def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Bool [vocab_size] of a packed mask (the inverse of `pack_mask`)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, np.uint32).view(np.uint8), count=vocab_size,
+                         bitorder="little")
+    return bits.view(np.bool_)
+
+
 # The device sampler's per-row parameter blocks: row_i32 [R, ROW_I32] and row_f32 [R, ROW_F32].
 GREEDY, TOP_K, SEED_KEY, DRAW_INDEX, USE_MASK, PEN_START, PEN_END = range(7)
 ROW_I32 = 8

@@ -29,9 +29,9 @@ class OnlyEven:
         self.seen = []
 
     def allowed_bitmask_u32(self, vocab_size):
-        bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
-        bits[0:vocab_size:2] = True
-        return np.packbits(bits, bitorder="little").view(np.uint32)
+        from runtime.model.sampling import pack_mask
+
+        return pack_mask(np.arange(vocab_size) % 2 == 0)
 
     def commit(self, token_id):
         self.seen.append(token_id)

@@ -18,7 +18,7 @@ import pytest
 
 from cute_kernels import sampling
 from cute_kernels.bf16 import round_bf16
-from runtime.model.sampling import DEAD_END, TOP_K_CAP, RowSampling
+from runtime.model.sampling import DEAD_END, TOP_K_CAP, RowSampling, pack_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -89,9 +89,9 @@ def _row(rng, kind: str, x: np.ndarray) -> RowSampling:
     if kind == "greedy":
         return RowSampling(greedy=True)
     if kind == "greedy_mask":
-        return RowSampling(greedy=True, bitmask=sampling.pack_mask(rng.random(v) < 0.5))
+        return RowSampling(greedy=True, bitmask=pack_mask(rng.random(v) < 0.5))
     if kind == "dead":
-        return RowSampling(greedy=bool(rng.integers(0, 2)), bitmask=sampling.pack_mask(np.zeros(v, bool)))
+        return RowSampling(greedy=bool(rng.integers(0, 2)), bitmask=pack_mask(np.zeros(v, bool)))
     kw = {"temperature": float(rng.choice([0.6, 1.0, 1.5])), "top_k": int(rng.choice([1, 5, 20])),
           "top_p": float(rng.choice([0.8, 1.0])), "min_p": float(rng.choice([0.0, 0.05])),
           "seed": int(rng.integers(0, 2**63)), "draw_index": int(rng.integers(0, 2**32))}
@@ -107,7 +107,7 @@ def _row(rng, kind: str, x: np.ndarray) -> RowSampling:
         allowed[[0, v - 1]] = rng.random(2) < 0.5  # the row's first and last ids, sometimes
         if not allowed.any():
             allowed[v // 2] = True
-        kw["bitmask"] = sampling.pack_mask(allowed)
+        kw["bitmask"] = pack_mask(allowed)
     return RowSampling(greedy=False, **kw)
 
 
@@ -153,7 +153,7 @@ def test_tiny_vocabularies(library, mem, stream, v):
     rng = np.random.default_rng(v)
     x = round_bf16(rng.standard_normal((4, v)).astype(np.float32))
     rows = [RowSampling(greedy=True), RowSampling(greedy=False, seed=3, draw_index=11),
-            RowSampling(greedy=False, top_k=5, temperature=0.6, bitmask=sampling.pack_mask(np.arange(v) == v - 1)),
+            RowSampling(greedy=False, top_k=5, temperature=0.6, bitmask=pack_mask(np.arange(v) == v - 1)),
             RowSampling(greedy=False, penalty_ids=np.array([0], np.int32), penalty_deltas=np.array([1.5], np.float32))]
     launch = Launch(library, mem, x, rows)
     got = launch(stream)

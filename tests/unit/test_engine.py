@@ -11,6 +11,7 @@ import pytest
 from runtime.engine.api import (EngineRequest, FinishReason, RequestRejected, SamplingParams,
                                 ThinkingControl)
 from runtime.engine.engine_loop import Engine, EngineConfig
+from runtime.model.sampling import pack_mask
 from test_engine_fakes import FakeRunner, reference_greedy
 
 GREEDY = SamplingParams(greedy=True)
@@ -263,13 +264,6 @@ def test_sink_failure_cancels_only_its_request(engine_factory):
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 10
 
 
-def _packed(mask):
-    """Bool [V] -> the packed uint32 bitmask [ceil(V / 32)] of the constraint protocol."""
-    bits = np.zeros(-(-mask.shape[0] // 32) * 32, dtype=bool)
-    bits[:mask.shape[0]] = mask
-    return np.packbits(bits, bitorder="little").view(np.uint32)
-
-
 class _OnlyEven:
     """A constraint that allows even ids only, for `limit` tokens, then only `end`."""
 
@@ -282,7 +276,7 @@ class _OnlyEven:
             mask[0::2] = True
         else:
             mask[self.end] = True
-        return _packed(mask)
+        return pack_mask(mask)
 
     def commit(self, token_id):
         self.seen.append(token_id)
@@ -311,7 +305,7 @@ def test_constraint_that_cannot_finish_in_time_ends_with_length(engine_factory):
 def test_constraint_dead_end_is_an_error_for_that_request(engine_factory):
     class DeadEnd(_OnlyEven):
         def allowed_bitmask_u32(self, vocab_size):
-            return _packed(np.zeros(vocab_size, dtype=bool))
+            return pack_mask(np.zeros(vocab_size, dtype=bool))
 
     engine = engine_factory()
     tokens, final = run_one(engine, request("a", [1, 2], 4, constraint=DeadEnd(1, 1)))

@@ -17,7 +17,9 @@ from runtime.model.sampling import (
     draw_bits,
     draw_uniform,
     mix32,
+    pack_mask,
     seed_key,
+    unpack_mask,
 )
 
 NEG = -np.inf
@@ -93,13 +95,13 @@ def test_greedy_ties_go_to_the_lowest_id():
 def test_mask_and_dead_ends():
     x = np.array([5.0, 4.0, 3.0, 2.0, 1.0], np.float32)
     allowed = np.array([False, False, True, False, True])
-    mask = sampling.pack_mask(allowed)
+    mask = pack_mask(allowed)
     assert sampling.reference(x[None], [_row(greedy=True, bitmask=mask)])[0] == 2
     # top_k = 20 over two allowed ids: only 2 and 4 can come out.
     rows = [_row(bitmask=mask, seed=s) for s in range(50)]
     got = sampling.reference(np.tile(x, (50, 1)), rows)
     assert set(got.tolist()) == {2, 4}
-    none = sampling.pack_mask(np.zeros(5, bool))
+    none = pack_mask(np.zeros(5, bool))
     assert sampling.reference(np.tile(x, (2, 1)), [_row(greedy=True, bitmask=none),
                                                    _row(bitmask=none)]).tolist() == [DEAD_END, DEAD_END]
     all_neg = np.full((1, 5), NEG, np.float32)
@@ -116,7 +118,7 @@ def test_penalties_change_the_winner_of_a_sampled_row_only():
     assert s.dtype == np.float32 and s[1] == np.float32(3.0) - np.float32(0.75)
     # Ids outside the vocabulary are ignored; a penalty never revives a masked id.
     s = sampling.scores(x, _row(penalty_ids=np.array([7, 0], np.int32), penalty_deltas=np.array([1, -5], np.float32),
-                                bitmask=sampling.pack_mask(np.array([False, True, True, True]))))
+                                bitmask=pack_mask(np.array([False, True, True, True]))))
     assert s[0] == NEG and s[1] == 3.0
 
 
@@ -198,7 +200,7 @@ def test_reference_decides_as_the_host_sampler():
         state.num_draws = int(rng.integers(0, 1000))
         mask = None
         if trial % 4 == 1:
-            mask = sampling.pack_mask(rng.random(vocab) < (0.0 if trial % 16 == 1 else 0.2))
+            mask = pack_mask(rng.random(vocab) < (0.0 if trial % 16 == 1 else 0.2))
         row = state.row_sampling(vocab, mask)
         want = sampling.reference(x[None], [row])[0]
         try:
@@ -212,7 +214,7 @@ def test_reference_decides_as_the_host_sampler():
 
 
 def test_pack_rows_lays_out_the_kernel_buffers():
-    mask = sampling.pack_mask(np.arange(70) % 3 == 0)
+    mask = pack_mask(np.arange(70) % 3 == 0)
     rows = [
         _row(greedy=True),
         _row(top_k=5, temperature=0.7, top_p=0.9, min_p=0.05, seed=2**63 + 5, draw_index=2**31 + 1,
@@ -239,10 +241,10 @@ def test_pack_rows_lays_out_the_kernel_buffers():
 
 def test_mask_packing_round_trips():
     allowed = np.random.default_rng(1).random(1000) < 0.3
-    words = sampling.pack_mask(allowed)
+    words = pack_mask(allowed)
     assert words.dtype == np.uint32 and words.shape == (32,)
-    np.testing.assert_array_equal(sampling.allowed_ids(words, 1000), allowed)
-    assert sampling.pack_mask(np.array([True] + [False] * 30 + [True]))[0] == 0x80000001
+    np.testing.assert_array_equal(unpack_mask(words, 1000), allowed)
+    assert pack_mask(np.array([True] + [False] * 30 + [True]))[0] == 0x80000001
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 1000, 4099])
@@ -251,7 +253,7 @@ def test_reference_candidates_hold_each_slice_top_and_merge_to_the_row_top(vocab
     x = round_bf16(rng.standard_normal((2, vocab)).astype(np.float32))
     x[0, ::3] = x[0].max()  # many ties
     rows = [_row(greedy=True), _row(penalty_ids=np.array([0], np.int32), penalty_deltas=np.array([1], np.float32),
-                                    bitmask=sampling.pack_mask(rng.random(vocab) < 0.5))]
+                                    bitmask=pack_mask(rng.random(vocab) < 0.5))]
     vals, ids = sampling.reference_candidates(x, rows)
     ctas = sampling.CTAS_PER_ROW
     assert vals.shape == ids.shape == (2, ctas, TOP_K_CAP)
