@@ -29,7 +29,8 @@ Kernels:
   gives the row's top 20, then thread 0 runs steps 4-9 in fp32 and writes the id (or `DEAD_END`).
 
 The float64 host and the fp32 kernel agree on every decision except when a draw or a cut lies
-within float rounding of its threshold; `reference_row` reports that distance (`margin`).
+within float rounding of its threshold; `runtime.model.sampling.decide` reports that distance
+(`RowDraw.margin`).
 """
 
 from collections.abc import Sequence
@@ -53,12 +54,14 @@ from runtime.model.sampling import (
     TOP_K,
     TOP_K_CAP,
     TOP_P,
+    TOP_P_SLACK,
     USE_MASK,
     RowSampling,
-    draw_uniform,
+    decide,
     fill_row,
+    masked_scores,
     mix32,
-    unpack_mask,
+    top_ids,
 )
 
 from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
@@ -72,7 +75,6 @@ SLICE_CAP = CAND_THREADS * PER_THREAD  # most ids one CTA owns
 MAX_VOCAB = CTAS_PER_ROW * SLICE_CAP  # 262144
 PICK_THREADS = 128
 NO_ID = 0x7FFFFFFF  # the id of an unused candidate slot (its value is -inf)
-TOP_P_SLACK = 1e-9  # the host's tolerance on the top-p mass (see runtime.engine.sampler)
 _MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers (runtime.model.sampling.mix32)
 
 
@@ -173,92 +175,10 @@ def pack_rows(rows: Sequence[RowSampling], vocab: int) -> PackedRows:
     return PackedRows(row_i32, row_f32, bitmask, ids, delta, start)
 
 
-def scores(logits_row: np.ndarray, row: RowSampling) -> np.ndarray:
-    """float32 [V]: the row's logits after steps 1-3 (NaN and disallowed ids -inf, then the
-    penalties in fp32 for a sampled row)."""
-    x = np.asarray(logits_row, np.float32).copy()
-    vocab = x.shape[0]
-    x[np.isnan(x)] = -np.inf
-    if row.bitmask is not None:
-        x[~unpack_mask(row.bitmask, vocab)] = -np.inf
-    if not row.greedy and len(row.penalty_ids):
-        ids = np.asarray(row.penalty_ids, np.int64)
-        keep = (ids >= 0) & (ids < vocab)
-        x[ids[keep]] = x[ids[keep]] - np.asarray(row.penalty_deltas, np.float32)[keep]
-        x[np.isnan(x)] = -np.inf
-    return x
-
-
-def top_candidates(values: np.ndarray, k: int, first_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of `values` by (value desc, id asc), ids offset by `first_id`; -inf dropped."""
-    ids = np.flatnonzero(values > -np.inf)
-    if ids.shape[0] > k:  # cut to the ids >= the k-th largest value (ties all kept) before sorting
-        kth = np.partition(values[ids], ids.shape[0] - k)[ids.shape[0] - k]
-        ids = ids[values[ids] >= kth]
-    order = np.lexsort((ids, -values[ids].astype(np.float64)))[:k]
-    return values[ids[order]].astype(np.float32), (ids[order] + first_id).astype(np.int64)
-
-
-@dataclass
-class RowDraw:
-    """One row's decision and how close it came to going another way.
-
-    token: the id (or DEAD_END); ids / probs: the final candidates and their renormalised
-    probabilities (float64; empty for greedy and dead ends); u: the draw (None when no draw);
-    margin: the smallest distance of a quantity that decides from its threshold (the cumulative
-    probabilities but the last from u, the top-p cumulative sums but the last from
-    `top_p - 1e-9`, the probabilities but the first from `min_p * p[0]`); inf when none does. A float32 computation may decide
-    differently only when the margin is of the order of its rounding.
-    """
-
-    token: int
-    ids: np.ndarray
-    probs: np.ndarray
-    u: float | None
-    margin: float
-
-
-def _distance(values: np.ndarray, threshold: float) -> float:
-    return float(np.abs(values - threshold).min()) if values.shape[0] else np.inf
-
-
-def reference_row(logits_row: np.ndarray, row: RowSampling) -> RowDraw:
-    """The row's decision, with float64 probabilities as the host sampler computes them."""
-    x = scores(logits_row, row)
-    k = 1 if row.greedy else row.top_k
-    values, ids = top_candidates(x, k)
-    empty = np.zeros(0)
-    if ids.shape[0] == 0:
-        return RowDraw(DEAD_END, ids, empty, None, np.inf)
-    if row.greedy:
-        return RowDraw(int(ids[0]), ids, empty, None, np.inf)
-    z = values.astype(np.float64) / row.temperature
-    z -= z[0]
-    probs = np.exp(z)
-    probs /= probs.sum()
-    margin = np.inf
-    if row.top_p < 1.0:
-        cums = np.cumsum(probs)
-        threshold = row.top_p - TOP_P_SLACK
-        margin = min(margin, _distance(cums[:-1], threshold))  # reaching it only at the end: no cut
-        cutoff = int(np.searchsorted(cums, threshold, side="left")) + 1
-        ids, probs = ids[:cutoff], probs[:cutoff]
-    if row.min_p > 0.0:
-        threshold = row.min_p * probs[0]
-        margin = min(margin, _distance(probs[1:], threshold))
-        keep = probs >= threshold
-        ids, probs = ids[keep], probs[keep]
-    probs = probs / probs.sum()
-    u = draw_uniform(row.seed, row.draw_index)
-    cums = np.cumsum(probs)
-    margin = min(margin, _distance(cums[:-1], u))  # past the last boundary: clamped to the last
-    index = int(np.searchsorted(cums, u, side="right"))
-    return RowDraw(int(ids[min(index, ids.shape[0] - 1)]), ids, probs, u, margin)
-
-
 def reference(logits: np.ndarray, rows: Sequence[RowSampling]) -> np.ndarray:
-    """int32 [R]: each row's token id (DEAD_END where nothing is allowed). `logits`: float [R, V]."""
-    return np.array([reference_row(logits[i], row).token for i, row in enumerate(rows)], np.int32)
+    """int32 [R]: each row's token id (DEAD_END where nothing is allowed), as the host sampler
+    decides it (`runtime.model.sampling.decide`). `logits`: float [R, V]."""
+    return np.array([decide(logits[i], row).token for i, row in enumerate(rows)], np.int32)
 
 
 def reference_candidates(logits: np.ndarray, rows: Sequence[RowSampling],
@@ -269,14 +189,14 @@ def reference_candidates(logits: np.ndarray, rows: Sequence[RowSampling],
     vals = np.full((r, ctas, TOP_K_CAP), -np.inf, np.float32)
     cids = np.full((r, ctas, TOP_K_CAP), NO_ID, np.int32)
     for i, row in enumerate(rows):
-        x = scores(logits[i], row)
+        x = masked_scores(logits[i], row)
         for c in range(ctas):
             lo, hi = c * span, min((c + 1) * span, vocab)
             if lo >= hi:
                 continue
-            v, ids = top_candidates(x[lo:hi], TOP_K_CAP, lo)
-            vals[i, c, :v.shape[0]] = v
-            cids[i, c, :v.shape[0]] = ids
+            ids = top_ids(x[lo:hi], TOP_K_CAP)
+            vals[i, c, :ids.shape[0]] = x[lo + ids]
+            cids[i, c, :ids.shape[0]] = lo + ids
     return vals, cids
 
 

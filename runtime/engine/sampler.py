@@ -15,7 +15,8 @@ Order of operations (the usual one of vLLM / llama.cpp, written out so tests can
    by a runner on its device (`RowSampling` carries the same inputs to the GPU kernels).
 
 Candidates are ordered by (logit desc, id asc) before any cut, so ties never depend on sort
-stability or on the vocabulary size.
+stability or on the vocabulary size. The decision itself is `runtime.model.sampling.decide`,
+shared with the GPU sampling kernels' reference; this module keeps each request's state.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Optional
 import numpy as np
 
 from runtime.engine.api import SamplingParams
-from runtime.model.sampling import (DEAD_END, GREEDY_TEMPERATURE, TOP_K_CAP, RowSampling,
-                                    draw_uniform, unpack_mask)
+from runtime.model.sampling import (DEAD_END, GREEDY_TEMPERATURE, TOP_K_CAP, RowSampling, decide,
+                                    pack_mask, penalized)
 
 
 class DeadEndError(Exception):
@@ -95,43 +96,9 @@ def resolved_top_k(params: SamplingParams) -> int:
 
 
 def apply_penalties(logits: np.ndarray, state: SamplerState) -> np.ndarray:
-    """`logits` with the penalties applied (float32, as a device sampler does): a penalised
-    copy, or `logits` itself when no penalty applies (never modified in place)."""
-    ids, deltas = state.penalties(logits.shape[0])
-    if ids.shape[0] == 0:
-        return logits
-    out = logits.astype(np.float32, copy=True)
-    out[ids] -= deltas
-    return out
-
-
-SAMPLE_STRIDE = 64        # top-k pre-filter: every 64th logit bounds the k-th largest from below
-
-
-def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k largest scores, ordered by (score desc, id asc); -inf ids are dropped.
-
-    A full selection over 248k logits costs milliseconds, so the k-th largest value of a strided
-    sample (a lower bound of the true k-th largest) first cuts the vocabulary down to the few
-    ids that can be in the top k; ties are all kept, so the result is exact.
-    """
-    n = scores.shape[0]
-    pool = None
-    if n > SAMPLE_STRIDE * k * 4:
-        sample = scores[::SAMPLE_STRIDE]
-        threshold = np.partition(sample, sample.shape[0] - k)[sample.shape[0] - k]
-        if threshold > -np.inf:
-            pool = np.flatnonzero(scores >= threshold)
-    if pool is None or pool.shape[0] > 16 * SAMPLE_STRIDE * k:
-        pool = np.flatnonzero(scores > -np.inf)
-        if pool.shape[0] > k:
-            part = np.argpartition(-scores[pool], k - 1)[:k]
-            kth = scores[pool[part]].min()
-            pool = pool[scores[pool] >= kth]
-    values = scores[pool]
-    keep = values > -np.inf
-    pool, values = pool[keep], values[keep]
-    return pool[np.lexsort((pool, -values))[:k]]
+    """A float32 copy of `logits` with the request's penalties applied (as a device sampler
+    applies them)."""
+    return penalized(logits, *state.penalties(logits.shape[0]))
 
 
 def candidate_distribution(logits: np.ndarray, state: SamplerState) -> tuple[np.ndarray, np.ndarray]:
@@ -139,49 +106,26 @@ def candidate_distribution(logits: np.ndarray, state: SamplerState) -> tuple[np.
 
     `logits` must already carry the constraint mask (-inf for disallowed ids).
     """
-    params = state.params
-    scores = apply_penalties(logits, state)
-    ids = top_ids(scores, resolved_top_k(params))
-    if ids.shape[0] == 0:
+    draw = decide(logits, state.row_sampling(logits.shape[0], None))
+    if draw.token == DEAD_END:
         raise DeadEndError("no token is allowed")
-    z = scores[ids].astype(np.float64) / max(params.temperature, GREEDY_TEMPERATURE)
-    z -= z[0]
-    probs = np.exp(z)
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        # The tolerance keeps p = 0.8 over {0.5, 0.3, ...} at two tokens despite rounding.
-        cutoff = int(np.searchsorted(np.cumsum(probs), params.top_p - 1e-9, side="left")) + 1
-        ids, probs = ids[:cutoff], probs[:cutoff]
-    if params.min_p > 0.0:
-        keep = probs >= params.min_p * probs[0]
-        ids, probs = ids[keep], probs[keep]
-    probs = probs / probs.sum()
-    return ids, probs
+    return draw.ids, draw.probs
 
 
 def sample_token(logits: np.ndarray, state: SamplerState,
                  mask: Optional[np.ndarray] = None) -> int:
-    """Next token id for one sequence. `logits`: float [V]; `mask`: bool [V], a packed uint32
-    bitmask [ceil(V / 32)], or None."""
-    if mask is not None and mask.dtype != np.bool_:
-        mask = unpack_mask(mask, logits.shape[0])
+    """Next token id for one sequence (`runtime.model.sampling.decide` on this request's inputs).
+    `logits`: float [V]; `mask`: bool [V] (shorter: the ids past it are disallowed), a packed
+    uint32 bitmask [ceil(V / 32)], or None."""
+    vocab = logits.shape[0]
     if mask is not None:
-        if mask.shape[0] < logits.shape[0]:
-            padded = np.zeros(logits.shape[0], dtype=bool)
-            padded[:mask.shape[0]] = mask
-            mask = padded
-        elif mask.shape[0] > logits.shape[0]:
-            mask = mask[:logits.shape[0]]
+        if mask.dtype == np.bool_:
+            allowed = np.zeros(vocab, dtype=bool)
+            allowed[:min(mask.shape[0], vocab)] = mask[:vocab]
+            mask = pack_mask(allowed)
         if not mask.any():
             raise DeadEndError("the output constraint allows no token")
-        logits = np.where(mask, logits, -np.inf)
-    if state.greedy:
-        return int(np.argmax(logits))
-    ids, probs = candidate_distribution(logits, state)
-    draw = draw_uniform(state.params.seed, state.num_draws)
-    state.num_draws += 1
-    index = int(np.searchsorted(np.cumsum(probs), draw, side="right"))
-    return int(ids[min(index, ids.shape[0] - 1)])
+    return state.took(decide(logits, state.row_sampling(vocab, mask)).token)
 
 
 def token_logprobs(logits: np.ndarray, token_id: int, top: int) -> TokenLogprobs:

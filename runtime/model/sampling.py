@@ -2,14 +2,16 @@
 
 A runner that samples on its device (`CudaRunner.decode_sampled`) must pick exactly the token the
 host sampler (`runtime.engine.sampler.sample_token`) picks from the same logits, so a request
-gives the same output whichever path served a step, and after a preemption and replay. Two
-things make that possible and live here:
+gives the same output whichever path served a step, and after a preemption and replay. What
+makes that possible lives here:
 
 - `draw_uniform(seed, index)`: the request's `index`-th uniform draw is a pure function of its
   seed and the draw counter (a counter-based generator, not a stateful one), cheap in 32-bit
   integer arithmetic on a GPU thread and in NumPy alike;
 - `RowSampling`: everything one row's draw depends on, resolved on the host (penalties as
-  per-token deltas, the constraint as a packed bitmask), in the form the kernels read.
+  per-token deltas, the constraint as a packed bitmask), in the form the kernels read;
+- `decide(logits, row)`: the decision itself, in float64, which the host sampler runs and the GPU
+  kernels are tested against.
 
 The integer hash is "lowbias32" (Chris Wellons' published constants): a bijection on 32-bit
 words with low avalanche bias. Mixing in the seed's two halves and the index through it gives
@@ -121,6 +123,122 @@ def unpack_mask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     bits = np.unpackbits(np.ascontiguousarray(bitmask, np.uint32).view(np.uint8), count=vocab_size,
                          bitorder="little")
     return bits.view(np.bool_)
+
+
+TOP_P_SLACK = 1e-9
+"""Tolerance on the top-p mass: p = 0.8 over {0.5, 0.3, ...} keeps two tokens despite rounding."""
+
+SAMPLE_STRIDE = 64
+"""Top-k pre-filter: every 64th score bounds the k-th largest from below (see `top_ids`)."""
+
+
+def penalized(values: np.ndarray, ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    """A float32 copy of `values` with `values[id] -= delta` (float32, as the GPU does)."""
+    out = np.asarray(values, np.float32).copy()
+    ids = np.asarray(ids, np.int64)
+    keep = (ids >= 0) & (ids < out.shape[0])
+    out[ids[keep]] -= np.asarray(deltas, np.float32)[keep]
+    return out
+
+
+def masked_scores(logits_row: np.ndarray, row: RowSampling) -> np.ndarray:
+    """[V]: the row's logits (float32, or float64 when given float64) with NaN and disallowed
+    ids at -inf, then, for a sampled row with penalties, those applied in float32 (a NaN a
+    penalty produces counts as -inf too)."""
+    x = np.array(logits_row, dtype=np.result_type(logits_row, np.float32))
+    x[np.isnan(x)] = -np.inf
+    if row.bitmask is not None:
+        x[~unpack_mask(row.bitmask, x.shape[0])] = -np.inf
+    if not row.greedy and len(row.penalty_ids):
+        x = penalized(x, row.penalty_ids, row.penalty_deltas)
+        x[np.isnan(x)] = -np.inf
+    return x
+
+
+def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest scores, ordered by (score desc, id asc); -inf ids are dropped.
+
+    A full selection over 248k logits costs milliseconds, so the k-th largest value of a strided
+    sample (a lower bound of the true k-th largest) first cuts the vocabulary down to the few
+    ids that can be in the top k; ties are all kept, so the result is exact.
+    """
+    n = scores.shape[0]
+    pool = None
+    if n > SAMPLE_STRIDE * k * 4:
+        sample = scores[::SAMPLE_STRIDE]
+        threshold = np.partition(sample, sample.shape[0] - k)[sample.shape[0] - k]
+        if threshold > -np.inf:
+            pool = np.flatnonzero(scores >= threshold)
+    if pool is None or pool.shape[0] > 16 * SAMPLE_STRIDE * k:
+        pool = np.flatnonzero(scores > -np.inf)
+        if pool.shape[0] > k:
+            part = np.argpartition(-scores[pool], k - 1)[:k]
+            kth = scores[pool[part]].min()
+            pool = pool[scores[pool] >= kth]
+    values = scores[pool]
+    keep = values > -np.inf
+    pool, values = pool[keep], values[keep]
+    return pool[np.lexsort((pool, -values))[:k]]
+
+
+@dataclass
+class RowDraw:
+    """One row's decision and how close it came to going another way.
+
+    token: the id (or DEAD_END); ids / probs: the final candidates and their renormalised
+    probabilities (float64; empty for greedy and dead ends); u: the draw (None when no draw);
+    margin: the smallest distance of a quantity that decides from its threshold (the cumulative
+    probabilities but the last from u, the top-p cumulative sums but the last from
+    `top_p - TOP_P_SLACK`, the probabilities but the first from `min_p * p[0]`); inf when none
+    does. A float32 computation (the GPU's) may decide differently only when the margin is of the
+    order of its rounding.
+    """
+
+    token: int
+    ids: np.ndarray
+    probs: np.ndarray
+    u: float | None
+    margin: float
+
+
+def _distance(values: np.ndarray, threshold: float) -> float:
+    return float(np.abs(values - threshold).min()) if values.shape[0] else np.inf
+
+
+def decide(logits_row: np.ndarray, row: RowSampling) -> RowDraw:
+    """The row's token, in float64 on the host: the decision the host sampler takes and the GPU
+    kernels reproduce. Order: mask, greedy argmax (lowest id on ties; nothing below applies),
+    penalties, the top k by (score desc, id asc), softmax of score / temperature, top-p, min-p,
+    renormalise, inverse CDF at `draw_uniform(seed, draw_index)`."""
+    x = masked_scores(logits_row, row)
+    ids = top_ids(x, 1 if row.greedy else row.top_k)
+    empty = np.zeros(0)
+    if ids.shape[0] == 0:
+        return RowDraw(DEAD_END, ids, empty, None, np.inf)
+    if row.greedy:
+        return RowDraw(int(ids[0]), ids, empty, None, np.inf)
+    z = x[ids].astype(np.float64) / row.temperature
+    z -= z[0]
+    probs = np.exp(z)
+    probs /= probs.sum()
+    margin = np.inf
+    if row.top_p < 1.0:
+        cums = np.cumsum(probs)
+        threshold = row.top_p - TOP_P_SLACK
+        margin = min(margin, _distance(cums[:-1], threshold))  # reaching it only at the end: no cut
+        cutoff = int(np.searchsorted(cums, threshold, side="left")) + 1
+        ids, probs = ids[:cutoff], probs[:cutoff]
+    if row.min_p > 0.0:
+        threshold = row.min_p * probs[0]
+        margin = min(margin, _distance(probs[1:], threshold))
+        keep = probs >= threshold
+        ids, probs = ids[keep], probs[keep]
+    probs = probs / probs.sum()
+    u = draw_uniform(row.seed, row.draw_index)
+    cums = np.cumsum(probs)
+    margin = min(margin, _distance(cums[:-1], u))  # past the last boundary: clamped to the last
+    index = int(np.searchsorted(cums, u, side="right"))
+    return RowDraw(int(ids[min(index, ids.shape[0] - 1)]), ids, probs, u, margin)
 
 
 # The device sampler's per-row parameter blocks: row_i32 [R, ROW_I32] and row_f32 [R, ROW_F32].

@@ -8,9 +8,8 @@ import pytest
 
 from runtime.engine.api import SamplingParams
 from runtime.engine.sampler import (DeadEndError, SamplerState, apply_penalties,
-                                    candidate_distribution, sample_token, token_logprobs,
-                                    top_ids, unpack_mask)
-from runtime.model.sampling import DEAD_END, draw_uniform
+                                    candidate_distribution, sample_token, token_logprobs)
+from runtime.model.sampling import DEAD_END, draw_uniform, top_ids, unpack_mask
 
 
 def state(**kw) -> SamplerState:

@@ -14,11 +14,14 @@ from runtime.model.sampling import (
     DEAD_END,
     TOP_K_CAP,
     RowSampling,
+    decide,
     draw_bits,
     draw_uniform,
+    masked_scores,
     mix32,
     pack_mask,
     seed_key,
+    top_ids,
     unpack_mask,
 )
 
@@ -114,10 +117,10 @@ def test_penalties_change_the_winner_of_a_sampled_row_only():
     assert sampling.reference(x[None], [_row(top_k=1, **pen)])[0] == 2  # 3.0 - 0.75 < 2.5
     assert sampling.reference(x[None], [_row(greedy=True, **pen)])[0] == 1  # greedy: no penalties
     # The subtraction is float32 logit minus float32 delta.
-    s = sampling.scores(x, _row(**pen))
+    s = masked_scores(x, _row(**pen))
     assert s.dtype == np.float32 and s[1] == np.float32(3.0) - np.float32(0.75)
     # Ids outside the vocabulary are ignored; a penalty never revives a masked id.
-    s = sampling.scores(x, _row(penalty_ids=np.array([7, 0], np.int32), penalty_deltas=np.array([1, -5], np.float32),
+    s = masked_scores(x, _row(penalty_ids=np.array([7, 0], np.int32), penalty_deltas=np.array([1, -5], np.float32),
                                 bitmask=pack_mask(np.array([False, True, True, True]))))
     assert s[0] == NEG and s[1] == 3.0
 
@@ -131,26 +134,26 @@ def test_top_k_one_is_the_argmax_whatever_the_draw():
 def test_top_p_keeps_the_prefix_that_reaches_the_mass():
     x = _logits_for([0.5, 0.3, 0.2])
     # 0.5 + 0.3 reaches 0.8 up to rounding: the 1e-9 slack keeps two candidates.
-    assert sampling.reference_row(x, _row(top_p=0.8)).ids.tolist() == [0, 1]
-    assert sampling.reference_row(x, _row(top_p=0.81)).ids.tolist() == [0, 1, 2]
-    assert sampling.reference_row(x, _row(top_p=0.5)).ids.tolist() == [0]
-    assert sampling.reference_row(x, _row(top_p=0.49)).ids.tolist() == [0]
-    d = sampling.reference_row(x, _row(top_p=0.8))
+    assert decide(x, _row(top_p=0.8)).ids.tolist() == [0, 1]
+    assert decide(x, _row(top_p=0.81)).ids.tolist() == [0, 1, 2]
+    assert decide(x, _row(top_p=0.5)).ids.tolist() == [0]
+    assert decide(x, _row(top_p=0.49)).ids.tolist() == [0]
+    d = decide(x, _row(top_p=0.8))
     np.testing.assert_allclose(d.probs, [0.625, 0.375], rtol=1e-6)
     assert d.margin < 1e-6  # the cut sat on its threshold: a float32 sampler may cut elsewhere
 
 
 def test_min_p_drops_the_unlikely_tail():
     x = _logits_for([0.6, 0.3, 0.1])
-    assert sampling.reference_row(x, _row(min_p=0.2)).ids.tolist() == [0, 1]  # 0.1 < 0.12
-    assert sampling.reference_row(x, _row(min_p=0.1)).ids.tolist() == [0, 1, 2]  # 0.1 >= 0.06
-    assert sampling.reference_row(x, _row(min_p=0.6)).ids.tolist() == [0]
-    np.testing.assert_allclose(sampling.reference_row(x, _row(min_p=0.2)).probs, [2 / 3, 1 / 3], rtol=1e-6)
+    assert decide(x, _row(min_p=0.2)).ids.tolist() == [0, 1]  # 0.1 < 0.12
+    assert decide(x, _row(min_p=0.1)).ids.tolist() == [0, 1, 2]  # 0.1 >= 0.06
+    assert decide(x, _row(min_p=0.6)).ids.tolist() == [0]
+    np.testing.assert_allclose(decide(x, _row(min_p=0.2)).probs, [2 / 3, 1 / 3], rtol=1e-6)
 
 
 def test_temperature_scales_the_logits():
     x = _logits_for([0.6, 0.3, 0.1])
-    d = sampling.reference_row(x, _row(temperature=0.5))
+    d = decide(x, _row(temperature=0.5))
     want = np.array([0.36, 0.09, 0.01]) / 0.46
     np.testing.assert_allclose(d.probs, want, rtol=1e-6)
 
@@ -161,7 +164,7 @@ def test_seeded_draws_are_the_inverse_cdf_at_draw_uniform():
     seen = set()
     for index in range(200):
         u = draw_uniform(99, index)
-        d = sampling.reference_row(x, _row(seed=99, draw_index=index))
+        d = decide(x, _row(seed=99, draw_index=index))
         assert d.u == u
         if np.abs(cdf - u).min() > 1e-6:
             assert d.token == int(np.searchsorted(cdf, u, side="right"))
@@ -173,7 +176,7 @@ def test_the_draw_picks_from_the_renormalised_cut():
     x = _logits_for([0.5, 0.3, 0.2])
     for index in range(100):
         u = draw_uniform(5, index)
-        d = sampling.reference_row(x, _row(seed=5, draw_index=index, top_p=0.8))
+        d = decide(x, _row(seed=5, draw_index=index, top_p=0.8))
         assert d.token == (0 if u < 0.625 else 1)
 
 
@@ -259,7 +262,7 @@ def test_reference_candidates_hold_each_slice_top_and_merge_to_the_row_top(vocab
     assert vals.shape == ids.shape == (2, ctas, TOP_K_CAP)
     span = math.ceil(vocab / ctas)
     for r in range(2):
-        s = sampling.scores(x[r], rows[r])
+        s = masked_scores(x[r], rows[r])
         for c in range(ctas):
             lo, hi = c * span, min((c + 1) * span, vocab)
             finite = vals[r, c] > NEG
@@ -271,7 +274,7 @@ def test_reference_candidates_hold_each_slice_top_and_merge_to_the_row_top(vocab
         flat_v, flat_i = vals[r].ravel(), ids[r].ravel().astype(np.int64)
         order = np.lexsort((flat_i, -flat_v.astype(np.float64)))[:TOP_K_CAP]
         keep = flat_v[order] > NEG
-        _, want_i = sampling.top_candidates(s, TOP_K_CAP)
+        want_i = top_ids(s, TOP_K_CAP)
         assert flat_i[order][keep].tolist() == want_i.tolist()
 
 
