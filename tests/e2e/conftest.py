@@ -69,6 +69,17 @@ def model_server(model_settings, model_log):
     backend.close()
 
 
+def run_concurrently(work, count: int, timeout: float) -> list:
+    """`work(n)` for n = 0..count-1, all at once on their own threads; the results in order of
+    n. An exception in any call is raised here, and so is a call still running after `timeout`
+    seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        futures = [pool.submit(work, n) for n in range(count)]
+        return [future.result(timeout=timeout) for future in futures]
+
+
 class Clients:
     """The official SDK clients for a server, retries off (failures must not be masked)."""
 

@@ -19,6 +19,7 @@ import pytest
 from protocols.app import AppConfig
 from protocols.fake import Script, default_script
 from runtime.text.events import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from tests.e2e.conftest import run_concurrently
 
 USER = [{"role": "user", "content": "What's the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -249,25 +250,16 @@ def test_disconnect_cancels_the_generation_and_frees_the_lane(fake_server, clien
 def test_eight_concurrent_streams(fake_server, clients):
     server = fake_server(lambda job: Script(events=[ContentDelta(f"{i},") for i in range(20)],
                                             step_s=0.01), lanes=4)
-    results, errors = [], []
 
     def run(number):
-        try:
-            client = clients.openai(server)
-            with client.chat.completions.stream(model="m", messages=USER,
-                                                stream_options={"include_usage": True}) as s:
-                for _ in s:
-                    pass
-                results.append(s.get_final_completion())
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        client = clients.openai(server)
+        with client.chat.completions.stream(model="m", messages=USER,
+                                            stream_options={"include_usage": True}) as s:
+            for _ in s:
+                pass
+            return s.get_final_completion()
 
-    threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not errors
+    results = run_concurrently(run, 8, timeout=30)
     assert len(results) == 8
     assert all(r.choices[0].message.content == "".join(f"{i}," for i in range(20))
                for r in results)

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+
+from tests.e2e.conftest import run_concurrently
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 USER = [{"role": "user", "content": "Say hello."}]
@@ -295,27 +296,17 @@ def test_disconnect_frees_the_lane(model_server, clients):
 
 
 def test_eight_concurrent_streams(model_server, clients):
-    results, errors = [], []
-
     def run(number):
-        try:
-            client = clients.openai(model_server, timeout=120)
-            with client.chat.completions.stream(
-                    model="tiny", messages=[{"role": "user", "content": f"count {number}"}],
-                    max_tokens=4, seed=number, stream_options={"include_usage": True},
-                    extra_body=NO_THINKING) as stream:
-                for _ in stream:
-                    pass
-                results.append(stream.current_completion_snapshot)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        client = clients.openai(model_server, timeout=120)
+        with client.chat.completions.stream(
+                model="tiny", messages=[{"role": "user", "content": f"count {number}"}],
+                max_tokens=4, seed=number, stream_options={"include_usage": True},
+                extra_body=NO_THINKING) as stream:
+            for _ in stream:
+                pass
+            return stream.current_completion_snapshot
 
-    threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    assert not errors, errors
+    results = run_concurrently(run, 8, timeout=180)
     assert len(results) == 8
     assert all(0 < r.usage.completion_tokens <= 4 for r in results)
 

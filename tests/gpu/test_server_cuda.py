@@ -9,11 +9,9 @@ draws do not depend on batching). An Anthropic Messages stream must end with `me
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from tests.e2e.conftest import Clients
+from tests.e2e.conftest import Clients, run_concurrently
 
 pytestmark = pytest.mark.gpu
 
@@ -51,22 +49,9 @@ def _chat(client, seed):
 
 def test_concurrent_streams_then_the_same_seeds_alone(cuda_server):
     client = Clients.openai(cuda_server)
-    results, errors = {}, []
-
-    def run(seed):
-        try:
-            results[seed] = _chat(client, seed)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not errors, errors
-    assert sorted(results) == [0, 1, 2, 3]
-    for seed, snapshot in results.items():
+    results = run_concurrently(lambda seed: _chat(client, seed), 4, timeout=120)
+    assert len(results) == 4
+    for seed, snapshot in enumerate(results):
         usage = snapshot.usage
         assert 0 < usage.completion_tokens <= 24 and usage.prompt_tokens > 3, seed
         assert snapshot.choices[0].finish_reason in ("length", "stop")
