@@ -23,8 +23,8 @@ import numpy as np
 
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, checked_page_table,
-                                  checked_tokens)
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, StepRow, checked_page_table,
+                                  checked_rows, checked_tokens)
 from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
                                    bind_mtp, bind_text)
 
@@ -152,6 +152,69 @@ class NumpyRunner:
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
         return self.decode_with_hidden(items).logits.astype(np.float32, copy=False)
+
+    def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
+        return [out.logits.astype(np.float32, copy=False) for out in self.step_with_hidden(rows)]
+
+    def commit(self, slot: int, snapshot: int) -> None:
+        self.copy_slot(snapshot, slot)
+
+    def step_with_hidden(self, rows: Sequence[StepRow]) -> list[StepOutput]:
+        """`step`, with each row's final-normed hidden states of every token (MTP drafting).
+
+        Exactness is by construction: the one-token rows without snapshots run together as one
+        `decode` batch, a prefill row runs as `prefill` alone, and a verification row runs as
+        one single-row decode step per token (the state copied forward from snapshot to
+        snapshot), so every row's numbers are those of the calls it stands for.
+        """
+        checked_rows(rows, self.num_slots)
+        for row in rows:
+            tokens = checked_tokens(row.token_ids, self.vocab_size)
+            if isinstance(row.start_pos, bool) or not isinstance(row.start_pos, (int, np.integer)) \
+                    or row.start_pos < 0:
+                raise ValueError(f"start_pos must be a non-negative integer, got {row.start_pos!r}")
+            checked_page_table(row.page_table, int(row.start_pos) + len(tokens), self.num_pages)
+        outputs: dict[int, StepOutput] = {}
+        decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1 and row.snapshots is None]
+        if decodes:
+            out = self.decode_with_hidden([DecodeItem(rows[i].slot, int(rows[i].token_ids[0]),
+                                                      int(rows[i].start_pos), rows[i].page_table)
+                                           for i in decodes])
+            for b, i in enumerate(decodes):
+                outputs[i] = StepOutput(logits=out.logits[b:b + 1], hidden=out.hidden[b:b + 1])
+        for i, row in enumerate(rows):
+            if i in outputs:
+                continue
+            if row.snapshots is None:
+                out = self.prefill_with_hidden(PrefillChunk(row.slot, row.token_ids, int(row.start_pos),
+                                                            row.page_table, all_logits=_wants_more_than_last(row)))
+                logits, hidden = out.logits, out.hidden
+            else:
+                logits, hidden = self._verify(row)
+            outputs[i] = StepOutput(logits=logits, hidden=hidden)
+        result = []
+        for i, row in enumerate(rows):
+            out = outputs[i]
+            offsets = list(row.logit_offsets())
+            # Rows computed with only their last position's logits hold one row (or want none).
+            logits = out.logits[offsets] if len(out.logits) == row.num_tokens else out.logits[:len(offsets)]
+            result.append(StepOutput(logits=logits, hidden=out.hidden))
+        return result
+
+    def _verify(self, row: StepRow) -> tuple[np.ndarray, np.ndarray]:
+        """A verification row as one decode step per token: the state after token i lands in
+        snapshot i, read by token i + 1; the row's own slot is only read."""
+        logits, hidden = [], []
+        source = int(row.slot)
+        for i, token in enumerate(row.token_ids):
+            target = int(row.snapshots[i])
+            self.copy_slot(source, target)
+            out = self.decode_with_hidden([DecodeItem(target, int(token), int(row.start_pos) + i,
+                                                      row.page_table)])
+            logits.append(out.logits)
+            hidden.append(out.hidden)
+            source = target
+        return np.concatenate(logits), np.concatenate(hidden)
 
     # --- with hidden states (MTP drafting, tests) ---------------------------------------------
 
@@ -370,6 +433,10 @@ class NumpyRunner:
             raise ValueError(f"MTP hidden states must be [{rows}, {self.config.hidden_size}], "
                              f"got {list(hidden.shape)}")
         return hidden
+
+
+def _wants_more_than_last(row: StepRow) -> bool:
+    return row.logit_offsets() not in ((), (row.num_tokens - 1,))
 
 
 class _ComponentTensors(Mapping[str, np.ndarray]):

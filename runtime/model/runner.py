@@ -9,13 +9,25 @@ them apart.
 Paging contract: full-attention K/V of token position `p` of a sequence live in page
 `page_table[p // PAGE_SIZE]`, row `p % PAGE_SIZE`. The page table passed with a chunk must cover
 every position up to the end of that chunk. Pages are shared by all full-attention layers (each
-layer has its own K and V arrays indexed by the same page id).
+layer has its own K and V arrays indexed by the same page id). A page may appear in several
+sequences' tables (a shared prefix, `runtime.engine.kv_blocks`): a runner only ever writes the
+rows of the positions a step computes, and the engine never asks it to compute a position that
+lies in a page with more than one user.
+
+Step contract (`ModelRunner.step`): a step is a list of `StepRow`s, each one sequence with `n`
+new tokens at consecutive positions: a prefill chunk (n = chunk), a decode row (n = 1) or a
+verification row (n = k + 1: the last committed token and k draft tokens). Each row says which
+logits it wants (`Logits`) and where its recurrent state goes: updated in place in its slot, or,
+for verification, the state after each of its positions written to the slots `snapshots[i]`
+(the row's own slot is then only read). `commit(slot, snapshot)` makes one of those snapshots
+the slot's state. Rows of one step are independent: each row's logits and states are those the
+same row gives alone (`prefill` and `decode` are the one-row and all-decode special cases).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -51,6 +63,73 @@ class DecodeItem:
     token_id: int
     pos: int
     page_table: Sequence[int]
+
+
+Logits = Union[Literal["none", "last", "all"], tuple[int, ...]]
+"""Which logits a row wants: none, its last position, all its positions, or the given offsets
+(0-based within the row, strictly increasing)."""
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One sequence's `len(token_ids)` new tokens at positions start_pos, start_pos + 1, ...
+
+    slot: the state slot holding the sequence's recurrent state and conv window before the row.
+    page_table: page ids covering positions 0 .. start_pos + len(token_ids) - 1.
+    logits: which positions' logits the row returns (`Logits`).
+    snapshots: None (the state after the row is written back to `slot`), or one slot per token:
+        the state after the row's i-th token goes to `snapshots[i]` and `slot` is left as it
+        was (verification; `ModelRunner.commit` then keeps one of them). The snapshot slots must
+        be distinct, differ from `slot` and from every other row's slots.
+    """
+
+    slot: int
+    token_ids: Sequence[int]
+    start_pos: int
+    page_table: Sequence[int]
+    logits: Logits = "last"
+    snapshots: Sequence[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def logit_offsets(self) -> tuple[int, ...]:
+        """The row offsets whose logits this row returns, in order."""
+        n = len(self.token_ids)
+        if self.logits == "none":
+            return ()
+        if self.logits == "last":
+            return (n - 1,)
+        if self.logits == "all":
+            return tuple(range(n))
+        offsets = tuple(int(i) for i in self.logits)
+        increasing = all(a < b for a, b in zip(offsets, offsets[1:]))
+        if not increasing or (offsets and not (0 <= offsets[0] and offsets[-1] < n)):
+            raise ValueError(f"logit offsets must be strictly increasing in [0, {n}), got {offsets}")
+        return offsets
+
+
+def checked_rows(rows: Sequence[StepRow], num_slots: int) -> None:
+    """Refuse a step whose rows share a slot (a row's own or a snapshot), an empty step, or a
+    snapshot list whose length is not the row's token count."""
+    if not rows:
+        raise ValueError("a step needs at least one row")
+    used: set[int] = set()
+    for row in rows:
+        slots = [int(row.slot)]
+        if row.snapshots is not None:
+            if len(row.snapshots) != len(row.token_ids):
+                raise ValueError(f"a verification row of {len(row.token_ids)} tokens needs as many "
+                                 f"snapshot slots, got {len(row.snapshots)}")
+            slots += [int(s) for s in row.snapshots]
+        for s in slots:
+            if not 0 <= s < num_slots:
+                raise ValueError(f"slot {s} out of range (num_slots = {num_slots})")
+            if s in used:
+                raise ValueError(f"slot {s} is used twice in one step")
+            used.add(s)
+        row.logit_offsets()
 
 
 def checked_tokens(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -101,4 +180,15 @@ class ModelRunner(Protocol):
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
         """One token for each item (distinct slots); float32 logits [len(items), V]."""
+        ...
+
+    def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
+        """Compute every row (the step contract above); float32 logits [len(offsets), V] per
+        row, in row order ([0, V] for a row that wants none). Checked whole before any state
+        or KV row is touched."""
+        ...
+
+    def commit(self, slot: int, snapshot: int) -> None:
+        """Make the state in `snapshot` (written by a verification row) the state of `slot`.
+        The snapshot slot's content is unspecified afterwards (a runner may swap storage)."""
         ...
