@@ -20,10 +20,12 @@ Rules, in the order `schedule()` applies them:
    sequence to fit, and they queue behind the other paused sequences. Sequences in contention
    therefore take turns (each turn: the replay that recovers its state, then a bounded amount of
    new output) instead of the oldest holding the pool until it finishes.
-2. Every running sequence with one pending token decodes this step. Prefill chunks (at most
-   `prefill_chunk` tokens each) share the rest of the step's token budget in rotation: the
-   sequence served longest ago goes first, so chunk boundaries are turns and a long prompt
-   cannot silence a short one, nor stop other sequences from decoding.
+2. Every running sequence with one pending token decodes this step. Prefill chunks share the
+   rest of the step's token budget in rotation: the sequence served longest ago goes first, so
+   chunk boundaries are turns and a long prompt cannot silence a short one, nor stop other
+   sequences from decoding. Chunks lie on an absolute grid (each ends at the next multiple of
+   `prefill_chunk` or at the end of the input) and are never cut to fit the budget: one that
+   does not fit waits for the next step, so a sequence's chunks never depend on its neighbours.
 3. Pages are taken per unit in arrival order (oldest first). When the pool runs dry the
    youngest running sequence is preempted: its pages and lane are freed and it will replay its
    committed tokens (no token is resampled or republished; the engine keeps its sampler state).
@@ -55,7 +57,8 @@ class SchedulerConfig:
     max_context: most tokens (prompt + output) of one sequence.
     prefill_chunk: most tokens of one prefill chunk.
     max_batched_tokens: most tokens computed in one step (decode items count one each);
-        None = prefill_chunk + num_lanes, so decoding never shrinks a full chunk.
+        None = prefill_chunk + num_lanes (the least allowed: a whole chunk always fits beside
+        the other lanes' decode rows).
     max_waiting: bound of the admission queue (requests not yet holding a lane, preempted ones
         excluded: they were admitted once and must come back).
     service_turn_tokens: new output tokens a sequence may produce, under KV contention, before
@@ -75,8 +78,11 @@ class SchedulerConfig:
             raise ValueError(f"num_lanes must be in 1..8, got {self.num_lanes}")
         if self.num_pages < 1 or self.max_context < 2 or self.prefill_chunk < 1:
             raise ValueError(f"invalid scheduler capacities: {self}")
-        if self.max_batched_tokens is not None and self.max_batched_tokens < self.num_lanes + 1:
-            raise ValueError("max_batched_tokens must exceed num_lanes")
+        if self.max_batched_tokens is not None \
+                and self.max_batched_tokens < self.prefill_chunk + self.num_lanes:
+            # Chunks are never cut to the budget (`Scheduler._next_chunk`): a whole one must fit
+            # beside a decode row of every other lane.
+            raise ValueError("max_batched_tokens must be at least prefill_chunk + num_lanes")
         if self.max_waiting < 0 or self.service_turn_tokens < 1:
             raise ValueError("max_waiting must be >= 0 and service_turn_tokens >= 1")
 
@@ -318,10 +324,9 @@ class Scheduler:
         prefilling = sorted((s for s in self._running if s.request_id not in plan),
                             key=lambda s: (s.last_prefill_step, s.ticket))
         for seq in prefilling:
-            count = min(seq.pending, self.config.prefill_chunk, budget)
-            # A sliver of budget is not worth a runner call: wait for a real turn.
-            if count < min(seq.pending, self.config.prefill_chunk, PAGE_SIZE):
-                continue
+            count = self._next_chunk(seq)
+            if count > budget:
+                continue                  # the whole chunk next step, never a budget-sized one
             plan[seq.request_id] = count
             budget -= count
 
@@ -404,9 +409,18 @@ class Scheduler:
         seq.num_computed += count
         seq.high_water = max(seq.high_water, seq.num_computed)
 
+    def _next_chunk(self, seq: SequenceRecord) -> int:
+        """Tokens of the sequence's next prefill chunk. The chunk grid is absolute: a chunk ends
+        at the next multiple of `prefill_chunk` or at the end of the input, so how a sequence is
+        cut into chunks depends on its own positions only, never on what else runs this step.
+        That keeps its arithmetic request-invariant (the runner's GDN chunk walk and its GEMM /
+        GEMV choice see the same pieces alone or batched) and lets a cached prefix resume on the
+        same grid a cold run uses (docs/architecture.md, request invariance)."""
+        grid = self.config.prefill_chunk
+        return min(seq.pending, grid - seq.num_computed % grid)
+
     def _next_unit_pages(self, seq: SequenceRecord) -> int:
-        count = 1 if seq.pending == 1 and seq.num_computed > 0 else min(
-            seq.pending, self.config.prefill_chunk)
+        count = 1 if seq.pending == 1 and seq.num_computed > 0 else self._next_chunk(seq)
         return max(0, pages_for(seq.num_computed + count) - len(seq.page_table))
 
     def _admit(self, failed: list[tuple[str, FinishReason]]) -> list[str]:

@@ -418,3 +418,36 @@ def test_everything_finishes_under_pressure():
 def test_pages_for():
     assert [pages_for(n) for n in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
     assert PAGE_SIZE == 64
+
+
+# --- request invariance --------------------------------------------------------------------------
+
+def _chunks_of(s: Scheduler, name: str, steps: int) -> list[tuple[int, int]]:
+    """(start, length) of every prefill chunk of `name` over `steps` steps."""
+    chunks = []
+    for _ in range(steps):
+        batch, _ = step(s)
+        chunks += [(p.start_pos, len(p.token_ids)) for p in batch.prefills if p.request_id == name]
+    return chunks
+
+
+def test_prefill_chunks_lie_on_an_absolute_grid_whatever_runs_beside():
+    alone = make(num_lanes=4, prefill_chunk=128, num_pages=128)
+    alone.add("x", prompt(700))
+    want = _chunks_of(alone, "x", 12)
+    assert want == [(0, 128), (128, 128), (256, 128), (384, 128), (512, 128), (640, 60)]
+
+    # Beside two decoding sequences and another long prompt taking turns, with a budget that
+    # holds one whole chunk: x waits for turns but is cut exactly as alone.
+    busy = make(num_lanes=4, prefill_chunk=128, num_pages=128, max_batched_tokens=132)
+    busy.add("d1", prompt(30))
+    busy.add("d2", prompt(90))
+    step(busy)
+    busy.add("other", prompt(500, base=7))
+    busy.add("x", prompt(700))
+    assert _chunks_of(busy, "x", 40) == want
+
+
+def test_a_budget_below_one_chunk_beside_every_lane_is_refused():
+    with pytest.raises(ValueError, match="at least prefill_chunk \\+ num_lanes"):
+        make(num_lanes=2, prefill_chunk=64, max_batched_tokens=65)
