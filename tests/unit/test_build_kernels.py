@@ -106,6 +106,65 @@ def test_fingerprint_moves_with_sources_config_arch_and_toolchain():
         assert variant_fingerprint(**{**base, **change}) != fp, change
 
 
+
+def _fingerprints(root: Path) -> dict[str, str]:
+    return {j.name: j.fingerprint for j in bk.plan(["sm_90a"], [], TOOLS, root=root)}
+
+
+def _copy_of_the_sources(tmp_path: Path) -> Path:
+    """Every file the plan hashes, copied under tmp_path (the real files are never edited)."""
+    for rel in {rel for j in bk.plan(["sm_90a"], [], TOOLS) for rel in j.sources}:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((bk.REPO / rel).read_bytes())
+    return tmp_path
+
+
+@pytest.mark.parametrize("touched, affected", [
+    # gdn_chunked takes its launch interface from gdn, rmsnorm's gated_x variants their layout.
+    ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
+    ("attention.py", {"attention", "attention_prefill"}),
+    # A reference helper most families import.
+    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemm_sm90", "conv1d", "gdn", "gdn_chunked",
+                 "attention", "attention_prefill"}),
+])
+def test_fingerprint_covers_the_package_modules_a_family_imports(tmp_path, touched, affected):
+    root = _copy_of_the_sources(tmp_path)
+    before = _fingerprints(root)
+    assert before == _fingerprints(bk.REPO)          # the copy hashes like the repository
+    path = root / "cute_kernels" / touched
+    path.write_text(path.read_text() + "\n# touched\n")
+    after = _fingerprints(root)
+    changed = {name for name in before if after[name] != before[name]}
+    # Every variant of an affected family moves, and nothing else does.
+    assert changed == {name for name in before if name.split("/")[0] in affected}
+
+
+def test_module_sources_follows_every_import_form(tmp_path):
+    package = tmp_path / "cute_kernels"
+    package.mkdir()
+    files = {
+        "__init__.py": "FAMILIES = ()\n",
+        "fam.py": ("import numpy as np\nfrom typing import Any\nfrom . import helper\n"
+                   "import cute_kernels.other\n\ndef build():\n    from .nested.deep import f\n"
+                   "    from cute_kernels import FAMILIES\n"),
+        "helper.py": "from .shared import CONSTANT\n",     # reached through helper only
+        "shared.py": "CONSTANT = 1\n",
+        "other.py": "",
+        "nested/__init__.py": "",
+        "nested/deep.py": "def f():\n    pass\n",
+        "unused.py": "",
+        "bad.py": "from .. import runtime\n",
+    }
+    for rel, text in files.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(text)
+    assert bk.module_sources(tmp_path, "cute_kernels/fam.py") == [
+        "cute_kernels/__init__.py", "cute_kernels/fam.py", "cute_kernels/helper.py",
+        "cute_kernels/nested/deep.py", "cute_kernels/other.py", "cute_kernels/shared.py"]
+    with pytest.raises(bk.BuildError, match="cute_kernels/bad.py: relative import beyond"):
+        bk.module_sources(tmp_path, "cute_kernels/bad.py")
+
+
 def _fake_build(out: Path, jobs) -> None:
     """A manifest that matches the planned jobs, with fake cubins (what --check verifies)."""
     arch_dir = out / "sm_90a"
