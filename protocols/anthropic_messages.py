@@ -43,7 +43,9 @@ class MessagesOptions:
 def parse_messages_request(body: dict, caps: Capabilities = Capabilities(), *,
                            count_only: bool = False) -> tuple[GenerationJob, MessagesOptions]:
     get_str(body, "model")
-    max_tokens = None if count_only else get_int(body, "max_tokens", minimum=0)
+    # Required, as in Anthropic's API (count_tokens takes none): a client that forgets it must
+    # not silently run to the server's default limit.
+    max_tokens = None if count_only else get_int(body, "max_tokens", minimum=0, required=True)
     system = _system(body.get("system"))
     messages = _messages(get_list(body, "messages", required=True))
     if system:

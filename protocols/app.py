@@ -141,6 +141,7 @@ class App:
         self.request_log = request_log or RequestLog(None)
         self.store = responses_api.ResponseStore(config.response_store_records)
         self.running = 0
+        self.started_at = time.time()
         caps = getattr(backend, "capabilities", None)
         self.caps: Capabilities = caps if isinstance(caps, Capabilities) else Capabilities()
 
@@ -201,11 +202,12 @@ class App:
             if method == "HEAD" and allowed == "GET":
                 method = "GET"
             if method != allowed:
-                raise ApiError(405, f"{request.method} is not allowed on {path}; use {allowed}")
+                raise _not_allowed(request.method, path,
+                                   ("GET", "HEAD") if allowed == "GET" else (allowed,))
             return await handler(request, request_id)
         if path.startswith("/v1/models/"):
             if method != "GET":
-                raise ApiError(405, f"{request.method} is not allowed on {path}; use GET")
+                raise _not_allowed(request.method, path, ("GET",))
             return self._model(path[len("/v1/models/"):])
         if path.startswith("/v1/responses/"):
             return self._stored_response(method, path[len("/v1/responses/"):])
@@ -226,8 +228,11 @@ class App:
 
     def _model_object(self) -> dict:
         model = self.backend.model_id
-        return {"id": model, "object": "model", "created": 0, "owned_by": "infernix",
-                "type": "model", "display_name": model, "created_at": "2025-01-01T00:00:00Z",
+        # The model object exists since this server loaded the model: that is its creation time.
+        created = int(self.started_at)
+        return {"id": model, "object": "model", "created": created, "owned_by": "infernix",
+                "type": "model", "display_name": model,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                 "max_model_len": self.backend.max_context}
 
     async def _models(self, request: HttpRequest, request_id: str) -> HttpResponse:
@@ -249,8 +254,7 @@ class App:
         if allowed is None:
             raise ApiError(404, f"no route for {method} /v1/responses/{rest}", code="not_found")
         if method not in allowed:
-            raise ApiError(405, f"{method} is not allowed on /v1/responses/{rest}; use "
-                                f"{' or '.join(allowed)}")
+            raise _not_allowed(method, f"/v1/responses/{rest}", allowed)
         record = self.store.get(response_id)
         if record is None:
             raise ApiError(404, f"No response found with id '{response_id}'.",
@@ -299,6 +303,7 @@ class App:
         generation = await self._start(job, response_id, request)
         encoder = ResponsesEncoder(response_id, self.backend.model_id, options.echo,
                                    custom_tools=options.custom_tools,
+                                   tool_searches=options.tool_searches,
                                    namespaces=options.namespaces,
                                    include_encrypted_reasoning=options.include_encrypted_reasoning)
 
@@ -454,6 +459,12 @@ def _call_limit(job: GenerationJob) -> Optional[int]:
     limits = [limit for limit in (job.max_tool_calls, None if job.parallel_tool_calls else 1)
               if limit is not None]
     return min(limits) if limits else None
+
+
+def _not_allowed(method: str, path: str, allowed: tuple[str, ...]) -> ApiError:
+    """405 with the `Allow` header HTTP requires: the methods the path answers."""
+    return ApiError(405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
+                    headers=[("allow", ", ".join(allowed))])
 
 
 def _api_of(path: str) -> str:

@@ -28,6 +28,8 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error", 431: "request_too_large", 503: "overloaded_error",
     529: "overloaded_error",
 }
+RETRYABLE_CLIENT_ERRORS = (408, 409, 429)
+"""4xx statuses a later retry can fix (timeout, conflict, rate limit): the SDKs' own list."""
 _DEFAULT_CODES = {413: "request_too_large", 431: "request_header_fields_too_large",
                   408: "request_timeout", 503: "server_overloaded", 401: "invalid_api_key"}
 
@@ -38,16 +40,19 @@ class ApiError(Exception):
     param: the request field at fault (OpenAI `param`), e.g. "messages[2].content".
     code: a machine-readable code, e.g. "context_length_exceeded", "unsupported_parameter".
     retry_after: seconds, sent as `retry-after` (queue full).
+    headers: more response headers, e.g. `allow` on a 405.
     """
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, retry_after: Optional[int] = None):
+                 code: Optional[str] = None, retry_after: Optional[int] = None,
+                 headers: Sequence[tuple[str, str]] = ()):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else _DEFAULT_CODES.get(status)
         self.retry_after = retry_after
+        self.headers = tuple(headers)
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -91,9 +96,11 @@ def error_headers(flavor: str, error: ApiError,
         headers.append(("request-id" if flavor == ANTHROPIC else "x-request-id", request_id))
     if error.retry_after is not None:
         headers.append(("retry-after", str(error.retry_after)))
-    if error.status >= 500 and error.retry_after is None:
-        # A deterministic server failure: tell the SDKs not to triple it with retries.
+    if error.retry_after is None and error.status not in RETRYABLE_CLIENT_ERRORS:
+        # The same request would fail the same way (a bad key, a bad field, a deterministic
+        # server failure): tell the SDKs and agents (Claude Code, Codex) not to retry it.
         headers.append(("x-should-retry", "false"))
+    headers.extend(error.headers)
     return headers
 
 

@@ -18,6 +18,7 @@ from protocols.errors import invalid, unsupported
 from runtime.engine.presets import SamplingOverrides
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+VERBOSITIES = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,15 @@ def get_effort(obj: dict, key: str, where: str) -> Optional[str]:
     value = get_str(obj, key, where)
     if value is not None and value not in EFFORTS:
         raise invalid(where, f"must be one of {', '.join(EFFORTS)}, got {value!r}")
+    return value
+
+
+def get_verbosity(obj: dict, key: str, where: str) -> Optional[str]:
+    """OpenAI's `verbosity` style hint (Codex sends "low" for its own models): every documented
+    value is accepted; the model is not steered by it."""
+    value = get_str(obj, key, where)
+    if value is not None and value not in VERBOSITIES:
+        raise invalid(where, f"must be one of {', '.join(VERBOSITIES)}, got {value!r}")
     return value
 
 

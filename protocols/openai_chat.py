@@ -22,8 +22,8 @@ from protocols.generation import GenerationResult, LogprobsDelta
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, get_bool,
                            openai_tool_choice_mode, read_sampling,
                            get_dict, get_effort, get_int, get_list, get_number, get_stop,
-                           get_str, parse_arguments, template_kwargs, text_of_parts,
-                           thinking_from_kwargs)
+                           get_str, get_verbosity, parse_arguments, template_kwargs,
+                           text_of_parts, thinking_from_kwargs)
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
 
@@ -129,9 +129,7 @@ def _neutral_only(body: dict) -> None:
     rep = get_number(body, "repetition_penalty")
     if rep is not None and rep != 1.0:
         raise unsupported("repetition_penalty", "only 1.0 is supported")
-    verbosity = get_str(body, "verbosity")
-    if verbosity not in (None, "medium"):
-        raise unsupported("verbosity", "only 'medium' is supported")
+    get_verbosity(body, "verbosity", "verbosity")
     modalities = get_list(body, "modalities")
     if modalities and any(item != "text" for item in modalities):
         raise unsupported("modalities", "only text output is supported")

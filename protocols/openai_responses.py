@@ -4,10 +4,14 @@
 Input items become template messages: user / system / developer / assistant messages,
 `function_call` and `custom_tool_call` items attach to the assistant turn they follow,
 `reasoning` items (raw `content`, or our own `encrypted_content`) become that turn's reasoning,
-and `*_output` items become tool messages. Function tools are flat; custom tools are shown to
-the model as a function with one string parameter `input`; namespace tools are flattened to
-`namespace.name`. Built-in tools (web search, file search, ...) are accepted but never shown to
-the model; forcing one is a 400.
+and `*_output` items become tool messages. Tools come from `tools` and from `additional_tools`
+input items (Codex sends tool groups there; they join the request's tools), and a
+`tool_search_output` item's loaded tools join them too. Function tools are flat; custom tools
+are shown to the model as a function with one string parameter `input`; namespace tools are
+flattened to `namespace.name`. A client-executed `tool_search` (`execution: "client"`, Codex) is
+shown to the model as a function `tool_search` with the tool's parameters; its calls come back
+as `tool_search_call` items. Built-in tools run by a server (web search, file search, ...) are
+accepted but never shown to the model; forcing one is a 400.
 
 A custom tool's grammar format (`{"type": "grammar", "syntax": "lark" | "regex", "definition"}`)
 is shown to the model in the tool's description and, where constrained decoding is available,
@@ -27,7 +31,7 @@ import orjson
 from protocols.errors import ApiError, invalid, unsupported
 from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice, ToolGrammar,
                            get_bool, openai_tool_choice_mode, read_sampling,
-                           get_dict, get_effort, get_int, get_list, get_str,
+                           get_dict, get_effort, get_int, get_list, get_str, get_verbosity,
                            parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
 from protocols.responses_encoder import decode_reasoning
@@ -36,6 +40,10 @@ BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "local_shell
                  "code_interpreter", "mcp", "image_generation", "computer_use_preview",
                  "computer_use", "apply_patch", "shell", "tool_search")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+TOOL_SEARCH = "tool_search"
+# A client tool_search without a schema: the query the Responses API documents for it.
+TOOL_SEARCH_PARAMETERS = {"type": "object", "properties": {"query": {"type": "string"}},
+                          "required": ["query"]}
 
 
 @dataclass
@@ -45,6 +53,7 @@ class ResponsesOptions:
     echo: dict = field(default_factory=dict)
     custom_tools: frozenset = frozenset()
     namespaces: dict = field(default_factory=dict)
+    tool_searches: frozenset = frozenset()
     include_encrypted_reasoning: bool = False
     items: list = field(default_factory=list)  # the full input history, for the store
 
@@ -121,9 +130,10 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
     if not items:
         raise invalid("input", "is required", "missing_required_parameter")
 
-    tools, custom_tools, namespaces, builtins, grammars = _tools(get_list(body, "tools") or [],
-                                                                check=caps.constraints)
-    tool_choice = _tool_choice(body.get("tool_choice"), tools, builtins)
+    toolset = _tools(_declared_tools(get_list(body, "tools") or [], items, len(history)),
+                     check=caps.constraints)
+    tools, grammars = toolset.tools, toolset.grammars
+    tool_choice = _tool_choice(body.get("tool_choice"), tools, toolset.builtins)
     messages = _messages(items, len(history), instructions)
 
     kwargs = template_kwargs(body)
@@ -138,9 +148,7 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
         enable, effort = False, None
 
     text = get_dict(body, "text") or {}
-    verbosity = get_str(text, "verbosity", "text.verbosity")
-    if verbosity not in (None, "medium"):
-        raise unsupported("text.verbosity", "only 'medium' is supported")
+    verbosity = get_verbosity(text, "verbosity", "text.verbosity")
     output_format = _text_format(get_dict(text, "format", "text.format"))
     if output_format is not None and not caps.constraints:
         raise unsupported("text.format", "constrained output is not available in this build")
@@ -195,28 +203,58 @@ def parse_responses_request(body: dict, caps: Capabilities = Capabilities(),
     }
     options = ResponsesOptions(
         stream=bool(get_bool(body, "stream")), store=echo["store"], echo=echo,
-        custom_tools=frozenset(custom_tools), namespaces=namespaces,
+        custom_tools=frozenset(toolset.custom), namespaces=toolset.namespaces,
+        tool_searches=frozenset(toolset.searches),
         include_encrypted_reasoning="reasoning.encrypted_content" in include, items=items)
     return job, options
 
 
-def _tools(raw: list, *, check: bool = True) -> tuple[list[dict], set, dict, set,
-                                                     list[ToolGrammar]]:
-    """Model-facing function tools, custom tool names, namespace map, built-in tool types, and
-    the custom tools' input grammars (validated when `check`: constrained decoding exists)."""
-    tools: list[dict] = []
-    custom: set = set()
-    namespaces: dict = {}
-    builtins: set = set()
-    grammars: list[ToolGrammar] = []
+def _declared_tools(tools: list, items: list, history_len: int) -> list[tuple[str, object]]:
+    """(where, tool) for every declared tool: `tools`, then the tools of `additional_tools`
+    and `tool_search_output` input items in input order."""
+    declared = [(f"tools[{index}]", tool) for index, tool in enumerate(tools)]
+    for number, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") in ("additional_tools",
+                                                           "tool_search_output"):
+            where = _item_where(number, history_len)
+            group = get_list(item, "tools", f"{where}.tools") or []
+            declared += [(f"{where}.tools[{index}]", tool) for index, tool in enumerate(group)]
+    return declared
+
+
+@dataclass
+class _ToolSet:
+    """The request's tools as the model sees them, and what the encoder needs to answer.
+
+    tools: model-facing function declarations. custom: names of custom tools. namespaces:
+    model-facing name -> (namespace, name). builtins: built-in tool types (never shown).
+    grammars: custom tools' input grammars. searches: names of client tool_search tools."""
+
+    tools: list = field(default_factory=list)
+    custom: set = field(default_factory=set)
+    namespaces: dict = field(default_factory=dict)
+    builtins: set = field(default_factory=set)
+    grammars: list = field(default_factory=list)
+    searches: set = field(default_factory=set)
+
+
+def _tools(declared: list[tuple[str, object]], *, check: bool = True) -> _ToolSet:
+    """The tool set of `declared` (where, tool) pairs; custom tool grammars are validated when
+    `check` (constrained decoding exists)."""
+    found = _ToolSet()
+    tools = found.tools
 
     def add(tool: dict, where: str, namespace: Optional[str] = None) -> None:
         kind = tool.get("type", "function")
-        if kind in BUILTIN_TOOLS or (isinstance(kind, str) and kind.startswith(
-                ("web_search", "computer_use", "file_search"))):
-            builtins.add(kind)
+        client_search = kind == TOOL_SEARCH and tool.get("execution") == "client"
+        if not client_search and (kind in BUILTIN_TOOLS or (isinstance(kind, str) and
+                                  kind.startswith(("web_search", "computer_use",
+                                                   "file_search")))):
+            found.builtins.add(kind)
             return
-        name = get_str(tool, "name", f"{where}.name", required=True)
+        # A client tool_search has no name on the wire: the model calls it by its type.
+        name = TOOL_SEARCH if client_search else get_str(tool, "name", f"{where}.name",
+                                                         required=True)
         description = get_str(tool, "description", f"{where}.description")
         if kind == "namespace":
             if namespace is not None:
@@ -228,17 +266,16 @@ def _tools(raw: list, *, check: bool = True) -> tuple[list[dict], set, dict, set
                 add(item, f"{where}.tools[{number}]", name)
             return
         public = f"{namespace}.{name}" if namespace else name
-        if any(t["function"]["name"] == public for t in tools):
-            raise invalid(f"{where}.name", f"duplicate tool name {public!r}")
-        if namespace:
-            namespaces[public] = (namespace, name)
         declared: dict = {"name": public}
         if description is not None:
             declared["description"] = description
-        if kind == "function":
+        grammar = None
+        if kind == "function" or client_search:
             parameters = get_dict(tool, "parameters", f"{where}.parameters")
-            declared["parameters"] = parameters if parameters is not None else {
-                "type": "object", "properties": {}}
+            if parameters is None:
+                parameters = TOOL_SEARCH_PARAMETERS if client_search else {
+                    "type": "object", "properties": {}}
+            declared["parameters"] = parameters
             if get_bool(tool, "strict", f"{where}.strict"):
                 declared["strict"] = True
         elif kind == "custom":
@@ -248,23 +285,36 @@ def _tools(raw: list, *, check: bool = True) -> tuple[list[dict], set, dict, set
             hint = ""
             if fmt.get("type") == "grammar":
                 grammar = _grammar_format(fmt, f"{where}.format", public, check)
-                grammars.append(grammar)
                 hint = (f"\n\nThe input must match this {grammar.syntax} grammar:\n"
                         f"{grammar.definition}")
             declared["description"] = (description or "") + hint
             declared["parameters"] = {"type": "object", "properties": {
                 "input": {"type": "string", "description": "the raw tool input"}},
                 "required": ["input"]}
-            custom.add(public)
         else:
             raise unsupported(f"{where}.type", f"tools of type {kind!r} are not supported")
+        existing = next((t["function"] for t in tools if t["function"]["name"] == public), None)
+        if existing is not None:
+            # The same tool again (a deferred tool loaded by tool_search, a group resent in
+            # `additional_tools`) is one tool; two different ones under one name are an error.
+            if existing == declared:
+                return
+            raise invalid(f"{where}.name", f"duplicate tool name {public!r}")
+        if namespace:
+            found.namespaces[public] = (namespace, name)
+        if client_search:
+            found.searches.add(public)
+        if kind == "custom":
+            found.custom.add(public)
+        if grammar is not None:
+            found.grammars.append(grammar)
         tools.append({"type": "function", "function": declared})
 
-    for index, tool in enumerate(raw):
+    for where, tool in declared:
         if not isinstance(tool, dict):
-            raise invalid(f"tools[{index}]", "must be an object")
-        add(tool, f"tools[{index}]")
-    return tools, custom, namespaces, builtins, grammars
+            raise invalid(where, "must be an object")
+        add(tool, where)
+    return found
 
 
 def _grammar_format(fmt: dict, where: str, name: str, check: bool) -> ToolGrammar:
@@ -341,8 +391,7 @@ def _messages(items: list, history_len: int, instructions: Optional[str]) -> lis
         return assistant
 
     for number, item in enumerate(items):
-        where = (f"input[{number - history_len}]" if number >= history_len
-                 else f"previous_response_id (stored item {number})")
+        where = _item_where(number, history_len)
         if not isinstance(item, dict):
             raise invalid(where, "must be an object")
         kind = item.get("type", "message")
@@ -395,6 +444,24 @@ def _messages(items: list, history_len: int, instructions: Optional[str]) -> lis
             output = item.get("output", "")
             text = text_of_parts(output, f"{where}.output", allowed=TEXT_PARTS)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "tool_search_call":
+            call_id = get_str(item, "call_id", f"{where}.call_id") or get_str(
+                item, "id", f"{where}.id", required=True)
+            arguments = item.get("arguments", {})
+            turn = open_assistant()
+            turn.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function",
+                 "function": {"name": TOOL_SEARCH, "arguments": parse_arguments(arguments)}})
+        elif kind == "tool_search_output":
+            # Its tools joined the request's tools (_declared_tools); the model is told which.
+            assistant = None
+            call_id = get_str(item, "call_id", f"{where}.call_id") or ""
+            names = [tool.get("name") or tool.get("type") for tool in item.get("tools") or []
+                     if isinstance(tool, dict)]
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": orjson.dumps({"loaded_tools": names}).decode()})
+        elif kind == "additional_tools":
+            continue  # its tools joined the request's tools (_declared_tools)
         elif kind == "item_reference":
             raise unsupported(f"{where}.type", "item references are not supported; send the "
                                                "item itself")
@@ -402,6 +469,13 @@ def _messages(items: list, history_len: int, instructions: Optional[str]) -> lis
             raise unsupported(f"{where}.type", f"input items of type {kind!r} are not "
                                                "supported")
     return messages
+
+
+def _item_where(number: int, history_len: int) -> str:
+    """How an error names input item `number` (stored history comes first)."""
+    if number >= history_len:
+        return f"input[{number - history_len}]"
+    return f"previous_response_id (stored item {number})"
 
 
 def _reasoning_text(item: dict, where: str) -> str:

@@ -52,16 +52,20 @@ class ResponsesEncoder:
     """Stateful, I/O-free. `echo` holds the request fields a response object repeats
     (instructions, tools, tool_choice, parallel_tool_calls, temperature, top_p, text, reasoning,
     metadata, max_output_tokens, previous_response_id, store, ...). `custom_tools` names the
-    tools whose calls are `custom_tool_call` items (their single `input` string is unwrapped)
-    and `namespaces` maps a model-facing tool name to (namespace, name)."""
+    tools whose calls are `custom_tool_call` items (their single `input` string is unwrapped),
+    `tool_searches` the client tool_search tools, whose calls are `tool_search_call` items
+    (arguments as an object, `execution: "client"`; no delta events exist for them), and
+    `namespaces` maps a model-facing tool name to (namespace, name)."""
 
     def __init__(self, response_id: str, model: str, echo: dict, *,
-                 custom_tools: frozenset = frozenset(), namespaces: Optional[dict] = None,
+                 custom_tools: frozenset = frozenset(), tool_searches: frozenset = frozenset(),
+                 namespaces: Optional[dict] = None,
                  include_encrypted_reasoning: bool = False, created_at: Optional[int] = None):
         self.response_id = response_id
         self.model = model
         self.echo = echo
         self.custom_tools = custom_tools
+        self.tool_searches = tool_searches
         self.namespaces = namespaces or {}
         self.include_encrypted = include_encrypted_reasoning
         self.created_at = int(time.time()) if created_at is None else created_at
@@ -133,7 +137,7 @@ class ResponsesEncoder:
                 if call is None or not event.json_fragment:
                     continue
                 call["arguments"].append(event.json_fragment)
-                if not call["custom"]:
+                if call["kind"] == "function":
                     out.append(self._event("response.function_call_arguments.delta",
                                            item_id=call["id"], output_index=call["index"],
                                            delta=event.json_fragment))
@@ -196,9 +200,11 @@ class ResponsesEncoder:
     def _start_call(self, event: ToolCallStart, out: list[dict]) -> None:
         index = self._next_index()
         self._reserve(index)
-        custom = event.name in self.custom_tools
+        kind = ("custom" if event.name in self.custom_tools else
+                "search" if event.name in self.tool_searches else "function")
         namespace, name = self.namespaces.get(event.name, (None, event.name))
-        call = {"id": self._new_id("ctc" if custom else "fc"), "index": index, "custom": custom,
+        prefix = {"custom": "ctc", "search": "tsc", "function": "fc"}[kind]
+        call = {"id": self._new_id(prefix), "index": index, "kind": kind,
                 "call_id": event.call_id, "name": name, "namespace": namespace,
                 "arguments": []}
         self.calls[event.index] = call
@@ -207,7 +213,11 @@ class ResponsesEncoder:
 
     def _call_item(self, call: dict, status: str) -> dict:
         arguments = "".join(call["arguments"])
-        if call["custom"]:
+        if call["kind"] == "search":
+            item = {"id": call["id"], "type": "tool_search_call", "call_id": call["call_id"],
+                    "execution": "client", "status": status,
+                    "arguments": _search_arguments(arguments) if status == "completed" else {}}
+        elif call["kind"] == "custom":
             item = {"id": call["id"], "type": "custom_tool_call", "call_id": call["call_id"],
                     "name": call["name"], "input": _custom_input(arguments) if status ==
                     "completed" else ""}
@@ -224,14 +234,14 @@ class ResponsesEncoder:
         if call is None:
             return
         item = self._call_item(call, "completed")
-        if call["custom"]:
+        if call["kind"] == "custom":
             if item["input"]:
                 out.append(self._event("response.custom_tool_call_input.delta",
                                        item_id=call["id"], output_index=call["index"],
                                        delta=item["input"]))
             out.append(self._event("response.custom_tool_call_input.done", item_id=call["id"],
                                    output_index=call["index"], input=item["input"]))
-        else:
+        elif call["kind"] == "function":
             if not call["arguments"]:
                 item["arguments"] = "{}"
                 out.append(self._event("response.function_call_arguments.delta",
@@ -284,3 +294,11 @@ def _custom_input(arguments: str) -> str:
         text = value.get("input", "")
         return text if isinstance(text, str) else orjson.dumps(text).decode()
     return arguments
+
+
+def _search_arguments(arguments: str):
+    """A tool_search_call carries its arguments as a JSON object, not as JSON text."""
+    try:
+        return orjson.loads(arguments) if arguments else {}
+    except orjson.JSONDecodeError:
+        return arguments  # a broken generation: the raw text, as function calls keep it

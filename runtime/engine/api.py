@@ -114,6 +114,9 @@ class RequestStats:
     preemptions / replayed_tokens: times paused under KV pressure / tokens recomputed on resume.
     thinking_tokens: model-origin tokens while the think block was open.
     thinking_closed_by: "model", "budget", "loop" or "" (still open / no thinking).
+    spec_rounds / drafted_tokens / accepted_tokens: speculative decoding: decode steps that
+        verified drafts, the drafts they verified, and the drafts accepted (each round also
+        commits one token sampled at its last kept position).
     """
 
     prompt_tokens: int = 0
@@ -128,6 +131,9 @@ class RequestStats:
     replayed_tokens: int = 0
     thinking_tokens: int = 0
     thinking_closed_by: str = ""
+    spec_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tok_s(self) -> float:

@@ -43,6 +43,7 @@ import numpy as np
 from runtime.engine.api import EngineOutput, EngineRequest, FinishReason, RequestRejected
 from runtime.engine.request_state import LiveRequest, OutputSink
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from runtime.engine.speculative import SlotLayout, Speculation, SpeculativeConfig
 from runtime.engine.thinking import budget_room_error
 from runtime.model.runner import ModelRunner
 from runtime.model.sampling import RowSampling
@@ -62,6 +63,9 @@ class EngineConfig:
         way to one blocked by pages (bounded service turns, see the scheduler).
     device_sampling: let a runner that can (`samples_on_device`) sample decode rows on its device
         (False: always return logits and sample on the host; benches compare the two).
+    speculative: draft proposals verified per round (`runtime.engine.speculative`); decode rows
+        then go through `ModelRunner.step` with host sampling, and the runner needs the state
+        slots of `SlotLayout.for_config(num_lanes, speculative)`.
     """
 
     num_lanes: int = 1
@@ -72,6 +76,7 @@ class EngineConfig:
     num_pages: Optional[int] = None
     service_turn_tokens: int = 128
     device_sampling: bool = True
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class RequestStream:
@@ -116,6 +121,11 @@ class Engine:
             raise ValueError(f"the runner has {runner.num_pages} KV pages, {num_pages} asked")
         self.runner = runner
         self.config = config
+        self.speculation: Optional[Speculation] = None
+        if config.speculative.enabled:
+            self.speculation = Speculation(config.speculative, runner,
+                                           SlotLayout.for_config(config.num_lanes,
+                                                                 config.speculative))
         self.scheduler = Scheduler(SchedulerConfig(
             num_lanes=config.num_lanes, num_pages=num_pages, max_context=config.max_context,
             prefill_chunk=config.prefill_chunk, max_batched_tokens=config.max_batched_tokens,
@@ -137,7 +147,9 @@ class Engine:
                                                thread_name_prefix="infernix-masks")
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "replayed_tokens": 0, "preemptions": 0, "finished": 0,
-                         "errors": 0, "decode_batches": 0}
+                         "errors": 0, "decode_batches": 0,
+                         # speculative rounds (decode units with drafts), drafts verified, kept
+                         "spec_rounds": 0, "spec_drafted_tokens": 0, "spec_accepted_tokens": 0}
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -232,7 +244,10 @@ class Engine:
             while True:
                 if not self._drain_commands(block=not self.scheduler.has_work()):
                     break
-                batch = self.scheduler.schedule()
+                if self.speculation is not None:
+                    batch = self.scheduler.schedule(self.speculation.draft_room(self._live))
+                else:
+                    batch = self.scheduler.schedule()
                 self._after_schedule(batch)
                 if not batch.is_empty:
                     self._execute(batch)
@@ -288,6 +303,9 @@ class Engine:
             self.scheduler.add(request.request_id, request.prompt_ids)
         except RequestRejected as exc:
             self._end(live, FinishReason.ERROR, error=str(exc))
+            return
+        if self.speculation is not None:
+            self.speculation.add(request.request_id, request.prompt_ids)
 
     def _after_schedule(self, batch: ScheduledBatch) -> None:
         now = time.perf_counter()
@@ -326,6 +344,9 @@ class Engine:
         for work in batch.prefills:
             live = self._live[work.request_id]
             try:
+                if self.speculation is not None:
+                    self.speculation.catch_up(work.request_id, work.slot, work.start_pos,
+                                              work.page_table)
                 if work.reset_slot:
                     runner.reset_slot(work.slot)
                 if work.samples and self._samples_on_device([work]):
@@ -344,8 +365,20 @@ class Engine:
         # Rows under suspicion (their batch failed before) decode alone until one step works.
         groups = [[w for w in batch.decodes if not self._live[w.request_id].suspect]]
         groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
+        rounds: dict = {}
         for group in groups:
             if not group:
+                continue
+            if self.speculation is not None:
+                try:
+                    rounds.update(self.speculation.run(group, self._live, masks))
+                except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
+                    self._decode_failed(group, exc)
+                    continue
+                for work in group:
+                    self._live[work.request_id].suspect = False
+                self.counters["decode_tokens"] += len(group)
+                self.counters["decode_batches"] += 1
                 continue
             items = [work.item() for work in group]
             on_device = self._samples_on_device(group)
@@ -387,7 +420,21 @@ class Engine:
                 continue
             new_tokens[request_id] = result.token_ids
             endings.append((live, result))
-        self.scheduler.update(batch, new_tokens)
+        accepted = {}
+        for request_id, outcome in rounds.items():
+            live = self._live[request_id]
+            self._count_round(live, outcome)
+            if outcome.error is not None:
+                self._end(live, FinishReason.ERROR, token_ids=outcome.result.token_ids,
+                          inserted=outcome.result.inserted,
+                          error=f"sampling failed: {outcome.error}")
+                continue
+            accepted[request_id] = outcome.accepted
+            new_tokens[request_id] = outcome.result.token_ids
+            endings.append((live, outcome.result))
+        self.scheduler.update(batch, new_tokens, accepted)
+        if self.speculation is not None:
+            self.speculation.after_update(batch, new_tokens, accepted)
         for record_id in list(self._live):
             record = self.scheduler.get(record_id)
             if record is not None:
@@ -401,6 +448,15 @@ class Engine:
                     request_id=live.request_id, token_ids=result.token_ids,
                     inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
                     logprobs=result.logprobs))
+
+    def _count_round(self, live: LiveRequest, outcome) -> None:
+        if outcome.drafted:
+            live.spec_rounds += 1
+            live.drafted_tokens += outcome.drafted
+            live.accepted_tokens += outcome.accepted
+            self.counters["spec_rounds"] += 1
+            self.counters["spec_drafted_tokens"] += outcome.drafted
+            self.counters["spec_accepted_tokens"] += outcome.accepted
 
     def _samples_on_device(self, group: list) -> bool:
         """Whether the runner samples these rows itself (only ids come back): it can, the engine
@@ -470,6 +526,8 @@ class Engine:
             return
         if in_scheduler:
             self.scheduler.finish(live.request_id)
+        if self.speculation is not None:
+            self.speculation.remove(live.request_id)
         self._live.pop(live.request_id, None)
         with self._lock:
             self._in_flight.discard(live.request_id)

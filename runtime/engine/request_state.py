@@ -51,6 +51,9 @@ class LiveRequest:
         self.first_token_at: Optional[float] = None
         self.preemptions = 0
         self.replayed_tokens = 0
+        self.spec_rounds = 0              # speculative rounds: decode steps that verified drafts
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
 
     @property
     def request_id(self) -> str:
@@ -160,6 +163,9 @@ class LiveRequest:
             replayed_tokens=self.replayed_tokens,
             thinking_tokens=self.thinking.model_tokens,
             thinking_closed_by=closed_by,
+            spec_rounds=self.spec_rounds,
+            drafted_tokens=self.drafted_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
 
     def publish(self, output: EngineOutput) -> None:

@@ -39,6 +39,7 @@ calls `finish()` for sequences that end (stop, length, cancel, error).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
@@ -163,13 +164,18 @@ class PrefillWork:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    """One sequence's last committed token at position `pos`; always samples the next one."""
+    """One sequence's last committed token at position `pos`; always samples the next one.
+
+    draft_room: draft tokens this unit may verify beside it (speculative decoding,
+        `runtime.engine.speculative`): the page table covers positions pos .. pos + draft_room.
+    """
 
     request_id: str
     slot: int
     token_id: int
     pos: int
     page_table: tuple[int, ...]
+    draft_room: int = 0
 
     def item(self) -> DecodeItem:
         return DecodeItem(slot=self.slot, token_id=self.token_id, pos=self.pos,
@@ -307,8 +313,13 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, draft_room: Optional[Mapping[str, int]] = None) -> ScheduledBatch:
+        """draft_room: request id -> most draft tokens its decode unit may carry this step
+        (speculative decoding). Drafts get pages only when the pool has them to spare: they
+        never preempt a sequence, and they do not count against the token budget (which keeps
+        a whole chunk beside one decode row per lane)."""
         self._step += 1
+        draft_room = draft_room or {}
         failed: list[tuple[str, FinishReason]] = []
         self._rotated: list[str] = []
         admitted = self._admit(failed)
@@ -370,22 +381,37 @@ class Scheduler:
                 seq.last_prefill_step = self._step
         # Victims are always younger than the sequence being served and we walk oldest first,
         # so no preempted sequence has work in the lists above.
+        decodes = [self._with_drafts(work, draft_room.get(work.request_id, 0))
+                   for work in decodes]
         return ScheduledBatch(step=self._step, decodes=tuple(decodes), prefills=tuple(prefills),
                               preempted=tuple(preempted), admitted=tuple(admitted),
                               failed=tuple(failed))
 
-    def update(self, batch: ScheduledBatch, new_tokens: Mapping[str, Sequence[int]]) -> None:
+    def update(self, batch: ScheduledBatch, new_tokens: Mapping[str, Sequence[int]],
+               accepted: Optional[Mapping[str, int]] = None) -> None:
         """Advance computed counts for the batch's work and append committed tokens.
 
         new_tokens: request id -> ids committed after this step (the sampled token, plus any
         inserted ones); only sequences that sampled may appear. Sequences finished since
         `schedule()` are skipped.
+        accepted: request id -> draft tokens of its decode unit whose positions are kept (the
+        unit then computed 1 + accepted positions); the pages taken only for the other draft
+        positions go back to the pool.
         """
+        accepted = accepted or {}
         sampled = set()
         for work in batch.decodes:
             seq = self._seqs.get(work.request_id)
             if seq is not None and seq.status is SeqStatus.RUNNING:
-                self._advance(seq, 1)
+                kept = accepted.get(work.request_id, 0)
+                if not 0 <= kept <= work.draft_room:
+                    raise AssertionError(f"{work.request_id}: {kept} drafts accepted, room "
+                                         f"{work.draft_room}")
+                self._advance(seq, 1 + kept)
+                excess = seq.page_table[pages_for(seq.num_computed):]
+                if work.draft_room and excess:
+                    del seq.page_table[pages_for(seq.num_computed):]
+                    self.pages.release(excess, seq.request_id)
                 sampled.add(work.request_id)
         for work in batch.prefills:
             seq = self._seqs.get(work.request_id)
@@ -408,6 +434,17 @@ class Scheduler:
         seq.replayed_tokens += replayed
         seq.num_computed += count
         seq.high_water = max(seq.high_water, seq.num_computed)
+
+    def _with_drafts(self, work: DecodeWork, room: int) -> DecodeWork:
+        """The unit with pages for `room` draft positions after it, when the pool still has
+        them once every unit of the step got its own (drafts are worth less than any unit)."""
+        seq = self._seqs[work.request_id]
+        room = min(room, self.config.max_context - work.pos - 1)
+        need = pages_for(work.pos + 1 + room) - len(seq.page_table)
+        if room < 1 or need > self.pages.num_free:
+            return work
+        seq.page_table.extend(self.pages.allocate(need, seq.request_id))
+        return dataclasses.replace(work, page_table=tuple(seq.page_table), draft_room=room)
 
     def _next_chunk(self, seq: SequenceRecord) -> int:
         """Tokens of the sequence's next prefill chunk. The chunk grid is absolute: a chunk ends

@@ -23,8 +23,8 @@ import numpy as np
 
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, StepRow, checked_page_table,
-                                  checked_rows, checked_tokens)
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, MtpRow, PrefillChunk, StepRow,
+                                  checked_page_table, checked_rows, checked_tokens)
 from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
                                    bind_mtp, bind_text)
 
@@ -87,6 +87,10 @@ class NumpyRunner:
         self.gdn_prefill_form = gdn_prefill_form
         self.text = bind_text(config, weights, self.dtype)
         self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
+        self.mtp_layers = len(self.mtp.layers) if self.mtp is not None else 0
+        # With MTP loaded: slot -> (first position, final-normed hidden states [n, H]) of the
+        # slot's latest prefill / decode / step row, read by `mtp_draft` (the protocol's rule).
+        self._kept_hidden: dict[int, tuple[int, np.ndarray]] = {}
 
         # Compact state indices: the n-th linear layer owns recurrent/conv state n, the n-th
         # attention layer owns KV array n; MTP layers follow the main attention layers.
@@ -148,10 +152,15 @@ class NumpyRunner:
         self.conv_states[:, dst] = self.conv_states[:, src]
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
-        return self.prefill_with_hidden(chunk).logits.astype(np.float32, copy=False)
+        out = self.prefill_with_hidden(chunk)
+        self._keep_hidden(chunk.slot, chunk.start_pos, out.hidden)
+        return out.logits.astype(np.float32, copy=False)
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
-        return self.decode_with_hidden(items).logits.astype(np.float32, copy=False)
+        out = self.decode_with_hidden(items)
+        for b, item in enumerate(items):
+            self._keep_hidden(item.slot, item.pos, out.hidden[b:b + 1])
+        return out.logits.astype(np.float32, copy=False)
 
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
         return [out.logits.astype(np.float32, copy=False) for out in self.step_with_hidden(rows)]
@@ -199,7 +208,49 @@ class NumpyRunner:
             # Rows computed with only their last position's logits hold one row (or want none).
             logits = out.logits[offsets] if len(out.logits) == row.num_tokens else out.logits[:len(offsets)]
             result.append(StepOutput(logits=logits, hidden=out.hidden))
+            self._keep_hidden(row.slot, row.start_pos, out.hidden)
         return result
+
+    def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
+        """The protocol's MTP call: per row, `mtp_prefill` over the catch-up positions, then
+        `mtp_decode` chained on the head's own output for drafts 2..k. Rows are checked
+        (slots kept, positions, draft counts) before any KV row is written."""
+        if self.mtp is None:
+            raise ValueError("this runner was built without MTP weights")
+        kept = []
+        for row in rows:
+            tokens = checked_tokens(row.token_ids, self.vocab_size)
+            if int(row.slot) not in self._kept_hidden:
+                raise ValueError(f"slot {row.slot} has no kept hidden states to draft from")
+            start, hidden = self._kept_hidden[int(row.slot)]
+            if start != row.start_pos or len(tokens) > len(hidden):
+                raise ValueError(f"MTP row at {row.start_pos} with {len(tokens)} tokens does not "
+                                 f"match slot {row.slot}'s kept positions {start}.."
+                                 f"{start + len(hidden) - 1}")
+            if row.num_drafts < 0:
+                raise ValueError(f"num_drafts must be >= 0, got {row.num_drafts}")
+            checked_page_table(row.page_table, start + len(tokens) + max(row.num_drafts - 1, 0),
+                               self.num_pages)
+            kept.append(hidden[:len(tokens)])
+        drafts = []
+        for row, hidden in zip(rows, kept):
+            out = self.mtp_prefill(hidden, row.token_ids, int(row.start_pos), row.page_table)
+            row_drafts: list[int] = []
+            position = int(row.start_pos) + len(row.token_ids)
+            logits, mtp_hidden = out.logits[-1:], out.hidden[-1:]
+            while len(row_drafts) < row.num_drafts:
+                if row_drafts:
+                    step = self.mtp_decode([DecodeItem(row.slot, row_drafts[-1], position,
+                                                       row.page_table)], mtp_hidden)
+                    logits, mtp_hidden = step.logits, step.hidden
+                    position += 1
+                row_drafts.append(int(np.argmax(logits[0])))
+            drafts.append(row_drafts)
+        return drafts
+
+    def _keep_hidden(self, slot: int, start_pos: int, hidden: np.ndarray) -> None:
+        if self.mtp is not None:
+            self._kept_hidden[int(slot)] = (int(start_pos), hidden)
 
     def _verify(self, row: StepRow) -> tuple[np.ndarray, np.ndarray]:
         """A verification row as one decode step per token: the state after token i lands in

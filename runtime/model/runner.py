@@ -110,6 +110,33 @@ class StepRow:
         return offsets
 
 
+@dataclass(frozen=True)
+class MtpRow:
+    """One sequence's MTP work in a `ModelRunner.mtp_draft` call (qwen-arch 2.6).
+
+    The MTP head at position i reads (h_i, x_{i+1}): the main model's final-normed hidden state
+    at i and the token after it, and predicts x_{i+2}. Its attention layer has its own KV rows at
+    the sequence's positions, in the same pages as the main layers (`page_table`).
+
+    slot: the sequence's lane. The runner kept the hidden states of the positions this slot's
+        latest computation produced (a prefill chunk, a decode row, or every position of a
+        verification row); they must start at `start_pos`.
+    token_ids: x_{start_pos+1} .. x_{start_pos+m}, the committed tokens after the first m kept
+        positions (m >= 1): the head runs over positions start_pos .. start_pos+m-1, writing
+        its KV rows there ("catch-up": the verified positions replace what drafting wrote).
+    num_drafts: 0 (catch-up only), or k: the argmax of the last catch-up position's logits is
+        draft 1 (for x_{start_pos+m+1}); drafts 2..k chain the head on its own output (its
+        hidden after `mtp.norm` and the draft just made) at the following positions, which
+        the page table must then cover (up to start_pos + m + k - 2).
+    """
+
+    slot: int
+    token_ids: Sequence[int]
+    start_pos: int
+    page_table: Sequence[int]
+    num_drafts: int = 0
+
+
 def checked_rows(rows: Sequence[StepRow], num_slots: int) -> None:
     """Refuse a step whose rows share a slot (a row's own or a snapshot), an empty step, or a
     snapshot list whose length is not the row's token count."""
@@ -160,11 +187,15 @@ class ModelRunner(Protocol):
 
     vocab_size: width of returned logits (the padded vocabulary of the checkpoint).
     num_pages / num_slots: capacities fixed at construction (the engine sizes its pools from them).
+    mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
+        loaded, every `prefill`, `decode` and `step` keeps each row's final-normed hidden states
+        per lane slot until the slot's next computation (`MtpRow`).
     """
 
     vocab_size: int
     num_pages: int
     num_slots: int
+    mtp_layers: int
 
     def reset_slot(self, slot: int) -> None:
         """Zero the recurrent state and conv window of `slot` for a new sequence."""
@@ -191,4 +222,9 @@ class ModelRunner(Protocol):
     def commit(self, slot: int, snapshot: int) -> None:
         """Make the state in `snapshot` (written by a verification row) the state of `slot`.
         The snapshot slot's content is unspecified afterwards (a runner may swap storage)."""
+        ...
+
+    def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
+        """Run the MTP head for every row (`MtpRow`: catch-up, then chained drafts); returns each
+        row's greedy drafts (argmax, lowest id on ties), `num_drafts` ids ([] for none)."""
         ...

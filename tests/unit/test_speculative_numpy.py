@@ -1,0 +1,115 @@
+"""Speculative decoding on the NumPy reference runner with the tiny models' own MTP heads
+(dense, MoE, Next): greedy and seeded output equal plain decoding token for token, with a real
+llguidance constraint, a thinking budget and a stop token active; the MTP call follows the
+protocol (catch-up over prompt chunks and verified rounds); pages all come back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.artifact import open_artifact
+from runtime.engine.api import EngineRequest, FinishReason, SamplingParams, ThinkingControl
+from runtime.engine.engine_loop import Engine, EngineConfig
+from runtime.engine.speculative import SlotLayout, SpeculativeConfig
+from runtime.model.numpy_runner import NumpyRunner
+from runtime.model.runner import MtpRow, PrefillChunk
+
+OFF = SpeculativeConfig()
+MTP3 = SpeculativeConfig(method="mtp", draft_tokens=3)
+MTP_NGRAM = SpeculativeConfig(method="mtp", draft_tokens=2, ngram_draft_tokens=6,
+                              ngram_min_match=2)
+GREEDY = SamplingParams(greedy=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+
+
+def generate(artifact, spec, prompts, max_new, sampling, lanes=1, make_request=None):
+    layout = SlotLayout.for_config(lanes, spec)
+    runner = NumpyRunner.from_artifact(artifact, num_pages=24, num_slots=layout.reserved,
+                                       mtp=spec.mtp)
+    config = EngineConfig(num_lanes=lanes, max_context=512, prefill_chunk=64, speculative=spec)
+    with Engine(runner, config) as engine:
+        streams = {}
+        for rid, prompt in prompts.items():
+            extra = make_request(rid) if make_request else {}
+            streams[rid] = engine.submit(EngineRequest(rid, tuple(prompt), sampling, max_new,
+                                                       **extra))
+        results = {rid: list(stream) for rid, stream in streams.items()}
+        assert engine.scheduler.pages.num_free == 24
+        counters = dict(engine.counters)
+    return {rid: ([t for o in outs for t in o.token_ids], outs[-1])
+            for rid, outs in results.items()}, counters
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
+def artifact(request):
+    path = request.getfixturevalue(f"tiny_{request.param}_path")
+    opened = open_artifact(path)
+    yield opened
+    opened.close()
+
+
+PROMPTS = {"a": np.random.default_rng(1).integers(0, 440, 90).tolist(),
+           "b": np.random.default_rng(2).integers(0, 440, 30).tolist()}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_mtp_rounds_equal_plain_decoding(artifact, sampling):
+    plain, _ = generate(artifact, OFF, PROMPTS, 24, sampling)
+    for spec in (MTP3, MTP_NGRAM):
+        got, counters = generate(artifact, spec, PROMPTS, 24, sampling, lanes=2)
+        for rid in PROMPTS:
+            assert got[rid][0] == plain[rid][0], (spec, rid)
+            assert got[rid][1].finish_reason is FinishReason.LENGTH
+        assert counters["spec_rounds"] >= 20
+        assert counters["spec_drafted_tokens"] > 1.5 * counters["spec_rounds"]
+
+
+def test_constraint_thinking_budget_and_stop_token_with_mtp(artifact):
+    from runtime.text.constraints import ConstraintCompiler, ConstraintSpec
+    from runtime.text.tokenizer import Tokenizer
+
+    text = artifact.component("text")
+    tokenizer = Tokenizer.from_artifact_resources(text.resources)
+    compiler = ConstraintCompiler(text.resources["tokenizer.json"],
+                                  vocab_size=text.config["vocab_size"], eos_ids=tokenizer.eos_ids)
+    think_end = tokenizer.special.think_end
+
+    def constrained(rid):
+        return {"constraint": compiler.compile(ConstraintSpec.regex("(ab|cd)+[0-9]{3}"))}
+
+    def thinking(rid):
+        return {"thinking": ThinkingControl(starts_in_thinking=True, think_end_id=think_end,
+                                            budget=6, close_ids=(401, 402, think_end))}
+
+    prompt = {"a": PROMPTS["a"]}
+    free, _ = generate(artifact, OFF, prompt, 20, SEEDED)
+    stop_id = free["a"][0][9]
+
+    def stopping(rid):
+        return {"stop_token_ids": frozenset({stop_id})}
+
+    for make_request in (constrained, thinking, stopping):
+        plain, _ = generate(artifact, OFF, prompt, 20, SEEDED, make_request=make_request)
+        got, _ = generate(artifact, MTP3, prompt, 20, SEEDED, make_request=make_request)
+        assert got["a"][0] == plain["a"][0], make_request.__name__
+        assert got["a"][1].finish_reason is plain["a"][1].finish_reason
+    assert plain["a"][1].finish_reason is FinishReason.STOP
+    assert len(plain["a"][0]) == free["a"][0].index(stop_id) + 1
+
+
+def test_mtp_catch_up_in_pieces_equals_the_head_over_the_whole_sequence(tiny_dense_path):
+    """The head caught up over two chunks gives the logits of one pass over all positions."""
+    tokens = np.random.default_rng(4).integers(0, 440, 100).tolist()
+    whole = NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True)
+    out = whole.prefill_with_hidden(PrefillChunk(0, tokens[:99], 0, [0, 1], all_logits=True))
+    expected = whole.mtp_prefill(out.hidden, tokens[1:100], 0, [0, 1])
+    pieces = NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True)
+    pieces.prefill(PrefillChunk(0, tokens[:64], 0, [0, 1]))
+    assert pieces.mtp_draft([MtpRow(0, tokens[1:65], 0, [0, 1])]) == [[]]
+    pieces.prefill(PrefillChunk(0, tokens[64:99], 64, [0, 1]))
+    drafts = pieces.mtp_draft([MtpRow(0, tokens[65:100], 64, [0, 1], num_drafts=3)])
+    assert drafts[0][0] == int(np.argmax(expected.logits[-1]))
+    assert len(drafts[0]) == 3
+    with pytest.raises(ValueError, match="kept positions"):
+        pieces.mtp_draft([MtpRow(0, tokens[1:10], 0, [0, 1])])
