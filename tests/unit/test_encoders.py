@@ -240,10 +240,12 @@ def messages_stream(events, result=RESULT, show_thinking=True):
 
 def accumulate(payloads):
     snapshot = None
+    json_bufs: dict = {}  # the SDK's buffers of partial tool input JSON, per block index
     for payload in payloads:
         event = ANTHROPIC_EVENT.validate_python(payload) if payload["type"] != "ping" else None
         if event is not None:
-            snapshot = accumulate_event(event=event, current_snapshot=snapshot)
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot,
+                                        json_bufs=json_bufs)
     return snapshot
 
 
