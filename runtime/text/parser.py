@@ -19,9 +19,9 @@ Modes, switched by the special-token ids (never by text that merely spells a mar
   of the reasoning and comes out as reasoning text; if the output ends first, the reasoning ended
   at the call and it is recovered as a tool call ("stranded" calls).
 
-Stop conditions (stops.py) are applied here, on the text: stop strings to the answer,
-reasoning-stop strings to the reasoning, stop token ids and the tokenizer's eos ids end the
-output. `stopped` tells the caller why the output ended early, so it can cancel the request.
+Stop conditions (stops.py) are applied here, on the text: stop strings to the answer's content
+(never inside a tool call or the reasoning), reasoning-stop strings to the reasoning, stop token
+ids and the tokenizer's eos ids end the output. `stopped` tells the caller why the output ended early, so it can cancel the request.
 """
 
 from __future__ import annotations
@@ -199,6 +199,11 @@ class QwenOutputParser:
     # --- text --------------------------------------------------------------------------------
 
     def _text(self, text: str, events: list[ParserEvent]) -> None:
+        if self._mode == _TOOL:
+            # A call's markup and arguments are not answer text: a stop string there would cut
+            # the call into broken text (`<tool_call>\n<function=g` with finish "stop").
+            self._route(text, events)
+            return
         if self._mode == _REASONING or self._mode == _STRANDED:
             matcher, kind = self._reasoning_stops, "reasoning_stop"
         else:

@@ -2,9 +2,10 @@
 
 - Stop token ids end the output when generated; the id itself is not part of the text. The engine
   stops sampling on them (`EngineRequest.stop_token_ids`); the output parser also ends on them.
-- Stop strings (`--stop`, API `stop`/`stop_sequences`) apply to the answer: content and tool-call
-  text, never the reasoning. Reasoning-stop strings (`--reasoning-stop`) apply only inside the
-  think block. The matched string is not part of the output.
+- Stop strings (`--stop`, API `stop`/`stop_sequences`) apply to the answer's content: never
+  inside a tool call (its markup and arguments are not text the client sees; the OpenAI and
+  Anthropic APIs apply stop sequences to generated text) nor the reasoning. Reasoning-stop
+  strings (`--reasoning-stop`) apply only inside the think block. The matched string is not part of the output.
 - Matching is streaming: text that could still be the start of a stop string is held back until
   it either completes a match (dropped) or can no longer match (released), so a stop string never
   leaks to a client even when it arrives split over several tokens. Special tokens are not text:
@@ -25,7 +26,7 @@ _REGEX_STOP_MAX = 200  # longest stop string whose partial matches go through th
 class StopConditions:
     """One request's stop conditions (all optional).
 
-    stop_strings: end the answer (content / tool-call text) where one of these appears.
+    stop_strings: end the answer where one of these appears in its content.
     reasoning_stop_strings: end the output where one of these appears inside the reasoning.
     stop_token_ids: ids that end the output (in addition to the tokenizer's eos ids).
     """

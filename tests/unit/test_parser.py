@@ -517,12 +517,17 @@ def test_stop_token_ids_and_ignoring_later_ids(qwen_tokenizer):
     assert parser.feed(tk.encode("more")) == [] and parser.finish(False) == []
 
 
-def test_stop_string_inside_a_call(qwen_tokenizer):
-    stop = StopConditions.build(["<<END>>"])
-    text = "<tool_call>\n<function=write_file>\n<parameter=content>\nabc<<END>>def"
+def test_stop_strings_never_fire_inside_a_call(qwen_tokenizer):
+    # A server `--stop "="` used to cut `<function=` into the text "<tool_call>\n<function=g"
+    # with finish "stop"; inside a call (markup and values) stop strings do not apply.
+    stop = StopConditions.build(["=", "<<END>>"])
+    text = ("<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</parameter>\n"
+            "<parameter=content>\nabc<<END>>def\n</parameter>\n</function>\n</tool_call>"
+            "Done: x=1 more")
     acc, parser = parse(qwen_tokenizer, text, stop=stop)
-    assert calls(acc) == [("write_file", {"content": "abc"})]
-    assert parser.stopped.kind == "stop_string"
+    assert calls(acc) == [("write_file", {"path": "a.txt", "content": "abc<<END>>def"})]
+    assert acc.content == "Done: x"  # the answer's content still stops at the first "="
+    assert parser.stopped == StopHit("stop_string", "=")
 
 
 def test_long_values_stream_correctly(qwen_tokenizer):
