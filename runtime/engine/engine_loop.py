@@ -444,10 +444,7 @@ class Engine:
                 self._end(live, result.finish_reason, token_ids=result.token_ids,
                           inserted=result.inserted, logprobs=result.logprobs)
             else:
-                self._publish(live, EngineOutput(
-                    request_id=live.request_id, token_ids=result.token_ids,
-                    inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
-                    logprobs=result.logprobs))
+                self._publish(live, live.progress_output(result))
 
     def _count_round(self, live: LiveRequest, outcome) -> None:
         if outcome.drafted:
