@@ -45,7 +45,7 @@ from runtime.text.parser import prompt_ends_in_reasoning
 THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the "
                        "solution based on the thinking directly now.\n</think>")
 DEMO_SEED = 0
-CUDA_RUNNER_MODULE = "runtime.model.cuda_runner"
+CUDA_RUNNER_MODULE = "runtime.model.gpu.runner"
 
 
 @dataclass(frozen=True)

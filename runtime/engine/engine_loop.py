@@ -458,7 +458,7 @@ class Engine:
     def _samples_on_device(self, group: list) -> bool:
         """Whether the runner samples these rows itself (only ids come back): it can, the engine
         allows it, and no row asks for logprobs (those need the logits on the host)."""
-        return (self.config.device_sampling and getattr(self.runner, "samples_on_device", False)
+        return (self.config.device_sampling and self.runner.samples_on_device
                 and not any(self._live[w.request_id].request.logprobs for w in group))
 
     def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
