@@ -430,9 +430,7 @@ class App:
         if result is None:  # the client went away before the end
             result = GenerationResult(finish_reason="cancelled",
                                       prompt_tokens=generation.prompt_tokens,
-                                      completion_tokens=generation.completion_tokens,
-                                      reasoning_tokens=generation.reasoning_tokens,
-                                      queue_wait_s=generation.queue_wait_s)
+                                      completion_tokens=generation.completion_tokens)
             generation.finish(result)
         total_s = None
         if generation.last_token_at is not None:

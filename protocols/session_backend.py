@@ -277,9 +277,6 @@ class SessionBackend:
             running.stop_hit = parser.stopped
             if not output.finished:
                 self.session.engine.cancel(generation.request_id)
-        generation.reasoning_tokens = output.thinking_tokens
-        if output.queue_s is not None:
-            generation.queue_wait_s = output.queue_s
         generation.publish(events, new_tokens=len(output.token_ids))
         if output.finished:
             self._finish(running, output)

@@ -112,7 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-context", int, 2048, "per-sequence context ceiling in tokens", group="capacity",
            minimum=64, maximum=262144, serve_default=8192),
     Option("kv-capacity", int, None, "shared KV pool size in tokens (rounded up to 64-token "
-           "pages) (default: --max-context, times --max-concurrency for the server)",
+           "pages); omitted means --max-context (times --max-concurrency for the server)",
            group="capacity", minimum=64, maximum=1 << 24, auto=True),
     Option("kv-dtype", str, "bf16", "KV-cache storage format", group="capacity",
            choices=("bf16",)),
@@ -195,6 +195,25 @@ OPTIONS: tuple[Option, ...] = (
            group="network", minimum=1, maximum=65536),
     Option("max-request-mib", int, 64, "request body size limit in MiB", commands=SERVE_ONLY,
            group="network", minimum=1, maximum=1024),
+    # --- prefix cache (server) --------------------------------------------------------------
+    Option("no-prefix-cache", bool, False, "do not reuse cached prompt prefixes (a paused "
+           "request still keeps its state in the host tier)", commands=SERVE_ONLY,
+           group="prefix cache"),
+    Option("device-snapshot-slots", int, 8, "recurrent-state snapshots the prefix cache keeps "
+           "on the device (one slot each, beyond the lanes)", commands=SERVE_ONLY,
+           group="prefix cache", minimum=0, maximum=1024),
+    Option("host-context-mib", int, 1024, "host memory for snapshots and KV blocks demoted "
+           "from the device and for paused requests", commands=SERVE_ONLY,
+           group="prefix cache", minimum=0, maximum=1 << 22),
+    Option("snapshot-interval", int, 2048, "snapshot long prompts every N tokens (prefill "
+           "chunks end there), a multiple of 64; 0 = only at prompt and output ends",
+           commands=SERVE_ONLY, group="prefix cache", minimum=0, maximum=1 << 20),
+    Option("prefix-cache-file", str, None, "keep the prefix cache in FILE across restarts "
+           "(read at start, written at shutdown)", commands=SERVE_ONLY, group="prefix cache",
+           metavar="FILE"),
+    Option("prefix-cache-save-mins", int, 0, "also write --prefix-cache-file every N minutes "
+           "(0 = only at shutdown)", commands=SERVE_ONLY, group="prefix cache", minimum=0,
+           maximum=10080),
     Option("request-log", str, None, "append one JSON line per finished request to FILE",
            commands=SERVE_ONLY, group="logging", metavar="FILE"),
 )

@@ -45,7 +45,7 @@ from runtime.text.parser import prompt_ends_in_reasoning
 THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the "
                        "solution based on the thinking directly now.\n</think>")
 DEMO_SEED = 0
-CUDA_RUNNER_MODULE = "runtime.model.gpu.runner"
+CUDA_RUNNER_MODULE = "runtime.model.cuda_runner"
 
 
 @dataclass(frozen=True)
@@ -66,41 +66,24 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "infernix"
 
 
-def demo_model_path(logger=None) -> Path:
-    """The cached tiny demo model (real Qwen vocabulary, random weights); built on first use,
-    which takes seconds: `logger` (when given) says so, with the build's phases."""
+def demo_model_path(log=None) -> Path:
+    """The cached tiny demo model (real Qwen vocabulary, random weights); built on first use."""
     path = cache_dir() / f"demo-tiny-dense-real-seed{DEMO_SEED}.infernix"
     if path.exists():
         return path
     from tools.make_tiny import make_tiny    # build-time tool; only the demo needs it
 
-    def phase(text: str) -> None:
-        if logger is not None:
-            logger.info("demo: %s", text)
-
-    phase(f"first run: building the demo model once (about 10 s), cached as {path}")
-    started = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.stem + f".partial-{os.getpid()}.infernix")
     hf_dir = path.parent / f"{path.stem}.partial-{os.getpid()}-hf"
     try:
         make_tiny(partial, family="dense", vocab="real", seed=DEMO_SEED, hf_dir=hf_dir,
-                  log=None, on_phase=phase)
+                  log=log)
         partial.replace(path)                # atomic: concurrent first runs stay consistent
-        phase(f"demo model built ({time.perf_counter() - started:.1f} s)")
     finally:
         shutil.rmtree(hf_dir, ignore_errors=True)
         partial.unlink(missing_ok=True)
     return path
-
-
-def _directory_given(path: Path) -> str:
-    """What to say when the model path is a directory (a model is one `.infernix` file)."""
-    if (path / "config.json").is_file():
-        return (f"model {str(path)!r} is a Hugging Face checkpoint directory; convert it "
-                f"first: python -m tools.convert {path} OUT.infernix (then run with "
-                "OUT.infernix)")
-    return f"model {str(path)!r} is a directory, not a .infernix file"
 
 
 def gpu_present() -> bool:
@@ -147,6 +130,39 @@ class _WeightProgress:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.close()
+
+
+def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
+    """The prefix cache's `EngineConfig` fields from the server's options. The CLI (one
+    request) has no cache options and no cache; on cuda the cache waits for the CUDA runner's
+    host-copy methods (`ModelRunner.save_slot` and the rest), so it is off there too."""
+    off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
+           "snapshot_interval": 0, "cache_file": None}
+    if not hasattr(settings, "no_prefix_cache"):
+        return off
+    if device == "cuda":
+        logger.info("prefix cache: off on --device cuda (the CUDA runner has no host copies "
+                    "of slots and pages yet)")
+        return off
+    interval = settings.snapshot_interval
+    if interval % PAGE_SIZE:
+        raise ConfigError(f"--snapshot-interval: {interval} is not a multiple of {PAGE_SIZE}")
+    return {"prefix_cache": not settings.no_prefix_cache,
+            "snapshot_slots": settings.device_snapshot_slots,
+            "host_cache_bytes": settings.host_context_mib << 20,
+            "snapshot_interval": interval,
+            "cache_file": settings.prefix_cache_file,    # fingerprinted once the runner exists
+            "cache_save_s": settings.prefix_cache_save_mins * 60.0}
+
+
+def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: str) -> str:
+    """What a prefix-cache file's arrays depend on: the model and the exact artifact file,
+    the runner (its class; its compute dtype shows in the sizes), the KV format and the state
+    and page sizes."""
+    stat = model_path.stat()
+    return (f"model={model_name};artifact={model_path.name}:{stat.st_size}:{stat.st_mtime_ns};"
+            f"runner={type(runner).__name__};kv={kv_dtype};"
+            f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
 
 
 def word_kinds_table(token_bytes: Sequence[bytes], vocab_size: int) -> np.ndarray:
@@ -204,14 +220,8 @@ class ModelSession:
         if getattr(settings, "demo", False):
             if model is not None:
                 raise ConfigError("--demo runs a generated tiny model; give no model path")
-            if settings.device not in ("auto", "cpu"):
-                # The GPU kernels are compiled for real model shapes and the 512-token test
-                # model; the demo's (real vocabulary, hidden size 256) is not among them.
-                logger.warning("--demo runs on the CPU, not --device %s: no GPU kernels are "
-                               "built for the demo model's shapes; give a converted model "
-                               "(python -m tools.convert) to run on the GPU", settings.device)
             logger.info("demo: tiny random-weight model with the real Qwen vocabulary, CPU")
-            model_path = demo_model_path(logger)
+            model_path = demo_model_path()
             device = "cpu"
         else:
             if model is None:
@@ -220,8 +230,6 @@ class ModelSession:
             model_path = Path(model)
             if not model_path.exists():
                 raise ConfigError(f"model {model!r} does not exist")
-            if model_path.is_dir():
-                raise ConfigError(_directory_given(model_path))
             device = choose_device(settings.device)
         if settings.prefill_chunk % PAGE_SIZE:
             raise ConfigError(f"--prefill-chunk: {settings.prefill_chunk} is not a multiple "
@@ -268,12 +276,18 @@ class ModelSession:
                            chat_template.origin)
         phase_done(f"chat template loaded ({chat_template.origin})")
         prefill_chunk = min(settings.prefill_chunk, max_context)
-        runner = cls._make_runner(device, artifact, num_pages, num_lanes, prefill_chunk,
+        cache = prefix_cache_settings(settings, device, logger)
+        runner = cls._make_runner(device, artifact, num_pages,
+                                  num_lanes + cache["snapshot_slots"], prefill_chunk,
                                   settings, logger)
         phase_done(f"weights loaded ({type(runner).__name__})")
+        if cache["cache_file"] is not None:
+            cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,
+                                                           settings.kv_dtype)
         engine_config = EngineConfig(
             num_lanes=num_lanes, max_context=max_context, prefill_chunk=prefill_chunk,
-            max_waiting=getattr(settings, "max_pending_requests", 0), num_pages=num_pages)
+            max_waiting=getattr(settings, "max_pending_requests", 0), num_pages=num_pages,
+            **cache)
         # A CUDA context is current per thread: the engine thread must make it its own.
         on_start = runner.device.make_current if device == "cuda" else None
         engine = Engine(runner, engine_config, logger=get_logger("engine"),
@@ -292,8 +306,9 @@ class ModelSession:
         return session
 
     @staticmethod
-    def _make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int,
+    def _make_runner(device: str, artifact: Any, num_pages: int, num_slots: int,
                      prefill_chunk: int, settings: Any, logger) -> Any:
+        """num_slots: the lanes, then the prefix cache's snapshot slots."""
         synthetic = getattr(settings, "synthetic_weights", None)
         if synthetic is not None and device != "cuda":
             raise ConfigError(f"--synthetic-weights fills weights on the GPU; the {device} backend "
@@ -304,7 +319,8 @@ class ModelSession:
                                   "only so far")
             module = importlib.import_module(CUDA_RUNNER_MODULE)
             progress = _WeightProgress()
-            shape = {"num_pages": num_pages, "num_slots": num_lanes,
+            num_lanes = getattr(settings, "max_concurrency", 1)
+            shape = {"num_pages": num_pages, "num_slots": num_slots,
                      "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                      "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
                      "cuda_graphs": not settings.no_cuda_graph}
@@ -327,7 +343,7 @@ class ModelSession:
                               "float32 and accepts only the default bf16")
         logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
                      "--no-cuda-graph has no effect)")
-        return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_lanes,
+        return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,
                                          dtype=np.float32)
 
     def device_memory_bytes(self) -> Optional[int]:

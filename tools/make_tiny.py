@@ -277,17 +277,13 @@ def make_hf_dir(hf_dir: Path, *, family: str = "dense", seed: int = 0,
 
 
 def make_tiny(out_path, *, family: str = "dense", seed: int = 0, vocab: str = "small",
-              hf_dir=None, log=None, on_phase=None) -> Path:
+              hf_dir=None, log=None) -> Path:
     """Write the tiny model as HF directory `hf_dir` (default: `<OUT stem>-hf` next to OUT)
     and as artifact `out_path`; returns the artifact path. `log`: stream for converter
-    progress (None: quiet). `on_phase(text)`: called as each of the two phases starts."""
+    progress (None: quiet)."""
     out_path = Path(out_path)
     hf_dir = Path(hf_dir) if hf_dir is not None else out_path.with_name(out_path.stem + "-hf")
-    if on_phase is not None:
-        on_phase(f"1/2 random weights and the {vocab} vocabulary's tokenizer")
     make_hf_dir(hf_dir, family=family, seed=seed, vocab=vocab)
-    if on_phase is not None:
-        on_phase("2/2 converting to .infernix")
     return convert.convert(hf_dir, out_path, convert.Recipe("import"),
                            name=f"tiny-{family}-{vocab}-seed{seed}", log=log)
 

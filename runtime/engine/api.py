@@ -88,6 +88,10 @@ class EngineRequest:
     thinking: ThinkingControl = field(default_factory=ThinkingControl)
     constraint: Optional[OutputConstraint] = None
     logprobs: int = 0  # number of top logprobs to return per token (0 = none)
+    # Prompt positions where the prefix cache should snapshot the state (prefill chunks end
+    # there): e.g. the start of the last user turn, where agents' edited histories diverge.
+    # The chat layer knows them; the engine treats them as hints.
+    snapshot_positions: tuple[int, ...] = ()
 
 
 class RequestRejected(Exception):
@@ -114,6 +118,10 @@ class RequestStats:
     preemptions / replayed_tokens: times paused under KV pressure / tokens recomputed on resume.
     thinking_tokens: model-origin tokens while the think block was open.
     thinking_closed_by: "model", "budget", "loop" or "" (still open / no thinking).
+    cached_tokens: prompt tokens taken from the prefix cache at its first admission.
+    prefilled_tokens: tokens it computed in prefill chunks (the rest of the prompt, replays).
+    resume_path: how it last started: "cold", "prefix" (a cached prefix), "snapshot" (its own
+        pause point: no recomputation) or "replay" (recomputed after a pause).
     spec_rounds / drafted_tokens / accepted_tokens: speculative decoding: decode steps that
         verified drafts, the drafts they verified, and the drafts accepted (each round also
         commits one token sampled at its last kept position).
@@ -131,6 +139,9 @@ class RequestStats:
     replayed_tokens: int = 0
     thinking_tokens: int = 0
     thinking_closed_by: str = ""
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    resume_path: str = "cold"
     spec_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -151,10 +162,7 @@ class RequestStats:
 class EngineOutput:
     """An increment for one request. `token_ids` are newly committed ids (sampled or inserted);
     `inserted` marks which of them the engine inserted without sampling (thinking budget).
-    The final increment has `finished=True`, the reason, and `stats`. Every increment carries
-    `thinking_tokens` (model-origin tokens inside the think block so far) and, once the request
-    was admitted, `queue_s` (submit -> first admission): a request cancelled by its client
-    never gets `stats`, and its accounting must still be right."""
+    The final increment has `finished=True`, the reason, and `stats`."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -166,5 +174,3 @@ class EngineOutput:
     cached_prompt_tokens: int = 0
     logprobs: Optional[Sequence[dict]] = None
     stats: Optional[RequestStats] = None
-    thinking_tokens: int = 0
-    queue_s: Optional[float] = None

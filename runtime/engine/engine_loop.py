@@ -41,6 +41,9 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from runtime.engine.api import EngineOutput, EngineRequest, FinishReason, RequestRejected
+from runtime.engine.cache_file import load_cache_file, save_cache_file
+from runtime.engine.cache_ops import Traffic, apply_ops
+from runtime.engine.prefix_cache import PrefixCacheConfig
 from runtime.engine.request_state import LiveRequest, OutputSink
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.speculative import SlotLayout, Speculation, SpeculativeConfig
@@ -66,6 +69,14 @@ class EngineConfig:
     speculative: draft proposals verified per round (`runtime.engine.speculative`); decode rows
         then go through `ModelRunner.step` with host sampling, and the runner needs the state
         slots of `SlotLayout.for_config(num_lanes, speculative)`.
+    prefix_cache: match prompts against cached prefixes (`runtime.engine.prefix_cache`).
+    snapshot_slots: runner slots after those (its spare slots) the cache keeps snapshots in.
+    host_cache_bytes: host memory for demoted snapshots and blocks and for paused requests.
+        With any of these three, preemption keeps a paused request's state instead of
+        replaying it (where there is room); with none, there is no cache at all (the CLI).
+    snapshot_interval: long prompts are snapshotted (and chunks end) at multiples of it.
+    cache_file / cache_fingerprint: the file tier (`runtime.engine.cache_file`), read at
+        construction and written at shutdown; cache_save_s: also written this often (0: not).
     """
 
     num_lanes: int = 1
@@ -77,6 +88,13 @@ class EngineConfig:
     service_turn_tokens: int = 128
     device_sampling: bool = True
     speculative: SpeculativeConfig = SpeculativeConfig()
+    prefix_cache: bool = False
+    snapshot_slots: int = 0
+    host_cache_bytes: int = 0
+    snapshot_interval: int = 0
+    cache_file: Optional[str] = None
+    cache_fingerprint: str = ""
+    cache_save_s: float = 0.0
 
 
 class RequestStream:
@@ -129,7 +147,18 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             num_lanes=config.num_lanes, num_pages=num_pages, max_context=config.max_context,
             prefill_chunk=config.prefill_chunk, max_batched_tokens=config.max_batched_tokens,
-            max_waiting=config.max_waiting, service_turn_tokens=config.service_turn_tokens))
+            max_waiting=config.max_waiting, service_turn_tokens=config.service_turn_tokens,
+            snapshot_interval=config.snapshot_interval,
+            prefix_cache=prefix_cache_config(runner, config)))
+        self.cache_traffic = Traffic()
+        self._saved_at = time.monotonic()
+        if config.cache_file is not None and self.scheduler.cache is not None:
+            warn = logger.warning if logger is not None else (lambda message: None)
+            restored = load_cache_file(config.cache_file, config.cache_fingerprint,
+                                       self.scheduler.cache.cache, warn)
+            if logger is not None and restored:
+                logger.info("prefix cache: %d snapshots restored from %s", restored,
+                            config.cache_file)
         self._logger = logger
         self._on_thread_start = on_thread_start
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -242,12 +271,15 @@ class Engine:
             if self._on_thread_start is not None:
                 self._on_thread_start()
             while True:
+                if self.config.cache_save_s:
+                    self._save_cache(periodic=True)
                 if not self._drain_commands(block=not self.scheduler.has_work()):
                     break
                 if self.speculation is not None:
                     batch = self.scheduler.schedule(self.speculation.draft_room(self._live))
                 else:
                     batch = self.scheduler.schedule()
+                self._apply_cache_ops()
                 self._after_schedule(batch)
                 if not batch.is_empty:
                     self._execute(batch)
@@ -263,6 +295,7 @@ class Engine:
             return
         for live in list(self._live.values()):
             self._end(live, FinishReason.CANCELLED)
+        self._save_cache(periodic=False)
         self._close_commands(FinishReason.CANCELLED, None)
 
     def _close_commands(self, reason: FinishReason, error: Optional[str]) -> None:
@@ -300,7 +333,8 @@ class Engine:
         live = LiveRequest(request, sink, self.config.max_context)
         self._live[request.request_id] = live
         try:
-            self.scheduler.add(request.request_id, request.prompt_ids)
+            self.scheduler.add(request.request_id, request.prompt_ids,
+                               request.snapshot_positions)
         except RequestRejected as exc:
             self._end(live, FinishReason.ERROR, error=str(exc))
             return
@@ -313,6 +347,9 @@ class Engine:
             live = self._live[request_id]
             if live.admitted_at is None:
                 live.admitted_at = now
+            record = self.scheduler.get(request_id)
+            live.cached_tokens = record.cached_tokens or 0
+            live.resume_path = record.resume_path
         for request_id in batch.preempted:
             self._live[request_id].preemptions += 1
             self.counters["preemptions"] += 1
@@ -360,6 +397,7 @@ class Engine:
                 self._end(live, FinishReason.ERROR, error=f"prefill failed: {exc}")
                 continue
             self.counters["prefill_tokens"] += work.num_tokens
+            live.prefilled_tokens += work.num_tokens
             if work.replay:
                 self.counters["replayed_tokens"] += work.num_tokens
         # Rows under suspicion (their batch failed before) decode alone until one step works.
@@ -433,6 +471,7 @@ class Engine:
             new_tokens[request_id] = outcome.result.token_ids
             endings.append((live, outcome.result))
         self.scheduler.update(batch, new_tokens, accepted)
+        self._apply_cache_ops()
         if self.speculation is not None:
             self.speculation.after_update(batch, new_tokens, accepted)
         for record_id in list(self._live):
@@ -444,7 +483,10 @@ class Engine:
                 self._end(live, result.finish_reason, token_ids=result.token_ids,
                           inserted=result.inserted, logprobs=result.logprobs)
             else:
-                self._publish(live, live.progress_output(result))
+                self._publish(live, EngineOutput(
+                    request_id=live.request_id, token_ids=result.token_ids,
+                    inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
+                    cached_prompt_tokens=live.cached_tokens, logprobs=result.logprobs))
 
     def _count_round(self, live: LiveRequest, outcome) -> None:
         if outcome.drafted:
@@ -455,10 +497,37 @@ class Engine:
             self.counters["spec_drafted_tokens"] += outcome.drafted
             self.counters["spec_accepted_tokens"] += outcome.accepted
 
+    def _save_cache(self, periodic: bool) -> None:
+        """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
+        write. A failed write is logged; the cache keeps serving."""
+        cache = self.scheduler.cache
+        if self.config.cache_file is None or cache is None:
+            return
+        if periodic and not (self.config.cache_save_s
+                             and time.monotonic() - self._saved_at >= self.config.cache_save_s):
+            return
+        self._saved_at = time.monotonic()
+        try:
+            size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
+                                   cache.cache, self.runner)
+        except OSError as exc:
+            if self._logger is not None:
+                self._logger.warning("prefix cache file %s not written: %s",
+                                     self.config.cache_file, exc)
+            return
+        if self._logger is not None:
+            self._logger.info("prefix cache written to %s (%.1f MiB)", self.config.cache_file,
+                              size / (1 << 20))
+
+    def _apply_cache_ops(self) -> None:
+        """Run the prefix cache's queued copies (`runtime.engine.cache_ops`), in order."""
+        if self.scheduler.cache is not None:
+            apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.cache_traffic)
+
     def _samples_on_device(self, group: list) -> bool:
         """Whether the runner samples these rows itself (only ids come back): it can, the engine
         allows it, and no row asks for logprobs (those need the logits on the host)."""
-        return (self.config.device_sampling and self.runner.samples_on_device
+        return (self.config.device_sampling and getattr(self.runner, "samples_on_device", False)
                 and not any(self._live[w.request_id].request.logprobs for w in group))
 
     def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
@@ -522,7 +591,9 @@ class Engine:
         if live.finished:
             return
         if in_scheduler:
-            self.scheduler.finish(live.request_id)
+            # A failed call may have left its lane half-written: no snapshot of it.
+            self.scheduler.finish(live.request_id, keep_state=reason is not FinishReason.ERROR)
+            self._apply_cache_ops()
         if self.speculation is not None:
             self.speculation.remove(live.request_id)
         self._live.pop(live.request_id, None)
@@ -548,4 +619,32 @@ class Engine:
             "kv_pages_free": scheduler.pages.num_free,
             "lanes": scheduler.config.num_lanes,
             **dict(self.counters),
+            **self._cache_snapshot(),
         }
+
+    def _cache_snapshot(self) -> dict:
+        cache = self.scheduler.cache
+        if cache is None:
+            return {}
+        traffic = self.cache_traffic
+        return {**{f"prefix_cache_{k}": v for k, v in cache.cache.stats.items()},
+                "prefix_cache_block_evictions": self.scheduler.pages.evictions,
+                "prefix_cache_cached_pages": self.scheduler.pages.num_cached,
+                "prefix_cache_device_snapshots": cache.cache.device_snapshots,
+                "prefix_cache_host_bytes": cache.cache.host_used,
+                "prefix_cache_host_to_device_bytes": traffic.host_to_device_bytes,
+                "prefix_cache_device_to_host_bytes": traffic.device_to_host_bytes}
+
+
+def prefix_cache_config(runner: ModelRunner, config: EngineConfig) -> Optional[PrefixCacheConfig]:
+    """The prefix cache's capacities, or None when the config asks for no cache at all."""
+    if not (config.prefix_cache or config.snapshot_slots or config.host_cache_bytes):
+        return None
+    first = SlotLayout.for_config(config.num_lanes, config.speculative).first_spare
+    if first + config.snapshot_slots > runner.num_slots:
+        raise ValueError(f"the runner has {runner.num_slots} state slots; lanes and speculative "
+                         f"snapshots take {first}, {config.snapshot_slots} snapshot slots asked")
+    return PrefixCacheConfig(reuse=config.prefix_cache,
+                             snapshot_slots=tuple(range(first, first + config.snapshot_slots)),
+                             host_bytes=config.host_cache_bytes, slot_nbytes=runner.slot_nbytes,
+                             page_nbytes=runner.page_nbytes)

@@ -51,6 +51,9 @@ class LiveRequest:
         self.first_token_at: Optional[float] = None
         self.preemptions = 0
         self.replayed_tokens = 0
+        self.cached_tokens = 0            # prompt tokens its first admission took from the cache
+        self.resume_path = "cold"         # how it last started (`SequenceRecord.resume_path`)
+        self.prefilled_tokens = 0         # tokens it computed in prefill chunks (replays included)
         self.spec_rounds = 0              # speculative rounds: decode steps that verified drafts
         self.drafted_tokens = 0
         self.accepted_tokens = 0
@@ -163,22 +166,13 @@ class LiveRequest:
             replayed_tokens=self.replayed_tokens,
             thinking_tokens=self.thinking.model_tokens,
             thinking_closed_by=closed_by,
+            cached_tokens=self.cached_tokens,
+            prefilled_tokens=self.prefilled_tokens,
+            resume_path=self.resume_path,
             spec_rounds=self.spec_rounds,
             drafted_tokens=self.drafted_tokens,
             accepted_tokens=self.accepted_tokens,
         )
-
-    @property
-    def queue_s(self) -> Optional[float]:
-        """Submit -> first admission; None while still waiting."""
-        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
-
-    def progress_output(self, step: StepResult) -> EngineOutput:
-        """The increment of a step that did not end the request."""
-        return EngineOutput(request_id=self.request_id, token_ids=step.token_ids,
-                            inserted=step.inserted, prompt_tokens=len(self.request.prompt_ids),
-                            logprobs=step.logprobs, thinking_tokens=self.thinking.model_tokens,
-                            queue_s=self.queue_s)
 
     def publish(self, output: EngineOutput) -> None:
         self.sink(output)
@@ -190,5 +184,4 @@ class LiveRequest:
         return EngineOutput(request_id=self.request_id, token_ids=token_ids, inserted=inserted,
                             finished=True, finish_reason=reason, error=error,
                             prompt_tokens=len(self.request.prompt_ids), logprobs=logprobs,
-                            stats=self.stats(), thinking_tokens=self.thinking.model_tokens,
-                            queue_s=self.queue_s)
+                            cached_prompt_tokens=self.cached_tokens, stats=self.stats())

@@ -45,7 +45,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
 from runtime.engine.api import FinishReason, RequestRejected
-from runtime.engine.kv_pages import PagePool, StateSlots, pages_for
+from runtime.engine.kv_blocks import BlockManager, pages_for
+from runtime.engine.kv_pages import StateSlots
+from runtime.engine.prefix_cache import PrefixCacheConfig
+from runtime.engine.sequence_cache import SequenceCache, is_stop, next_stop
 from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
 
 
@@ -64,6 +67,10 @@ class SchedulerConfig:
         excluded: they were admitted once and must come back).
     service_turn_tokens: new output tokens a sequence may produce, under KV contention, before
         it gives way to a sequence blocked by pages (bounded service turns).
+    snapshot_interval: prefill chunks also end at multiples of this (0 = not), and there the
+        prefix cache snapshots long prompts; the same with the cache on or off, so a request's
+        chunks never depend on the cache.
+    prefix_cache: the prefix cache's capacities (None: no cache, preemption replays).
     """
 
     num_lanes: int
@@ -73,6 +80,8 @@ class SchedulerConfig:
     max_batched_tokens: Optional[int] = None
     max_waiting: int = 16
     service_turn_tokens: int = 128
+    snapshot_interval: int = 0
+    prefix_cache: Optional[PrefixCacheConfig] = None
 
     def __post_init__(self):
         if not 1 <= self.num_lanes <= 8:
@@ -118,6 +127,10 @@ class SequenceRecord:
     replayed_tokens: int = 0
     turn_start_output: int = 0        # num_output when its current service turn began
     turn_start_step: int = 0
+    snapshot_positions: tuple[int, ...] = ()   # the request's snapshot hints (chunk ends)
+    block_digests: list[bytes] = field(default_factory=list)  # hashes of its full blocks
+    cached_tokens: Optional[int] = None   # prompt tokens its first admission resumed past
+    resume_path: str = "cold"         # how it last started: cold, prefix, snapshot or replay
 
     @property
     def turn_output(self) -> int:
@@ -220,7 +233,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.pages = PagePool(config.num_pages)
+        self.pages = BlockManager(config.num_pages)
+        self.cache = (None if config.prefix_cache is None else
+                      SequenceCache(config.prefix_cache, self.pages, config.snapshot_interval))
         self.slots = StateSlots(config.num_lanes)
         self._seqs: dict[str, SequenceRecord] = {}
         self._waiting: collections.deque[SequenceRecord] = collections.deque()
@@ -276,7 +291,8 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens; the KV pool holds "
                 f"{self.config.num_pages * PAGE_SIZE}")
 
-    def add(self, request_id: str, prompt_ids: Sequence[int]) -> SequenceRecord:
+    def add(self, request_id: str, prompt_ids: Sequence[int],
+            snapshot_positions: Sequence[int] = ()) -> SequenceRecord:
         if request_id in self._seqs:
             raise RequestRejected("duplicate_request", f"request id {request_id!r} is in use")
         self.check_admissible(len(prompt_ids))
@@ -284,22 +300,29 @@ class Scheduler:
             raise RequestRejected("queue_full", f"{self.num_fresh_waiting} requests are already "
                                  f"waiting (limit {self.config.max_waiting})")
         seq = SequenceRecord(request_id=request_id, ticket=self._next_ticket,
-                             prompt_len=len(prompt_ids), token_ids=list(prompt_ids))
+                             prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
+                             snapshot_positions=tuple(sorted(set(snapshot_positions))))
         self._next_ticket += 1
         self._seqs[request_id] = seq
         self._waiting.append(seq)
         return seq
 
-    def finish(self, request_id: str) -> bool:
-        """Remove a sequence (any state) and free its lane and pages. False if unknown."""
+    def finish(self, request_id: str, keep_state: bool = True) -> bool:
+        """Remove a sequence (any state) and free its lane and pages. False if unknown.
+        keep_state: its lane state is sound (not after a failed call), so the prefix cache may
+        keep it as the snapshot where a next turn resumes."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
+            if self.cache is not None:
+                self.cache.finish(seq, keep_state)
             self._release(seq)
         else:
             self._waiting.remove(seq)
+            if self.cache is not None:
+                self.cache.cache.drop_private(request_id)
         return True
 
     def preempt(self, request_id: str) -> bool:
@@ -308,7 +331,7 @@ class Scheduler:
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SeqStatus.RUNNING:
             return False
-        self._preempt(seq)
+        self._preempt(seq, keep_state=False)
         return True
 
     # --- one step ---------------------------------------------------------------------------
@@ -426,6 +449,21 @@ class Scheduler:
             if request_id not in sampled:
                 raise AssertionError(f"{request_id} got tokens but did not sample this step")
             seq.token_ids.extend(tokens)
+        if self.cache is not None:
+            self._after_step(batch)
+
+    def _after_step(self, batch: ScheduledBatch) -> None:
+        """Publish what the step completed; snapshot prompt chunks that end at a stop."""
+        for work in (*batch.decodes, *batch.prefills):
+            seq = self._seqs.get(work.request_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                self.cache.publish(seq)
+        for work in batch.prefills:
+            seq = self._seqs.get(work.request_id)
+            end = work.start_pos + work.num_tokens
+            if seq is not None and seq.status is SeqStatus.RUNNING and not work.replay \
+                    and is_stop(seq, end, self.cache.interval):
+                self.cache.capture(seq, end)
 
     # --- internals --------------------------------------------------------------------------
 
@@ -454,7 +492,10 @@ class Scheduler:
         GEMV choice see the same pieces alone or batched) and lets a cached prefix resume on the
         same grid a cold run uses (docs/architecture.md, request invariance)."""
         grid = self.config.prefill_chunk
-        return min(seq.pending, grid - seq.num_computed % grid)
+        count = min(seq.pending, grid - seq.num_computed % grid)
+        # Snapshot stops (hints, multiples of snapshot_interval) are chunk ends too.
+        stop = next_stop(seq, seq.num_computed, self.config.snapshot_interval)
+        return count if stop is None else min(count, stop - seq.num_computed)
 
     def _next_unit_pages(self, seq: SequenceRecord) -> int:
         count = 1 if seq.pending == 1 and seq.num_computed > 0 else self._next_chunk(seq)
@@ -464,7 +505,10 @@ class Scheduler:
         admitted = []
         while self._waiting and self.slots.num_free > 0:
             head = self._waiting[0]
-            if head.status is SeqStatus.PAUSED:
+            entry = self.cache.match(head) if self.cache is not None else None
+            if entry is not None:
+                need = self.cache.resume_need(head, entry)
+            elif head.status is SeqStatus.PAUSED:
                 need = pages_for(len(head.token_ids))          # its whole replay must fit
             else:
                 need = pages_for(min(len(head.token_ids), self.config.prefill_chunk))
@@ -472,21 +516,46 @@ class Scheduler:
                 # A paused sequence that outgrew the whole pool can never resume.
                 self._waiting.popleft()
                 del self._seqs[head.request_id]
+                if self.cache is not None:
+                    self.cache.cache.drop_private(head.request_id)
                 failed.append((head.request_id, FinishReason.CONTEXT))
                 continue
             reserve = sum(self._next_unit_pages(seq) for seq in self._running)
             if need + reserve > self.pages.num_free and not self._rotate_for(head):
                 break                                          # never overtake a blocked head
             self._waiting.remove(head)       # (a fresh head may now follow paused victims)
+            was_paused = head.status is SeqStatus.PAUSED
             head.status = SeqStatus.RUNNING
             head.slot = self.slots.acquire(head.request_id)
             head.num_computed = 0
+            head.block_digests = []
+            self._start(head, was_paused)
             head.turn_start_output = head.num_output
             head.turn_start_step = self._step
             self._running.append(head)
             self._running.sort(key=lambda s: s.ticket)
             admitted.append(head.request_id)
         return admitted
+
+    def _start(self, seq: SequenceRecord, was_paused: bool) -> None:
+        """Where an admitted sequence starts: the deepest snapshot the cache has for it (the
+        match is redone: pausing turn-expired sequences may have moved cache entries), else
+        position 0 (cold, or a replay of a paused sequence)."""
+        entry = self.cache.match(seq) if self.cache is not None else None
+        if entry is not None and self.cache.cache.resume_cost(entry) <= self.pages.num_free:
+            self.cache.resume(seq, entry)
+            return
+        if self.cache is not None:
+            self.cache.cache.drop_private(seq.request_id)
+            if not was_paused and self.cache.cache.config.reuse:
+                self.cache.cache.stats["misses"] += 1
+        seq.resume_path = "replay" if was_paused else "cold"
+        if seq.cached_tokens is None:
+            seq.cached_tokens = 0
+
+    def _freed_by(self, seq: SequenceRecord) -> int:
+        """Pages that releasing `seq` would make available (shared ones stay in use)."""
+        return sum(1 for page in seq.page_table if self.pages.users(page) == {seq.request_id})
 
     def _rotate_for(self, head: SequenceRecord) -> bool:
         """Bounded service turns: pause running sequences whose turn is used up so that the
@@ -504,7 +573,7 @@ class Scheduler:
             if need + sum(self._next_unit_pages(s) for s in staying) <= free:
                 break
             victims.append(seq)
-            free += len(seq.page_table)
+            free += self._freed_by(seq)
         staying = [s for s in self._running if s not in victims]
         if need + sum(self._next_unit_pages(s) for s in staying) > free:
             return False                     # even all expired turns would not make room
@@ -527,8 +596,13 @@ class Scheduler:
             self.slots.release(seq.slot, seq.request_id)
             seq.slot = None
 
-    def _preempt(self, seq: SequenceRecord, rotation: bool = False) -> None:
+    def _preempt(self, seq: SequenceRecord, rotation: bool = False,
+                 keep_state: bool = True) -> None:
+        """Pause a running sequence. With the prefix cache (and a sound state) it keeps its
+        state and partial block as a private resume point; otherwise it replays later."""
         self._running.remove(seq)
+        if self.cache is not None and keep_state:
+            self.cache.pause(seq)
         self._release(seq)
         seq.status = SeqStatus.PAUSED
         seq.num_computed = 0
@@ -551,18 +625,24 @@ class Scheduler:
     # --- invariants (tests and debug builds) --------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Every page and lane is held by exactly one running sequence or is free."""
+        """Every page in use is in the tables of exactly its users (running sequences), every
+        other page is free or cached; a sequence may write only where it is the sole user; every
+        lane is held by one running sequence or is free."""
         owners = self.pages.owners()
-        held = {}
+        held: dict[int, set[str]] = {}
         for seq in self._running:
             assert seq.status is SeqStatus.RUNNING, seq
             assert seq.slot is not None
             assert len(seq.page_table) >= pages_for(seq.num_computed), seq
+            assert len(set(seq.page_table)) == len(seq.page_table), f"{seq.request_id} maps a page twice"
             for page in seq.page_table:
-                assert page not in held, f"page {page} in two tables"
-                held[page] = seq.request_id
-        assert held == owners, (held, owners)
+                held.setdefault(page, set()).add(seq.request_id)
+            for page in seq.page_table[seq.num_computed // PAGE_SIZE:]:
+                assert self.pages.writable(page, seq.request_id), (seq.request_id, page)
+        assert held == {page: set(users) for page, users in owners.items()}, (held, owners)
         assert self.pages.num_free + len(owners) == self.config.num_pages
+        if self.cache is not None:
+            self.cache.check()
         slot_owners = self.slots.owners()
         assert slot_owners == {s.slot: s.request_id for s in self._running}
         for seq in self._waiting:

@@ -23,8 +23,8 @@ import numpy as np
 
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, MtpRow, PrefillChunk, StepRow,
-                                  checked_page_table, checked_rows, checked_tokens)
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
+                                  StepRow, checked_page_table, checked_rows, checked_tokens)
 from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
                                    bind_mtp, bind_text)
 
@@ -64,9 +64,6 @@ class NumpyRunner:
     dtype: np.float32 (default) or np.float64.
     gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
     """
-
-    # The engine samples this runner's logits on the host (the sampler is the same code).
-    samples_on_device = False
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], *,
                  num_pages: int, num_slots: int, dtype: Any = np.float32,
@@ -154,6 +151,52 @@ class NumpyRunner:
         self.recurrent_states[:, dst] = self.recurrent_states[:, src]
         self.conv_states[:, dst] = self.conv_states[:, src]
 
+    @property
+    def slot_nbytes(self) -> int:
+        return (self.recurrent_states[:, 0].nbytes + self.conv_states[:, 0].nbytes)
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.key_pages[:, 0].nbytes + self.value_pages[:, 0].nbytes
+
+    def save_slot(self, slot: int) -> HostArrays:
+        self._check_slot(slot)
+        return (self.recurrent_states[:, slot].copy(), self.conv_states[:, slot].copy())
+
+    def load_slot(self, slot: int, state: HostArrays) -> None:
+        self._check_slot(slot)
+        recurrent, conv = state
+        if recurrent.shape != self.recurrent_states[:, slot].shape \
+                or conv.shape != self.conv_states[:, slot].shape:
+            raise ValueError("slot state does not match this runner's state shapes")
+        self.recurrent_states[:, slot] = recurrent
+        self.conv_states[:, slot] = conv
+
+    def read_pages(self, pages: Sequence[int]) -> HostArrays:
+        ids = self._checked_pages(pages)
+        return (self.key_pages[:, ids].copy(), self.value_pages[:, ids].copy())
+
+    def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
+        ids = self._checked_pages(pages)
+        keys, values = data
+        if keys.shape != self.key_pages[:, ids].shape or values.shape != keys.shape:
+            raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
+        self.key_pages[:, ids] = keys
+        self.value_pages[:, ids] = values
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        src_ids, dst_ids = self._checked_pages(src), self._checked_pages(dst)
+        if len(src_ids) != len(dst_ids) or set(src_ids.tolist()) & set(dst_ids.tolist()):
+            raise ValueError("copy_pages needs two disjoint page lists of equal length")
+        self.key_pages[:, dst_ids] = self.key_pages[:, src_ids]
+        self.value_pages[:, dst_ids] = self.value_pages[:, src_ids]
+
+    def _checked_pages(self, pages: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if np.any(ids < 0) or np.any(ids >= self.num_pages):
+            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.tolist()}")
+        return ids
+
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         out = self.prefill_with_hidden(chunk)
         self._keep_hidden(chunk.slot, chunk.start_pos, out.hidden)
@@ -164,15 +207,6 @@ class NumpyRunner:
         for b, item in enumerate(items):
             self._keep_hidden(item.slot, item.pos, out.hidden[b:b + 1])
         return out.logits.astype(np.float32, copy=False)
-
-    def prefill_sampled(self, chunk: PrefillChunk, sampling: Any) -> np.ndarray:
-        raise NotImplementedError("NumpyRunner does not sample (samples_on_device is False): the "
-                                  "engine samples its logits on the host")
-
-    def decode_sampled(self, items: Sequence[DecodeItem], sampling: Any,
-                       lookahead: bool = False) -> np.ndarray:
-        raise NotImplementedError("NumpyRunner does not sample (samples_on_device is False): the "
-                                  "engine samples its logits on the host")
 
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
         return [out.logits.astype(np.float32, copy=False) for out in self.step_with_hidden(rows)]

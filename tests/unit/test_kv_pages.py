@@ -1,32 +1,10 @@
-"""The KV page pool and the state-slot lanes: allocation, ownership, exhaustion."""
+"""The state-slot lanes (allocation, ownership, exhaustion) and the page arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.engine.kv_pages import PagePool, PoolExhausted, StateSlots, pages_for
-
-
-def test_pages_are_handed_out_lowest_first_and_returned():
-    pool = PagePool(4)
-    assert pool.allocate(2, "a") == [0, 1]
-    assert pool.allocate(1, "b") == [2]
-    assert pool.num_free == 1 and pool.num_used == 3
-    pool.release([0, 1], "a")
-    assert pool.num_free == 3
-    assert pool.owners() == {2: "b"}
-
-
-def test_exhaustion_and_wrong_owner():
-    pool = PagePool(2)
-    pool.allocate(2, "a")
-    with pytest.raises(PoolExhausted):
-        pool.allocate(1, "b")
-    with pytest.raises(AssertionError):
-        pool.release([0], "b")
-    pool.release([0, 1], "a")
-    with pytest.raises(AssertionError):          # double free
-        pool.release([0], "a")
+from runtime.engine.kv_pages import PoolExhausted, StateSlots, pages_for
 
 
 def test_slots():
@@ -41,8 +19,6 @@ def test_slots():
 
 
 def test_invalid_sizes():
-    with pytest.raises(ValueError):
-        PagePool(0)
     with pytest.raises(ValueError):
         StateSlots(0)
 

@@ -1,0 +1,111 @@
+"""What the scheduler does with the prefix cache for one sequence, in one place.
+
+The scheduler calls these at five points of a sequence's life:
+
+- admission (`match` + `resume`): a fresh prompt resumes from the deepest cached snapshot of a
+  prefix, a paused sequence from its own pause point; the sequence's page table starts with the
+  mapped blocks and `num_computed` at the snapshot's position;
+- after each step (`publish`): every block the sequence has now computed in full is published
+  under its chain hash, so later prompts can map it;
+- at snapshot stops (`capture`): the state after a prompt chunk that ends at the prompt's end, a
+  `snapshot_positions` hint or a multiple of `snapshot_interval` is kept;
+- at the end (`finish`): the state after the last computed token (the last sampled token is
+  never computed) is kept, so the next turn of a conversation resumes there;
+- when preempted (`pause`): its state and partial block are kept as a private resume point,
+  so it resumes without recomputation (replay only when there is no room).
+
+Stop positions are a function of the request alone (`snapshot_stops`), and the scheduler ends
+prefill chunks on them whether the cache is on or off, so a request is cut into the same chunks
+cold, warm, alone or beside others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from runtime.engine.kv_blocks import BlockManager, chain_hash, pages_for
+from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig, Snapshot
+from runtime.model.runner import PAGE_SIZE
+
+if TYPE_CHECKING:
+    from runtime.engine.scheduler import SequenceRecord
+
+
+def next_stop(seq: "SequenceRecord", position: int, interval: int) -> Optional[int]:
+    """The first snapshot stop after `position` inside the prompt (hints and multiples of
+    `interval`, 0 = none), or None. The prompt's end is a chunk end anyway."""
+    stops = [p for p in seq.snapshot_positions if position < p < seq.prompt_len]
+    if interval > 0:
+        step = (position // interval + 1) * interval
+        if step < seq.prompt_len:
+            stops.append(step)
+    return min(stops) if stops else None
+
+
+def is_stop(seq: "SequenceRecord", position: int, interval: int) -> bool:
+    """Whether the state after `position` prompt tokens is worth a snapshot."""
+    return position == seq.prompt_len or position in seq.snapshot_positions or (
+        interval > 0 and position % interval == 0 and position < seq.prompt_len)
+
+
+class SequenceCache:
+    """The scheduler's prefix-cache hooks (see module docstring)."""
+
+    def __init__(self, config: PrefixCacheConfig, blocks: BlockManager, interval: int):
+        self.cache = PrefixCache(config, blocks)
+        self.blocks = blocks
+        self.interval = interval
+
+    def match(self, seq: "SequenceRecord") -> Optional[Snapshot]:
+        return self.cache.match(seq.token_ids, seq.request_id)
+
+    def resume_need(self, seq: "SequenceRecord", entry: Snapshot) -> int:
+        """Pages a resume takes from the pool, room for its pending tokens and one more
+        included (admission must not take in a sequence it would have to pause at once)."""
+        return self.cache.resume_cost(entry) + max(
+            0, pages_for(len(seq.token_ids) + 1) - pages_for(entry.position))
+
+    def resume(self, seq: "SequenceRecord", entry: Snapshot) -> None:
+        """Start `seq` (holding a lane, no pages) at `entry`."""
+        first = seq.cached_tokens is None
+        seq.resume_path = "snapshot" if entry.owner is not None else "prefix"
+        seq.page_table = self.cache.resume(entry, seq.request_id, seq.slot)
+        seq.num_computed = entry.position
+        seq.block_digests = list(entry.chain)
+        if first:
+            seq.cached_tokens = entry.position
+
+    def publish(self, seq: "SequenceRecord") -> None:
+        """Publish the blocks `seq` has computed in full since the last call."""
+        done = min(seq.num_computed, len(seq.token_ids)) // PAGE_SIZE
+        while len(seq.block_digests) < done:
+            index = len(seq.block_digests)
+            parent = seq.block_digests[-1] if seq.block_digests else None
+            digest = chain_hash(parent, seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+            seq.block_digests.append(digest)
+            # A page with the same content computed by another sequence stays canonical; this
+            # one stays private to `seq` (its KV is its own computation: request invariance).
+            self.blocks.publish(seq.page_table[index], digest)
+
+    def capture(self, seq: "SequenceRecord", position: int) -> None:
+        if self.cache.config.reuse:
+            self.cache.capture(seq.token_ids, position, seq.block_digests, seq.page_table,
+                               seq.slot)
+
+    def finish(self, seq: "SequenceRecord", keep_state: bool) -> None:
+        """A running sequence ends: keep its endpoint (when its state is sound)."""
+        if keep_state and seq.num_computed > 0:
+            self.publish(seq)
+            self.capture(seq, seq.num_computed)
+
+    def pause(self, seq: "SequenceRecord") -> bool:
+        """Keep a preempted sequence's state; False when it must replay instead."""
+        if seq.num_computed == 0:
+            return False
+        self.publish(seq)
+        return self.cache.pause(seq.request_id, seq.token_ids, seq.num_computed,
+                                seq.block_digests, seq.page_table, seq.slot)
+
+    def check(self) -> None:
+        self.blocks.check()
+        self.cache.check()

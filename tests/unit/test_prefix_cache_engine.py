@@ -1,0 +1,240 @@
+"""The hybrid prefix cache in the engine on the NumPy runner (tiny model): multi-turn reuse,
+edited histories, shared prefixes, retries, aborts, the file tier, eviction and preemption from
+the host tier. Every test compares token ids with the same requests run with no cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
+from runtime.engine.engine_loop import Engine, EngineConfig
+
+GREEDY = SamplingParams(greedy=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+CACHE = dict(prefix_cache=True, snapshot_slots=4, host_cache_bytes=64 << 20,
+             snapshot_interval=64)
+
+
+@pytest.fixture(scope="module")
+def make_runner(tiny_dense_path):
+    from runtime.artifact import open_artifact
+    from runtime.model.numpy_runner import NumpyRunner
+
+    artifact = open_artifact(tiny_dense_path)
+
+    def make(num_pages=48, num_slots=6):
+        return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots)
+
+    yield make
+    artifact.close()
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(num_lanes=2, max_context=1024, prefill_chunk=128, snapshot_interval=64)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 440, n)]
+
+
+def run(engine, rid, prompt, max_new=10, sampling=GREEDY, **kw):
+    outputs = list(engine.submit(EngineRequest(rid, tuple(prompt), sampling, max_new, **kw)))
+    return [t for o in outputs for t in o.token_ids], outputs[-1]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED])
+def test_a_conversation_resumes_each_turn_where_the_last_one_ended(make_runner, sampling):
+    history = tokens(1, 150)
+    turns = [tokens(2, 40), tokens(3, 70), tokens(4, 20)]
+    prompts, outputs, finals = [], [], []
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        for n, user in enumerate(turns):
+            prompt = history + user if n else history
+            ids, final = run(engine, f"t{n}", prompt, sampling=sampling)
+            prompts.append(prompt)
+            outputs.append(ids)
+            finals.append(final)
+            history = prompt + ids
+        engine.scheduler.check_invariants()
+    with Engine(make_runner(), config()) as cold:
+        expected = [run(cold, f"t{n}", p, sampling=sampling)[0] for n, p in enumerate(prompts)]
+    assert outputs == expected
+    assert finals[0].cached_prompt_tokens == 0 and finals[0].stats.resume_path == "cold"
+    for n in (1, 2):
+        # The previous turn's last output token was never computed: it resumes one before.
+        previous = len(prompts[n - 1]) + len(outputs[n - 1]) - 1
+        assert finals[n].cached_prompt_tokens == previous
+        assert finals[n].stats.cached_tokens == previous
+        assert finals[n].stats.resume_path == "prefix"
+        assert finals[n].stats.prefilled_tokens == len(prompts[n]) - previous
+
+
+def test_an_edited_history_reuses_up_to_the_edit(make_runner):
+    original = tokens(5, 300)
+    edited = list(original)
+    edited[200] = (edited[200] + 1) % 440
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        run(engine, "a", original)
+        ids, final = run(engine, "b", edited)
+    with Engine(make_runner(), config()) as cold:
+        assert ids == run(cold, "b", edited)[0]
+    assert final.cached_prompt_tokens == 192          # the last snapshot stop before 200
+
+
+def test_subagents_share_the_system_prefix_blocks(make_runner):
+    system = tokens(6, 200)
+    prompts = {name: system + tokens(seed, 30) for seed, name in ((7, "a"), (8, "b"), (9, "c"))}
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        first, _ = run(engine, "a", prompts["a"])
+        scheduler = engine.scheduler
+        shared = [scheduler.pages.lookup(d) for d in scheduler.cache.cache.match(
+            prompts["b"], "b").chain]
+        results = {name: run(engine, name, prompts[name]) for name in ("b", "c")}
+        cached_pages = scheduler.pages.num_cached
+    with Engine(make_runner(), config()) as cold:
+        for name in ("b", "c"):
+            assert results[name][0] == run(cold, name, prompts[name])[0]
+    assert all(page is not None for page in shared) and len(shared) == 3
+    for name in ("b", "c"):
+        assert results[name][1].cached_prompt_tokens == 192
+    assert cached_pages >= 3
+
+
+def test_a_retry_resumes_before_the_last_prompt_token(make_runner):
+    prompt = tokens(10, 140)
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        ids, first = run(engine, "a", prompt, sampling=SEEDED)
+        again, retry = run(engine, "a", prompt, sampling=SEEDED)   # same id: a client retry
+    assert again == ids and first.cached_prompt_tokens == 0
+    assert retry.cached_prompt_tokens == 128   # the prompt's end (140) leaves nothing to compute
+
+
+def test_an_aborted_request_leaves_its_state_for_the_next_one(make_runner):
+    prompt = tokens(11, 100)
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        stream = engine.submit(EngineRequest("a", tuple(prompt), GREEDY, 200))
+        partial = []
+        for output in stream:
+            partial += output.token_ids
+            if len(partial) >= 5:
+                stream.cancel()
+        final = output
+        follow = prompt + partial + tokens(12, 20)
+        ids, resumed = run(engine, "b", follow)
+    with Engine(make_runner(), config()) as cold:
+        assert ids == run(cold, "b", follow)[0]
+    assert final.finish_reason is FinishReason.CANCELLED
+    assert resumed.cached_prompt_tokens >= len(prompt) + 4
+
+
+def test_a_resume_on_the_cold_chunk_grid_is_bit_identical(make_runner):
+    """The continuation hints where the earlier prompt ended (`snapshot_positions`), so its cold
+    run has a chunk end there too: the warm run computes exactly the same chunks, and even the
+    log-probabilities are equal bit for bit."""
+    first = tokens(13, 150)
+    second = first + tokens(14, 60)
+    hints = (len(first),)
+    with Engine(make_runner(), config(**CACHE)) as engine:
+        run(engine, "a", first)
+        warm, warm_final = run(engine, "b", second, logprobs=2, snapshot_positions=hints)
+    with Engine(make_runner(), config()) as cold:
+        expected, cold_final = run(cold, "b", second, logprobs=2, snapshot_positions=hints)
+    assert warm == expected and warm_final.cached_prompt_tokens == len(first)
+    # logprobs of the final increment: the same floats, not just the same argmax.
+    assert warm_final.logprobs == cold_final.logprobs
+
+
+def test_the_file_tier_survives_a_restart_and_ignores_bad_files(make_runner, tmp_path):
+    path = tmp_path / "prefix.cache"
+    prompt = tokens(15, 180)
+    file_config = config(**CACHE, cache_file=str(path), cache_fingerprint="tiny-dense;v1")
+    with Engine(make_runner(), file_config) as engine:
+        ids, _ = run(engine, "a", prompt)
+    assert path.exists()
+    follow = prompt + ids + tokens(16, 30)
+    good = path.read_bytes()
+    with Engine(make_runner(), config()) as cold:
+        expected = run(cold, "b", follow)[0]
+
+    class Log:
+        def __init__(self):
+            self.warnings = []
+
+        def warning(self, message, *args):
+            self.warnings.append(message % args if args else message)
+
+        def info(self, *args):
+            pass
+
+        def debug(self, *args):
+            pass
+
+    log = Log()
+    with Engine(make_runner(), file_config, logger=log) as engine:
+        got, final = run(engine, "b", follow)
+    assert got == expected and final.cached_prompt_tokens == len(prompt) + len(ids) - 1
+    assert log.warnings == []
+
+    bad_files = {"corrupt": good[:100] + bytes(len(good) - 200) + good[-100:],
+                 "truncated": good[:len(good) // 2], "garbage": b"not a cache file"}
+    for why, data in bad_files.items():
+        path.write_bytes(data)
+        log = Log()
+        with Engine(make_runner(), file_config, logger=log) as engine:
+            got, final = run(engine, "b", follow)
+            engine.shutdown()
+        assert got == expected and final.cached_prompt_tokens == 0, why
+        assert len([w for w in log.warnings if "ignored" in w]) == 1, (why, log.warnings)
+        assert "unreadable" in log.warnings[0], why
+    other = config(**CACHE, cache_file=str(path), cache_fingerprint="another-model")
+    log = Log()
+    with Engine(make_runner(), other, logger=log) as engine:
+        got, final = run(engine, "b", follow)
+    assert final.cached_prompt_tokens == 0
+    assert len(log.warnings) == 1 and "written for 'tiny-dense;v1'" in log.warnings[0]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED])
+def test_preemption_resumes_from_the_host_tier_without_recomputation(make_runner, sampling):
+    rng = np.random.default_rng(0)
+    prompts = {"a": list(rng.integers(0, 440, size=100)),
+               "b": list(rng.integers(0, 440, size=110)),
+               "c": list(rng.integers(0, 440, size=20))}
+    with Engine(make_runner(8, 1), EngineConfig(max_context=512)) as solo:
+        expected = {rid: run(solo, rid, p, 30, sampling)[0] for rid, p in prompts.items()}
+    # Two lanes and 4 pages for three requests: preemption and service-turn rotation happen;
+    # a paused request's state and partial block wait in the host tier.
+    pressured = EngineConfig(num_lanes=2, max_context=256, prefill_chunk=64,
+                             service_turn_tokens=16, host_cache_bytes=64 << 20)
+    with Engine(make_runner(4, 2), pressured) as busy:
+        streams = {rid: busy.submit(EngineRequest(rid, tuple(p), sampling, 30))
+                   for rid, p in prompts.items()}
+        results = {rid: list(s) for rid, s in streams.items()}
+        saved = busy.scheduler.cache.cache.stats["pauses_saved"]
+    preemptions = 0
+    for rid, outputs in results.items():
+        final = outputs[-1]
+        assert final.finish_reason is FinishReason.LENGTH, (rid, final.error)
+        assert [t for o in outputs for t in o.token_ids] == expected[rid], rid
+        assert final.stats.replayed_tokens == 0, rid        # resumed, never recomputed
+        preemptions += final.stats.preemptions
+    assert preemptions > 0 and saved == preemptions
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_and_pages_in_use(make_runner):
+    prompts = {f"r{n}": tokens(20 + n % 3, 90) + tokens(30 + n, 40) for n in range(6)}
+    small = config(num_lanes=2, **{**CACHE, "snapshot_slots": 1, "host_cache_bytes": 1 << 20})
+    with Engine(make_runner(10, 3), small) as engine:
+        streams = {rid: engine.submit(EngineRequest(rid, tuple(p), GREEDY, 12))
+                   for rid, p in prompts.items()}
+        results = {rid: [t for o in s for t in o.token_ids] for rid, s in streams.items()}
+        engine.scheduler.check_invariants()
+        stats = dict(engine.scheduler.cache.cache.stats)
+        evictions = engine.scheduler.pages.evictions
+    with Engine(make_runner(), config()) as cold:
+        for rid, prompt in prompts.items():
+            assert results[rid] == run(cold, rid, prompt, 12)[0], rid
+    assert evictions > 0 and stats["hits"] > 0
