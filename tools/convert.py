@@ -455,6 +455,8 @@ class Recipe:
         plain = "fp32" if item.src_fmt == "fp32" else "bf16"
         if self.name == "import":
             return item.src_fmt
+        if item.component == "vision":
+            return plain        # the tower stays bf16 under every recipe (small, sensitive)
         quantizable = bool(QUANTIZABLE.search(item.name)) or (
             self.quantize_lm_head and item.name == "lm_head.weight")
         if any(fnmatch.fnmatchcase(item.name, g) or fnmatch.fnmatchcase(
@@ -492,6 +494,40 @@ def read_resources(src: Path, family: str, chat_template: Optional[Path],
     return resources
 
 
+def vision_config(ck: Checkpoint, src: Path) -> Optional[dict]:
+    """The vision component's config (HF `vision_config`, the media token ids and the image
+    processor's pixel budget and normalisation), or None when the checkpoint has no tower."""
+    config = ck.config.get("vision_config")
+    if not config or not any(n.startswith(VISION_PREFIXES) for n in ck.where):
+        return None
+    merged = dict(config)
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                "vision_end_token_id"):
+        if key in ck.config:
+            merged[key] = ck.config[key]
+    processor = src / "preprocessor_config.json"
+    if processor.is_file():
+        values = json.loads(processor.read_text())
+        size = values.get("size") or {}
+        merged["image_processor"] = {
+            "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
+            "max_pixels": size.get("longest_edge", values.get("max_pixels")),
+            "mean": values.get("image_mean"), "std": values.get("image_std")}
+    return merged
+
+
+def plan_vision(ck: Checkpoint, config: dict) -> list[Planned]:
+    """The tower's tensors (`model.visual.*` or `visual.*`), under their canonical names."""
+    from runtime.model.vision_reference import VisionConfig, vision_tensor_shapes
+
+    prefix = next(p for p in VISION_PREFIXES if any(n.startswith(p) for n in ck.where))
+    items = []
+    for name, shape in vision_tensor_shapes(VisionConfig.from_dict(config)).items():
+        src = ck.require(prefix + name, shape)
+        items.append(Planned("vision", name, shape, src.fmt, src.kind, src.load))
+    return items
+
+
 def detect_family(config: dict, where: Path) -> str:
     model_type = config.get("model_type")
     if model_type in FAMILIES:
@@ -503,6 +539,7 @@ def detect_family(config: dict, where: Path) -> str:
 
 def convert(src: Path, out: Path, recipe: Recipe = Recipe(), *, with_mtp: bool = True,
             ignore: tuple[str, ...] = (), chat_template: Optional[Path] = None,
+            with_vision: bool = True,
             max_file_bytes: Optional[int] = 32 << 30, name: Optional[str] = None,
             log: Optional[TextIO] = sys.stderr) -> Path:
     """Convert HF directory `src` into artifact `out`; progress lines go to `log`."""
@@ -517,7 +554,10 @@ def convert(src: Path, out: Path, recipe: Recipe = Recipe(), *, with_mtp: bool =
     items, mtp_layers = plan(ck, family, text, with_mtp)
     text["mtp_num_hidden_layers"] = mtp_layers     # what the artifact holds (Next omits it)
 
-    skipped_vision = [n for n in ck.where if n.startswith(VISION_PREFIXES)]
+    vision = vision_config(ck, src) if with_vision else None
+    if vision is not None:
+        items += plan_vision(ck, vision)
+    skipped_vision = [n for n in ck.where if n.startswith(VISION_PREFIXES) and n not in ck.used]
     unused = [n for n in ck.where if n not in ck.used and not n.endswith(IGNORED_SUFFIXES)
               and not n.startswith(VISION_PREFIXES) and not (not with_mtp and n.startswith("mtp."))
               and not any(fnmatch.fnmatchcase(n, g) for g in ignore)]
@@ -526,8 +566,8 @@ def convert(src: Path, out: Path, recipe: Recipe = Recipe(), *, with_mtp: bool =
                            f"configured: {', '.join(sorted(unused)[:8])}"
                            f"{' ...' if len(unused) > 8 else ''} (--ignore GLOB skips them)")
     if skipped_vision:
-        say(f"note: skipping {len(skipped_vision)} vision tensors (the vision component is "
-            "reserved)")
+        say(f"note: skipping {len(skipped_vision)} vision tensors"
+            f"{' (--no-vision)' if not with_vision else ' (no vision_config)'}")
 
     metadata = {"name": name or src.name, "converter": "tools.convert", "recipe": recipe.name,
                 "source": {"family": family, "model_type": ck.config.get("model_type"),
@@ -538,6 +578,8 @@ def convert(src: Path, out: Path, recipe: Recipe = Recipe(), *, with_mtp: bool =
         mtp_config = dict(text, num_hidden_layers=mtp_layers,
                           layer_types=["full_attention"] * mtp_layers, target="text")
         writer.add_component("mtp", mtp_config)
+    if vision is not None:
+        writer.add_component("vision", vision)
 
     started = time.monotonic()
     for number, item in enumerate(items, 1):
@@ -583,6 +625,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="never quantise tensors matching GLOB ('name' or 'component/name')")
     parser.add_argument("--quantize-lm-head", action="store_true")
     parser.add_argument("--no-mtp", action="store_true", help="leave the MTP head out")
+    parser.add_argument("--no-vision", action="store_true", help="leave the vision tower out")
     parser.add_argument("--ignore", action="append", default=[], metavar="GLOB",
                         help="skip checkpoint tensors matching GLOB")
     parser.add_argument("--chat-template", type=Path, help="use this chat template file")
@@ -594,6 +637,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     recipe = Recipe(args.recipe, tuple(args.keep_bf16), args.quantize_lm_head)
     try:
         convert(args.src, args.out, recipe, with_mtp=not args.no_mtp, ignore=tuple(args.ignore),
+                with_vision=not args.no_vision,
                 chat_template=args.chat_template, max_file_bytes=args.max_file_size,
                 name=args.name, log=None if args.quiet else sys.stderr)
     except ConvertError as exc:

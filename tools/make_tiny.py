@@ -1,7 +1,7 @@
 """Tiny random-weight Qwen3.5 / Qwen3.5-MoE / Qwen3-Next models for tests and demos.
 
     python -m tools.make_tiny OUT.infernix [--moe] [--next] [--seed N] [--vocab small|real]
-                              [--hf-dir DIR]
+                              [--hf-dir DIR] [--vision]
 
 Writes a Hugging Face-format directory laid out like the real releases (Qwen3.5:
 `model.language_model.*`, wrapped `text_config`, fused experts in the main layers and per-expert
@@ -140,6 +140,41 @@ def tiny_text_config(family: str, vocab_size: int, ids: dict[str, int], tie: boo
             "vision_end_token_id": ids["<|vision_end|>"]}
 
 
+# The tiny vision tower: 2 blocks of width 64 (2 heads of 32), MLP 128, merge 2 into the LM
+# hidden size. The pixel budget is small (64 to 1024 merged tokens) so test images stay cheap.
+TINY_VISION = {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 64, "num_heads": 2,
+               "intermediate_size": 128, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+               "out_hidden_size": 256, "num_position_embeddings": 64,
+               "deepstack_visual_indexes": [],
+               "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}
+TINY_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+                     "temporal_patch_size": 2, "merge_size": 2,
+                     "size": {"shortest_edge": 64 * 32 * 32, "longest_edge": 1024 * 32 * 32},
+                     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def vision_tensors(rng: np.random.Generator, config: dict) -> dict[str, np.ndarray]:
+    """Random tower weights under `model.visual.*`: LayerNorm weights around 1 and biases around
+    0 (so a missing affine shows), linears and embeddings like the text model's."""
+    from runtime.model.vision_reference import VisionConfig, vision_tensor_shapes
+
+    out = {}
+    for name, shape in vision_tensor_shapes(VisionConfig.from_dict(config)).items():
+        if "norm" in name:
+            value = rng.uniform(0.8, 1.2, shape) if name.endswith("weight") else \
+                rng.uniform(-0.1, 0.1, shape)
+        elif name.endswith("bias"):
+            value = rng.uniform(-0.1, 0.1, shape)
+        elif name == "pos_embed.weight":
+            value = rng.uniform(-0.5, 0.5, shape)
+        else:
+            fan_in = int(np.prod(shape[1:]))
+            value = rng.uniform(-1, 1, shape) * np.sqrt(3.0 / fan_in)
+        out["model.visual." + name] = value.astype(np.float32)
+    return out
+
+
 def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Initial values by role, uniform (cheaper to draw than normal for the 63M-value real-vocab
     embedding). Linear weights get std 1/sqrt(fan_in), not HF's 0.02, so the tiny model's
@@ -218,8 +253,11 @@ def write_hf_weights(path: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def make_hf_dir(hf_dir: Path, *, family: str = "dense", seed: int = 0,
-                vocab: str = "small") -> Path:
-    """Write the tiny model as a Hugging Face directory; returns it."""
+                vocab: str = "small", vision: bool = False) -> Path:
+    """Write the tiny model as a Hugging Face directory; returns it. vision: add a tiny
+    vision tower (`model.visual.*`, `vision_config`, a preprocessor config; Qwen3.5 only)."""
+    if vision and family == "next":
+        raise ValueError("Qwen3-Next has no vision tower")
     if family not in ("dense", "moe", "next"):
         raise ValueError(f"family must be dense, moe or next, not {family!r}")
     if vocab == "small":
@@ -256,7 +294,15 @@ def make_hf_dir(hf_dir: Path, *, family: str = "dense", seed: int = 0,
             for fused, value in next_fuse(projections, text_cfg).items():
                 hf[f"model.{layer}.linear_attn.{fused}.weight"] = value
 
+    if vision:
+        config["vision_config"] = dict(TINY_VISION, out_hidden_size=text_cfg["hidden_size"])
+        config["language_model_only"] = False
+        hf.update(vision_tensors(rng, dict(config["vision_config"], **{
+            k: config[k] for k in ("image_token_id", "vision_start_token_id",
+                                   "vision_end_token_id")})))
     hf_dir.mkdir(parents=True, exist_ok=True)
+    if vision:
+        (hf_dir / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2))
     write_hf_weights(hf_dir / "model.safetensors", hf)
     (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
     (hf_dir / "tokenizer.json").write_bytes(tokenizer_json)
@@ -277,15 +323,20 @@ def make_hf_dir(hf_dir: Path, *, family: str = "dense", seed: int = 0,
 
 
 def make_tiny(out_path, *, family: str = "dense", seed: int = 0, vocab: str = "small",
-              hf_dir=None, log=None) -> Path:
+              hf_dir=None, log=None, on_phase=None, vision: bool = False) -> Path:
     """Write the tiny model as HF directory `hf_dir` (default: `<OUT stem>-hf` next to OUT)
     and as artifact `out_path`; returns the artifact path. `log`: stream for converter
-    progress (None: quiet)."""
+    progress (None: quiet). `on_phase(text)`: called as each of the two phases starts."""
     out_path = Path(out_path)
     hf_dir = Path(hf_dir) if hf_dir is not None else out_path.with_name(out_path.stem + "-hf")
-    make_hf_dir(hf_dir, family=family, seed=seed, vocab=vocab)
+    if on_phase is not None:
+        on_phase(f"1/2 random weights and the {vocab} vocabulary's tokenizer")
+    make_hf_dir(hf_dir, family=family, seed=seed, vocab=vocab, vision=vision)
+    if on_phase is not None:
+        on_phase("2/2 converting to .infernix")
     return convert.convert(hf_dir, out_path, convert.Recipe("import"),
-                           name=f"tiny-{family}-{vocab}-seed{seed}", log=log)
+                           name=f"tiny-{family}{'-vision' if vision else ''}-{vocab}-seed{seed}",
+                           log=log)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -297,6 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     family.add_argument("--next", action="store_true", help="Qwen3-Next layout")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", choices=("small", "real"), default="small")
+    parser.add_argument("--vision", action="store_true", help="add a tiny vision tower")
     parser.add_argument("--hf-dir", type=Path, help="where the HF directory goes "
                         "(default: <OUT stem>-hf next to OUT)")
     args = parser.parse_args(argv)
@@ -304,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if chat_template(name) is None:
         print("note: tools/chat_templates has no template yet; none embedded", file=sys.stderr)
     make_tiny(args.out, family=name, seed=args.seed, vocab=args.vocab, hf_dir=args.hf_dir,
-              log=sys.stderr)
+              log=sys.stderr, vision=args.vision)
     return 0
 
 

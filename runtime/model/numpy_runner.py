@@ -21,10 +21,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from runtime.model import mrope
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, Media, MtpRow, PrefillChunk,
                                   StepRow, checked_page_table, checked_rows, checked_tokens)
+from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
 from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
                                    bind_mtp, bind_text)
 
@@ -53,6 +55,7 @@ class _Batch:
     visible: np.ndarray      # [B, T, S] causal mask
     cos: np.ndarray          # [B, T, rotary_dim/2]
     sin: np.ndarray
+    media: tuple[Media, ...] = ()   # [B] each row's sequence media (empty tuples: text only)
 
 
 class NumpyRunner:
@@ -62,13 +65,14 @@ class NumpyRunner:
     mtp_weights: the MTP component's tensors (`fc.weight`, `layers.0...`), or None for no MTP.
     num_pages / num_slots: KV pages and recurrent-state slots to allocate.
     dtype: np.float32 (default) or np.float64.
+    vision: the vision tower (`--vision`), or None: rows with media are then refused.
     gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], *,
                  num_pages: int, num_slots: int, dtype: Any = np.float32,
                  mtp_weights: Mapping[str, np.ndarray] | None = None,
-                 gdn_prefill_form: str = "chunked"):
+                 gdn_prefill_form: str = "chunked", vision: VisionTower | None = None):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"NumpyRunner computes in float32 or float64, not {self.dtype}")
@@ -91,6 +95,9 @@ class NumpyRunner:
         # With MTP loaded: slot -> (first position, final-normed hidden states [n, H]) of the
         # slot's latest prefill / decode / step row, read by `mtp_draft` (the protocol's rule).
         self._kept_hidden: dict[int, tuple[int, np.ndarray]] = {}
+        if vision is not None and config.mrope_section is None:
+            raise ValueError("a vision tower needs a text config with MRoPE (mrope_section)")
+        self.vision = MediaEmbedder(vision) if vision is not None else None
 
         # Compact state indices: the n-th linear layer owns recurrent/conv state n, the n-th
         # attention layer owns KV array n; MTP layers follow the main attention layers.
@@ -111,29 +118,35 @@ class NumpyRunner:
 
     @classmethod
     def from_artifact(cls, path_or_artifact: Any, *, num_pages: int, num_slots: int,
-                      dtype: Any = np.float32, mtp: bool = False,
+                      dtype: Any = np.float32, mtp: bool = False, vision: bool = False,
                       gdn_prefill_form: str = "chunked") -> "NumpyRunner":
         """Build from a `.infernix` file (path) or an already opened artifact.
 
         Tensors are dequantized to float32 by the reader (`component.f32(name)`), then cast to
-        `dtype`. With mtp=True the artifact's `mtp` component is loaded too.
+        `dtype`. With mtp=True the artifact's `mtp` component is loaded too, with vision=True
+        its `vision` component (the tower).
         """
         from runtime.artifact import open_artifact
 
         opened = isinstance(path_or_artifact, (str, os.PathLike))
         if opened:
-            artifact = open_artifact(path_or_artifact,
-                                     components=("text", "mtp") if mtp else ("text",))
+            artifact = open_artifact(path_or_artifact, components=(
+                "text", *(("mtp",) if mtp else ()), *(("vision",) if vision else ())))
         else:
             artifact = path_or_artifact
         try:
             text = artifact.component("text")
             config = ModelConfig.from_dict(text.config)
             mtp_weights = _ComponentTensors(artifact.component("mtp")) if mtp else None
+            tower = None
+            if vision:
+                component = artifact.component("vision")
+                tower = VisionTower(VisionConfig.from_dict(component.config),
+                                    _ComponentTensors(component), dtype)
             # The runner keeps its own arrays (dequantized copies), so the file can close.
             return cls(config, _ComponentTensors(text), num_pages=num_pages,
                        num_slots=num_slots, dtype=dtype, mtp_weights=mtp_weights,
-                       gdn_prefill_form=gdn_prefill_form)
+                       gdn_prefill_form=gdn_prefill_form, vision=tower)
         finally:
             if opened:
                 artifact.close()
@@ -233,7 +246,8 @@ class NumpyRunner:
         decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1 and row.snapshots is None]
         if decodes:
             out = self.decode_with_hidden([DecodeItem(rows[i].slot, int(rows[i].token_ids[0]),
-                                                      int(rows[i].start_pos), rows[i].page_table)
+                                                      int(rows[i].start_pos), rows[i].page_table,
+                                                      rows[i].media)
                                            for i in decodes])
             for b, i in enumerate(decodes):
                 outputs[i] = StepOutput(logits=out.logits[b:b + 1], hidden=out.hidden[b:b + 1])
@@ -242,7 +256,8 @@ class NumpyRunner:
                 continue
             if row.snapshots is None:
                 out = self.prefill_with_hidden(PrefillChunk(row.slot, row.token_ids, int(row.start_pos),
-                                                            row.page_table, all_logits=_wants_more_than_last(row)))
+                                                            row.page_table, all_logits=_wants_more_than_last(row),
+                                                            media=row.media))
                 logits, hidden = out.logits, out.hidden
             else:
                 logits, hidden = self._verify(row)
@@ -307,7 +322,7 @@ class NumpyRunner:
             target = int(row.snapshots[i])
             self.copy_slot(source, target)
             out = self.decode_with_hidden([DecodeItem(target, int(token), int(row.start_pos) + i,
-                                                      row.page_table)])
+                                                      row.page_table, row.media)])
             logits.append(out.logits)
             hidden.append(out.hidden)
             source = target
@@ -318,7 +333,8 @@ class NumpyRunner:
     def prefill_with_hidden(self, chunk: PrefillChunk) -> StepOutput:
         tokens = checked_tokens(chunk.token_ids, self.vocab_size)
         self._check_slot(chunk.slot)
-        batch = self._prefill_batch(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table)
+        batch = self._prefill_batch(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table,
+                                    chunk.media)
         hidden = self._forward(tokens[None], batch)[0]
         rows = hidden if chunk.all_logits else hidden[-1:]
         return StepOutput(logits=self._logits(rows), hidden=hidden)
@@ -374,6 +390,8 @@ class NumpyRunner:
         """Tokens [B, T] -> final-normed hidden states [B, T, H]; updates all states."""
         eps = self.config.rms_norm_eps
         x = self.text.embed[tokens]
+        if any(batch.media):
+            x = self.vision.place(x, tokens, batch.positions, batch.media)
         for index, layer in enumerate(self.text.layers):
             h = ref.rms_norm(x, layer.input_norm, eps)
             if self.config.layer_types[index] == LINEAR_ATTENTION:
@@ -471,7 +489,7 @@ class NumpyRunner:
     # --- batch layout and checks --------------------------------------------------------------
 
     def _prefill_batch(self, slot: int | None, steps: int, start_pos: int,
-                       page_table: Sequence[int]) -> _Batch:
+                       page_table: Sequence[int], media: Media = ()) -> _Batch:
         if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) \
                 or start_pos < 0:
             raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
@@ -482,7 +500,7 @@ class NumpyRunner:
         rows = pages[key_positions // PAGE_SIZE] * PAGE_SIZE + key_positions % PAGE_SIZE
         return self._batch(np.array([0 if slot is None else slot]), positions[None],
                            rows[None], rows[None, start_pos:],
-                           key_positions[None, None, :] <= positions[None, :, None])
+                           key_positions[None, None, :] <= positions[None, :, None], (media,))
 
     def _decode_batch(self, items: Sequence[DecodeItem], check_slots: bool = True) -> _Batch:
         if len(items) == 0:
@@ -511,13 +529,24 @@ class NumpyRunner:
                                           + visible_positions % PAGE_SIZE)
         write_rows = rows[np.arange(len(items)), positions][:, None]
         visible = (key_positions[None, :] <= positions[:, None])[:, None, :]
-        return self._batch(slots, positions[:, None], rows, write_rows, visible)
+        return self._batch(slots, positions[:, None], rows, write_rows, visible,
+                           tuple(item.media for item in items))
 
-    def _batch(self, slots, positions, read_rows, write_rows, visible) -> _Batch:
-        cos, sin = ref.rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta,
-                                    self.dtype)
+    def _batch(self, slots, positions, read_rows, write_rows, visible,
+               media: tuple[Media, ...] = ()) -> _Batch:
+        c = self.config
+        if any(media):
+            if self.vision is None:
+                raise ValueError("media given but this runner has no vision tower (--vision)")
+            merge = self.vision.tower.config.spatial_merge_size
+            positions3 = np.stack([mrope.mrope_positions(positions[b], media[b], merge)
+                                   for b in range(len(positions))], axis=1)      # [3, B, T]
+            cos, sin = mrope.mrope_cos_sin(positions3, c.rotary_dim, c.rope_theta,
+                                           c.mrope_section, self.dtype)
+        else:
+            cos, sin = ref.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, self.dtype)
         return _Batch(slots=slots, positions=positions, write_rows=write_rows,
-                      read_rows=read_rows, visible=visible, cos=cos, sin=sin)
+                      read_rows=read_rows, visible=visible, cos=cos, sin=sin, media=media)
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) \

@@ -26,7 +26,7 @@ same row gives alone (`prefill` and `decode` are the one-row and all-decode spec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence, Union
 
 import numpy as np
@@ -40,6 +40,29 @@ HostArrays = tuple[np.ndarray, ...]
 
 
 @dataclass(frozen=True)
+class MediaSpan:
+    """One image of a sequence, placed in its prompt (`runtime.model.mrope`).
+
+    offset: position of the block's first pad token; the block is the t*h*w / merge**2
+        consecutive pad tokens the merged embeddings replace, in order.
+    grid: (t, h, w) in patches before the merge (the vision tower's input grid).
+    patches: float32 [t*h*w, patch_dim], the tower's input (`runtime.media.image`).
+    digest: content hash of the pixels and grid; the runner caches encoder outputs under it.
+    """
+
+    offset: int
+    grid: tuple[int, int, int]
+    patches: np.ndarray = field(compare=False, repr=False)
+    digest: str = ""
+
+
+Media = tuple[MediaSpan, ...]
+"""A sequence's media blocks, all of them, on each of its chunks and rows (empty: text only).
+The runner takes the pad embeddings inside a row's positions from them and every position's
+MRoPE angles (text after an image is rotated at its KV position plus a delta)."""
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """A run of prompt (or replayed) tokens of one sequence, computed in one call.
 
@@ -50,6 +73,7 @@ class PrefillChunk:
         the slot must then have been `reset_slot`-ed).
     page_table: page ids covering positions 0 .. start_pos + len(token_ids) - 1.
     all_logits: return logits for every position of the chunk (True) or only the last (False).
+    media: the sequence's media blocks (`Media`).
     """
 
     slot: int
@@ -57,6 +81,7 @@ class PrefillChunk:
     start_pos: int
     page_table: Sequence[int]
     all_logits: bool = False
+    media: Media = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class DecodeItem:
     token_id: int
     pos: int
     page_table: Sequence[int]
+    media: Media = ()
 
 
 Logits = Union[Literal["none", "last", "all"], tuple[int, ...]]
@@ -85,6 +111,7 @@ class StepRow:
         the state after the row's i-th token goes to `snapshots[i]` and `slot` is left as it
         was (verification; `ModelRunner.commit` then keeps one of them). The snapshot slots must
         be distinct, differ from `slot` and from every other row's slots.
+    media: the sequence's media blocks (`Media`).
     """
 
     slot: int
@@ -93,6 +120,7 @@ class StepRow:
     page_table: Sequence[int]
     logits: Logits = "last"
     snapshots: Sequence[int] | None = None
+    media: Media = ()
 
     @property
     def num_tokens(self) -> int:
