@@ -447,6 +447,8 @@ class App:
             queue_wait_s=rounded(result.queue_wait_s), ttft_s=rounded(result.ttft_s),
             decode_s=rounded(result.decode_s),
             decode_tok_s=rounded(result.decode_tokens_per_s, 2),
+            spec_rounds=result.spec_rounds, drafted_tokens=result.drafted_tokens,
+            accepted_tokens=result.accepted_tokens,
             total_s=rounded(time.monotonic() - request.received_at),
             finish_reason=result.finish_reason, stop_sequence=result.stop_sequence,
             error=(error.message if error else result.error))

@@ -55,6 +55,9 @@ class GenerationResult:
     queue_wait_s: Optional[float] = None
     ttft_s: Optional[float] = None
     decode_s: Optional[float] = None
+    spec_rounds: int = 0              # speculative decoding: rounds, drafts verified, accepted
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:

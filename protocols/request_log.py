@@ -4,7 +4,8 @@ Lines (`event` field):
 - `server_start`: model, limits, time, argv-free settings summary (the API key is never written);
 - `request_done`: id, api, stream, seed, tag (the `x-request-tag` header, if any), status,
   prompt / cached / completion / reasoning tokens, queue wait, TTFT, decode time and tok/s,
-  total time, finish reason, error;
+  speculative rounds / drafted / accepted tokens (0 without speculation), total time, finish
+  reason, error;
 - `request_rejected`: id, api, HTTP status, error code, param, message.
 
 `bench/agentic_ab` joins `request_done` lines with its client log on `seed`. Lines are written

@@ -97,7 +97,10 @@ class SessionBackend:
                 "kv_pages_total": snapshot.get("kv_pages_total", 0),
                 "kv_pages_in_use": snapshot.get("kv_pages_total", 0)
                 - snapshot.get("kv_pages_free", 0),
-                "engine_preemptions_total": snapshot.get("preemptions", 0)}
+                "engine_preemptions_total": snapshot.get("preemptions", 0),
+                "engine_spec_rounds_total": snapshot.get("spec_rounds", 0),
+                "engine_spec_drafted_tokens_total": snapshot.get("spec_drafted_tokens", 0),
+                "engine_spec_accepted_tokens_total": snapshot.get("spec_accepted_tokens", 0)}
 
     async def count_tokens(self, job: GenerationJob) -> int:
         loop = asyncio.get_running_loop()
@@ -303,6 +306,9 @@ class SessionBackend:
             reasoning_tokens=stats.thinking_tokens if stats else 0,
             error=output.error, error_status=500,
             queue_wait_s=stats.queue_s if stats else None,
+            spec_rounds=stats.spec_rounds if stats else 0,
+            drafted_tokens=stats.drafted_tokens if stats else 0,
+            accepted_tokens=stats.accepted_tokens if stats else 0,
             ttft_s=(stats.ttft_s + delay) if stats and stats.output_tokens else None,
             decode_s=stats.decode_s if stats else None))
 

@@ -434,6 +434,15 @@ class OutputWriter:
             self.content_chars += len(text)
 
 
+def speculative_summary(stats) -> str:
+    """Rounds, drafts accepted of verified, and tokens per round (the token each round samples
+    at its last kept position included)."""
+    share = 100.0 * stats.accepted_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0
+    per_round = (stats.accepted_tokens + stats.spec_rounds) / stats.spec_rounds
+    return (f"{stats.spec_rounds} rounds | accepted {stats.accepted_tokens} of "
+            f"{stats.drafted_tokens} drafts ({share:.1f} %) | {per_round:.2f} tokens per round")
+
+
 def print_report(session, settings, final, reason: str, writer: OutputWriter,
                  stderr: TextIO) -> None:
     """The result report on stderr (seed 000): tokens, timings, throughput, memory, ids."""
@@ -459,6 +468,8 @@ def print_report(session, settings, final, reason: str, writer: OutputWriter,
         if stats.preemptions:
             lines.append(f"{bold}preemptions{reset} {stats.preemptions} "
                          f"({stats.replayed_tokens} tokens replayed)")
+        if stats.spec_rounds:
+            lines.append(f"{bold}speculative{reset} {speculative_summary(stats)}")
     memory = session.device_memory_bytes()
     lines.append(f"{bold}device{reset} {session.device} | {bold}GPU memory{reset} " +
                  (f"{memory / 2**30:.2f} GiB reserved" if memory else "n/a (CPU backend)"))

@@ -121,6 +121,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-new", int, 128, "output-token limit per request (CLI) / default when a request "
            "gives none (server)", group="capacity", minimum=1, maximum=262144, serve_default=4096),
     Option("no-cuda-graph", bool, False, "disable CUDA-graph decode", group="capacity"),
+    # --- speculative decoding ---------------------------------------------------------------
+    Option("spec", str, "off", "speculative decoding: mtp drafts with the model's MTP head "
+           "(its weights load only then); every round is verified, so the output equals plain "
+           "decoding", group="speculative", choices=("off", "mtp")),
+    Option("draft-tokens", int, None, "MTP drafts per round (default 3); needs --spec mtp",
+           group="speculative", minimum=1, maximum=5),
+    Option("ngram-draft-tokens", int, 0, "most n-gram copy drafts per round, from the "
+           "request's own prompt and output (0: off); beside --spec mtp the longer proposal "
+           "is verified", group="speculative", minimum=0, maximum=63),
+    Option("ngram-min-match", int, 12, "tokens that must match before an n-gram copy is "
+           "proposed", group="speculative", minimum=4, maximum=64),
     # --- input (CLI) ------------------------------------------------------------------------
     Option("prompt", str, None, "the user message (exactly one of --prompt and --messages)",
            commands=CLI_ONLY, group="input", metavar="TEXT"),

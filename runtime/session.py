@@ -34,6 +34,7 @@ from runtime.engine.api import EngineRequest, SamplingParams, ThinkingControl
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.kv_pages import pages_for
 from runtime.engine.presets import SamplingOverrides, model_presets, resolve_sampling
+from runtime.engine.speculative import SlotLayout, SpeculativeConfig
 from runtime.engine.thinking import WORD_CONTINUES, WORD_SEPARATOR, WORD_STARTS
 from runtime.log import Progress, get_logger
 from runtime.model.config import ModelConfig
@@ -165,6 +166,25 @@ def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: 
             f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
 
 
+def speculative_settings(settings: Any, device: str, artifact: Any) -> SpeculativeConfig:
+    """`--spec`, `--draft-tokens` and `--ngram-*` as the engine's config; combinations that
+    cannot work are ConfigErrors, never ignored."""
+    if settings.draft_tokens is not None and settings.spec != "mtp":
+        raise ConfigError("--draft-tokens sets the MTP drafts per round: it needs --spec mtp")
+    config = SpeculativeConfig(method=settings.spec, draft_tokens=settings.draft_tokens or 3,
+                               ngram_draft_tokens=settings.ngram_draft_tokens,
+                               ngram_min_match=settings.ngram_min_match)
+    if not config.enabled:
+        return config
+    if device == "cuda":
+        raise ConfigError("--spec / --ngram-draft-tokens: speculative decoding runs on --device "
+                          "cpu so far (the CUDA runner does not verify draft rows yet)")
+    if config.mtp and "mtp" not in artifact.all_component_names:
+        raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
+                          "checkpoint with its mtp.* weights, or use --spec off)")
+    return config
+
+
 def word_kinds_table(token_bytes: Sequence[bytes], vocab_size: int) -> np.ndarray:
     """Per token id: how its text meets word boundaries (for the reasoning-loop guard)."""
     kinds = np.full(vocab_size, WORD_CONTINUES, dtype=np.int8)
@@ -277,9 +297,12 @@ class ModelSession:
         phase_done(f"chat template loaded ({chat_template.origin})")
         prefill_chunk = min(settings.prefill_chunk, max_context)
         cache = prefix_cache_settings(settings, device, logger)
+        speculative = speculative_settings(settings, device, artifact)
+        # Slots: the lanes and their verification snapshots, then the prefix cache's.
+        reserved = SlotLayout.for_config(num_lanes, speculative).reserved
         runner = cls._make_runner(device, artifact, num_pages,
-                                  num_lanes + cache["snapshot_slots"], prefill_chunk,
-                                  settings, logger)
+                                  reserved + cache["snapshot_slots"], prefill_chunk,
+                                  settings, logger, mtp=speculative.mtp)
         phase_done(f"weights loaded ({type(runner).__name__})")
         if cache["cache_file"] is not None:
             cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,
@@ -287,7 +310,7 @@ class ModelSession:
         engine_config = EngineConfig(
             num_lanes=num_lanes, max_context=max_context, prefill_chunk=prefill_chunk,
             max_waiting=getattr(settings, "max_pending_requests", 0), num_pages=num_pages,
-            **cache)
+            speculative=speculative, **cache)
         # A CUDA context is current per thread: the engine thread must make it its own.
         on_start = runner.device.make_current if device == "cuda" else None
         engine = Engine(runner, engine_config, logger=get_logger("engine"),
@@ -307,8 +330,10 @@ class ModelSession:
 
     @staticmethod
     def _make_runner(device: str, artifact: Any, num_pages: int, num_slots: int,
-                     prefill_chunk: int, settings: Any, logger) -> Any:
-        """num_slots: the lanes, then the prefix cache's snapshot slots."""
+                     prefill_chunk: int, settings: Any, logger, mtp: bool = False) -> Any:
+        """num_slots: the lanes and their verification snapshots, then the prefix cache's
+        snapshot slots. mtp: load the MTP head (CPU backend; `speculative_settings` refuses
+        speculative decoding on cuda)."""
         synthetic = getattr(settings, "synthetic_weights", None)
         if synthetic is not None and device != "cuda":
             raise ConfigError(f"--synthetic-weights fills weights on the GPU; the {device} backend "
@@ -344,7 +369,7 @@ class ModelSession:
         logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
                      "--no-cuda-graph has no effect)")
         return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,
-                                         dtype=np.float32)
+                                         dtype=np.float32, mtp=mtp)
 
     def device_memory_bytes(self) -> Optional[int]:
         """Device memory the runner reserved at startup (None on the CPU backend)."""
