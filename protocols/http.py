@@ -33,6 +33,7 @@ from urllib.parse import parse_qsl, unquote
 
 import h11
 
+from protocols.connection_limits import HttpLimits, body_deadline, slowest_sender
 from runtime.log import get_logger
 
 log = get_logger("http")
@@ -45,32 +46,6 @@ REASONS = {
     431: "Request Header Fields Too Large", 500: "Internal Server Error",
     501: "Not Implemented", 503: "Service Unavailable", 529: "Overloaded",
 }
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """Connection limits. Times are seconds, sizes bytes.
-
-    max_header_bytes: request line plus headers.
-    header_timeout_s: the whole head must arrive within this time of its first byte (and a new
-        connection must start sending within it).
-    body_timeout_s: the whole body must arrive within this time of the head.
-    keepalive_timeout_s: idle time allowed between requests on one connection (advertised in a
-        `Keep-Alive: timeout=N` header).
-    write_stall_timeout_s: longest wait for a client to take our output before disconnecting it.
-    max_pipelined_bytes: bytes of a next request buffered while the current one is answered.
-    """
-
-    max_header_bytes: int = 64 * 1024
-    max_body_bytes: int = 64 << 20
-    header_timeout_s: float = 30.0
-    body_timeout_s: float = 300.0
-    keepalive_timeout_s: float = 360.0
-    write_stall_timeout_s: float = 60.0
-    shutdown_grace_s: float = 10.0
-    max_clients: int = 64
-    max_pipelined_bytes: int = 1 << 20
-    read_size: int = 64 * 1024
 
 
 @dataclass
@@ -117,16 +92,23 @@ Response = Union[HttpResponse, StreamingResponse]
 Handler = Callable[[HttpRequest], Awaitable[Response]]
 ErrorRenderer = Callable[[str, int, str], HttpResponse]
 """(request path or "", status, message) -> an error response in the API's own shape."""
+HeadCheck = Callable[[HttpRequest], Optional[HttpResponse]]
+"""Called with a request whose body has not been read yet (`body` is empty): a response to
+send instead of reading the body (then the connection closes), or None to go on. The
+application checks the API key here, so an unauthenticated client never holds a slot while
+its body arrives."""
 
 
 class _Fatal(Exception):
     """A request that cannot be answered normally: send this status and close the connection."""
 
-    def __init__(self, status: int, message: str, path: str = ""):
+    def __init__(self, status: int, message: str, path: str = "",
+                 response: Optional[HttpResponse] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.path = path
+        self.response = response  # ready-made (the head check's), else rendered from status
 
 
 def _plain_error(path: str, status: int, message: str) -> HttpResponse:
@@ -138,8 +120,10 @@ class HttpServer:
 
     def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits(),
                  error_renderer: ErrorRenderer = _plain_error,
-                 on_connections_changed: Optional[Callable[[int], None]] = None):
+                 on_connections_changed: Optional[Callable[[int], None]] = None,
+                 head_check: Optional[HeadCheck] = None):
         self.handler = handler
+        self.head_check = head_check
         self.limits = limits
         self.error_renderer = error_renderer
         self.on_connections_changed = on_connections_changed
@@ -162,8 +146,12 @@ class HttpServer:
             return
         if len(self.connections) >= self.limits.max_clients:
             idle = next((c for c in self.connections if c.idle), None)
+            slowest = None if idle is not None else slowest_sender(
+                self.connections, asyncio.get_running_loop().time(), self.limits)
             if idle is not None:
                 idle.close_idle()
+            elif slowest is not None:
+                slowest.evict()
             else:
                 self.rejected_connections += 1
                 response = self.error_renderer("", 503, "too many open connections; retry later")
@@ -212,6 +200,10 @@ class _Connection:
         self.writer = writer
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
         self.idle = True  # between requests (safe to close)
+        self.receiving_since: Optional[float] = None  # a request is arriving since (loop time)
+        self.request_bytes = 0  # of the request arriving
+        self.evicted = False
+        self.peer_eof = False  # the client closed its sending side
         self.task: Optional[asyncio.Task] = None
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
@@ -226,6 +218,12 @@ class _Connection:
         if self.task is not None:
             self.task.cancel()
 
+    def evict(self) -> None:
+        """Give up the slot (the server is full and this request arrives slowest): 408."""
+        if self.task is not None and not self.evicted:
+            self.evicted = True
+            self.task.cancel()
+
     async def run(self) -> None:
         self.task = asyncio.current_task()
         first = True
@@ -234,7 +232,8 @@ class _Connection:
                 try:
                     request = await self._read_request(first)
                 except _Fatal as fatal:
-                    response = self.server.error_renderer(fatal.path, fatal.status, fatal.message)
+                    response = fatal.response or self.server.error_renderer(
+                        fatal.path, fatal.status, fatal.message)
                     await _send_raw_and_close(self.reader, self.writer, response)
                     return
                 if request is None:
@@ -248,7 +247,12 @@ class _Connection:
                 else:
                     return
         except asyncio.CancelledError:
-            pass
+            if self.evicted:
+                asyncio.current_task().uncancel()  # so the timeouts below work as timeouts
+                response = self.server.error_renderer(
+                    "", 408, "request arriving too slowly while the server is at its "
+                             "connection limit")
+                await _send_raw_and_close(self.reader, self.writer, response)
         except (ConnectionError, TimeoutError, OSError):
             pass
         except Exception:  # noqa: BLE001 - a connection bug must not take the server down
@@ -267,7 +271,10 @@ class _Connection:
         self.idle = True
         head_bytes = len(self.conn.trailing_data[0])
         head_deadline = (loop.time() + limits.header_timeout_s) if first or head_bytes else None
-        body_deadline = 0.0
+        self.receiving_since = loop.time() if head_bytes else None
+        self.request_bytes = head_bytes
+        head_done_at = 0.0
+        declared_body: Optional[int] = None
         request: Optional[HttpRequest] = None
         body = bytearray()
         path = ""
@@ -287,7 +294,8 @@ class _Connection:
                     else:
                         timeout = head_deadline - loop.time()
                 else:
-                    timeout = body_deadline - loop.time()
+                    timeout = body_deadline(limits, head_done_at, declared_body,
+                                            len(body)) - loop.time()
                 data = await self._read_some(timeout)
                 if data is None:  # timed out
                     if request is None and head_bytes == 0:
@@ -299,6 +307,9 @@ class _Connection:
                     # EOF mid-request: nobody to answer.
                     raise ConnectionResetError("peer closed mid-request")
                 self.idle = False
+                if self.receiving_since is None:
+                    self.receiving_since = loop.time()
+                self.request_bytes += len(data)
                 if request is None:
                     head_bytes += len(data)
                     if head_deadline is None:
@@ -322,14 +333,20 @@ class _Connection:
                     raise _Fatal(400, "Content-Length together with Transfer-Encoding is not "
                                       "accepted", path)
                 declared = headers.get("content-length")
-                if declared is not None and declared.isdigit() and \
-                        int(declared) > limits.max_body_bytes:
+                declared_body = int(declared) if declared is not None and \
+                    declared.isdigit() else None
+                if declared_body is not None and declared_body > limits.max_body_bytes:
                     raise _Fatal(413, f"request body too large (limit {limits.max_body_bytes} "
                                       "bytes)", path)
                 request = HttpRequest(event.method.decode("ascii", "replace"), path, query,
                                       headers, b"", event.http_version.decode("ascii"),
                                       self.peer)
-                body_deadline = loop.time() + limits.body_timeout_s
+                has_body = bool(declared_body) or "transfer-encoding" in headers
+                if has_body and self.server.head_check is not None:
+                    refusal = self.server.head_check(request)
+                    if refusal is not None:
+                        raise _Fatal(refusal.status, "", path, refusal)
+                head_done_at = loop.time()
                 if self.conn.they_are_waiting_for_100_continue:
                     await self._send(h11.InformationalResponse(status_code=100, headers=[]))
             elif isinstance(event, h11.Data):
@@ -341,6 +358,7 @@ class _Connection:
                 assert request is not None
                 request.body = bytes(body)
                 request.received_at = time.monotonic()
+                self.receiving_since = None
                 return request
             elif isinstance(event, h11.ConnectionClosed):
                 return None
@@ -363,7 +381,7 @@ class _Connection:
     async def _serve(self, request: HttpRequest) -> bool:
         """Answer one request while watching for the client going away; True = keep alive."""
         respond = asyncio.ensure_future(self._respond(request))
-        watch = asyncio.ensure_future(self._watch_for_disconnect())
+        watch = asyncio.ensure_future(self._watch_for_disconnect(request))
         try:
             done, _ = await asyncio.wait({respond, watch}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -376,29 +394,42 @@ class _Connection:
             await asyncio.gather(watch, return_exceptions=True)
             if respond.exception() is not None:
                 return False
-            return respond.result() and not (watch.done() and not watch.cancelled()
-                                             and watch.result() == "eof")
+            return respond.result() and not self.peer_eof
         # The client went away: cancel the handler (and with it the generation).
         log.debug("client %s disconnected during %s %s", self.peer, request.method, request.path)
         respond.cancel()
         await asyncio.gather(respond, return_exceptions=True)
         return False
 
-    async def _watch_for_disconnect(self) -> str:
-        """Read while a request is answered: EOF = gone; bytes = a pipelined request (kept)."""
+    async def _watch_for_disconnect(self, request: HttpRequest) -> None:
+        """Read while a request is answered; return when the client is gone. Bytes are a
+        pipelined request (kept); a reset means gone; EOF means the client closed its sending
+        side, which a client that still waits for its answer does too (a half-close)."""
         buffered = 0
         while True:
             try:
                 data = await self.reader.read(self.limits.read_size)
             except (ConnectionError, OSError):
-                return "eof"
+                return
             if not data:
-                return "eof"
+                break
             self.conn.receive_data(data)
             buffered += len(data)
             if buffered > self.limits.max_pipelined_bytes:
                 # Stop reading; a disconnect will now show as a write error instead.
                 await asyncio.Event().wait()
+        self.peer_eof = True
+        if request.http_version != "1.1":
+            return  # no interim responses in HTTP/1.0: EOF has to mean gone
+        # A FIN alone cannot tell a half-close from a closed socket; a write can: a closed peer
+        # answers it with a reset, and the write after that fails. Until the answer's head is
+        # sent, `102 Processing` is that write (HTTP/1.1 clients must accept unsolicited 1xx
+        # responses); after it, the answer's own writes are.
+        while not self.writer.is_closing():
+            if self.conn.our_state is h11.SEND_RESPONSE:
+                self.writer.write(self.conn.send(
+                    h11.InformationalResponse(status_code=102, headers=[])))
+            await asyncio.sleep(self.limits.disconnect_probe_s)
 
     async def _respond(self, request: HttpRequest) -> bool:
         try:
@@ -452,6 +483,8 @@ class _Connection:
         return headers
 
     async def _send(self, event) -> None:
+        if self.writer.is_closing():  # reset by the client: a disconnect, not a server error
+            raise ConnectionResetError(f"client {self.peer} went away")
         data = self.conn.send(event)
         if data:
             self.writer.write(data)
@@ -471,6 +504,8 @@ async def _send_raw_and_close(reader: asyncio.StreamReader, writer: asyncio.Stre
     if retry_after is not None:
         lines.append(f"retry-after: {retry_after}")
     try:
+        if writer.is_closing():  # reset by the client: nobody to answer
+            return
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body)
         async with asyncio.timeout(5.0):
             await writer.drain()
