@@ -27,7 +27,8 @@ def colours_enabled(setting: Optional[str], stream: TextIO) -> bool:
 
 
 class _Formatter(logging.Formatter):
-    """`message` for info, `warning: message` / `error: message` otherwise; no timestamps."""
+    """`message` for info, `warning: message` / `error: message` otherwise; no timestamps.
+    Tracebacks are printed for debug and error records."""
 
     def __init__(self, colours: bool):
         super().__init__()
@@ -35,7 +36,10 @@ class _Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
-        if record.exc_info and record.levelno <= logging.DEBUG:
+        # A traceback goes with debug records (opt-in detail) and with errors: an unexpected
+        # exception logged at error level is a bug, and its cause must reach the log.
+        if record.exc_info and (record.levelno <= logging.DEBUG or
+                                record.levelno >= logging.ERROR):
             message += "\n" + self.formatException(record.exc_info)
         if record.levelno >= logging.ERROR:
             prefix = "error"

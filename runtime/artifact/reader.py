@@ -9,6 +9,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,12 +80,9 @@ class _Files:
         if index == 0:
             header = self.header
         else:
-            try:
-                with open(path, "rb") as handle:
-                    raw = handle.read(spec.HEADER_BYTES)
-            except OSError as exc:
-                raise ArtifactError(f"{path}: shard {index} of {self.main.name} cannot be "
-                                    f"opened: {exc.strerror}") from None
+            with open_regular(path, f"shard {index} of {self.main.name} cannot be "
+                                    "opened") as handle:
+                raw = handle.read(spec.HEADER_BYTES)
             header = Header.unpack(raw, str(path))
             if header.artifact_id != self.header.artifact_id:
                 raise ArtifactError(f"{path}: shard belongs to a different artifact (id "
@@ -140,8 +138,17 @@ class Component:
     def resources(self) -> dict[str, bytes]:
         """Resource files by name ("tokenizer.json", "chat_template.jinja", ...), read once."""
         if self._resources is None:
-            self._resources = {key: self._files.view(entry).tobytes()
-                               for key, entry in self._resource_entries.items()}
+            resources = {}
+            for key, entry in self._resource_entries.items():
+                data = self._files.view(entry).tobytes()
+                # Checked at load (they are small): a flipped byte in the chat template or the
+                # tokenizer would otherwise change every prompt silently.
+                if entry.crc32 is not None and f"{zlib.crc32(data):08x}" != entry.crc32:
+                    raise ArtifactError(f"{entry.path}: {self.name} resource {key!r}: "
+                                        f"checksum {zlib.crc32(data):08x}, directory says "
+                                        f"{entry.crc32} (corrupt)")
+                resources[key] = data
+            self._resources = resources
         return self._resources
 
     def tensor_names(self) -> tuple[str, ...]:
@@ -233,15 +240,13 @@ def open_artifact(path: Union[str, os.PathLike],
     tensors of other components are never read (their shards need not even exist)."""
     path = Path(path)
     where = str(path)
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise ArtifactError(f"{where}: cannot open: {exc.strerror}") from None
-    with handle:
+    with open_regular(path, "cannot open") as handle:
+        size = os.fstat(handle.fileno()).st_size
         header = Header.unpack(handle.read(spec.HEADER_BYTES), where)
         if header.shard_index != 0:
             raise ArtifactError(f"{where}: this is shard {header.shard_index} of an artifact; "
                                 "open the main file")
+        check_header_bounds(header, size, where)
         raw = handle.read(header.json_bytes)
     if len(raw) < header.json_bytes:
         raise ArtifactError(f"{where}: truncated inside the directory ({len(raw)} of "
@@ -256,6 +261,35 @@ def open_artifact(path: Union[str, os.PathLike],
     except ValueError as exc:
         raise ArtifactError(f"{where}: directory is not valid JSON: {exc}") from None
     return _build(path, header, root, components)
+
+
+def open_regular(path: Path, failure: str):
+    """Open `path` for reading if it is a regular file. Opened without blocking, so a FIFO
+    (or a device) named like an artifact is refused instead of hanging the loader."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ArtifactError(f"{path}: {failure}: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ArtifactError(f"{path}: {failure}: not a regular file")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
+def check_header_bounds(header: Header, size: int, where: str) -> None:
+    """Header fields must fit in the file before anything is read or allocated from them."""
+    for name, value, limit in (("directory length", header.json_bytes,
+                                size - spec.HEADER_BYTES),
+                               ("payload offset", header.payload_offset, size),
+                               ("payload length", header.payload_bytes, size)):
+        if value > limit:
+            raise ArtifactError(f"{where}: truncated inside the directory or a corrupt header: "
+                                f"header field {name} is {value}, beyond the file's {size} "
+                                "bytes")
+    if header.shard_count == 0 or header.shard_index >= header.shard_count:
+        raise ArtifactError(f"{where}: header says shard {header.shard_index} of "
+                            f"{header.shard_count} (corrupt header)")
 
 
 def _build(path: Path, header: Header, root: Any,

@@ -32,7 +32,14 @@ from runtime.model.sampling import (DEAD_END, GREEDY_TEMPERATURE, TOP_K_CAP, Row
 
 
 class DeadEndError(Exception):
-    """The output constraint allows no token at all."""
+    """No token can be sampled: the output constraint allows none, or every allowed token's
+    logit is NaN or -inf (a broken model or artifact)."""
+
+
+NON_FINITE = ("no allowed token has a finite logit (the model produced NaN or infinite "
+              "logits)")
+NON_FINITE_OR_DEAD_END = ("no token can be sampled: the model produced NaN or infinite logits "
+                          "for every allowed token, or the output constraint allows none")
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,8 @@ class SamplerState:
 
     def took(self, token_id: int) -> int:
         """Account for a token a device sampler picked from `row_sampling()`'s inputs."""
-        if token_id == DEAD_END:
-            raise DeadEndError("the output constraint allows no token")
+        if token_id == DEAD_END:  # the device cannot say which of the two it was
+            raise DeadEndError(NON_FINITE_OR_DEAD_END)
         if not self.greedy:
             self.num_draws += 1
         return token_id
@@ -108,7 +115,7 @@ def candidate_distribution(logits: np.ndarray, state: SamplerState) -> tuple[np.
     """
     draw = decide(logits, state.row_sampling(logits.shape[0], None))
     if draw.token == DEAD_END:
-        raise DeadEndError("no token is allowed")
+        raise DeadEndError(NON_FINITE_OR_DEAD_END)
     return draw.ids, draw.probs
 
 
@@ -125,7 +132,10 @@ def sample_token(logits: np.ndarray, state: SamplerState,
             mask = pack_mask(allowed)
         if not mask.any():
             raise DeadEndError("the output constraint allows no token")
-    return state.took(decide(logits, state.row_sampling(vocab, mask)).token)
+    token = decide(logits, state.row_sampling(vocab, mask)).token
+    if token == DEAD_END:  # the mask allowed some ids (checked above): their logits are bad
+        raise DeadEndError(NON_FINITE)
+    return state.took(token)
 
 
 def token_logprobs(logits: np.ndarray, token_id: int, top: int) -> TokenLogprobs:
