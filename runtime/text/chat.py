@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from importlib import resources as importlib_resources
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -114,7 +114,7 @@ def _prepare_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             decoded = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep to decode: kept as the string
             decoded = None
         if isinstance(decoded, dict):
             holder["arguments"] = decoded
@@ -159,6 +159,8 @@ def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         raise ChatTemplateError(f"chat template failed on these messages: {exc!r}") from exc
+    except RecursionError:
+        raise ChatTemplateError("chat template failed: values nested too deep") from None
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
         if piece:
             ids.extend(tokenizer.encode(piece, parse_special=False))
 
-    for match in splitter.finditer(text):
+    for match in _matches(splitter, text, _first_characters(_special_spellings(tokenizer))):
         pending.append(text[position:match.start()])
         if match.group(1) is not None:
             pending.append(match.group(1))
@@ -225,12 +227,38 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
     return ids
 
 
+def _matches(splitter: re.Pattern, text: str, first: re.Pattern) -> Iterator[re.Match]:
+    """`splitter.finditer(text)`, found fast: a match can only begin at a character that
+    begins a special-token spelling or the literal bracket, so those are found first (a tight
+    scan) and the splitter is tried only there. Searching a megabyte-long message with the
+    splitter itself takes seconds and holds the GIL (every server thread stalls)."""
+    position = 0
+    while True:
+        candidate = first.search(text, position)
+        if candidate is None:
+            return
+        match = splitter.match(text, candidate.start())
+        if match is None:
+            position = candidate.start() + 1
+            continue
+        yield match
+        position = max(match.end(), match.start() + 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _first_characters(spellings: tuple[str, ...]) -> re.Pattern:
+    """A character class of the first characters of `spellings` and of `_LITERAL_OPEN`."""
+    first = {spelling[0] for spelling in spellings if spelling} | {_LITERAL_OPEN}
+    return re.compile("[" + "".join(re.escape(c) for c in sorted(first)) + "]")
+
+
+def _special_spellings(tokenizer: Tokenizer) -> tuple[str, ...]:
+    return tuple(sorted((tokenizer.token_bytes[i].decode("utf-8") for i in tokenizer.special_ids),
+                        key=len, reverse=True))
+
+
 def _special_pattern(tokenizer: Tokenizer) -> re.Pattern:
-    spellings = sorted((tokenizer.token_bytes[i].decode("utf-8") for i in tokenizer.special_ids),
-                       key=len, reverse=True)
-    return _compile_alternation(tuple(spellings))
-
-
+    return _compile_alternation(_special_spellings(tokenizer))
 @functools.lru_cache(maxsize=4)
 def _compile_alternation(spellings: tuple[str, ...]) -> re.Pattern:
     return re.compile("|".join(re.escape(s) for s in spellings) or "(?!)")

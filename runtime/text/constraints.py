@@ -465,8 +465,11 @@ class ConstraintCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if not matcher.is_error():
             # Catches grammars that allow nothing at all (the error shows on the first mask).
+            # llguidance words that error as a dump of its parser state; say what it means.
             scratch = np.empty(self.vocab.words, dtype=np.uint32)
             matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            if matcher.is_error():
+                raise ConstraintError(_error_text(spec, "it matches no text"))
         if matcher.is_error():
             raise ConstraintError(_error_text(spec, matcher.get_error()))
         warnings = tuple(matcher.get_grammar_warnings())

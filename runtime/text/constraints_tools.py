@@ -167,6 +167,50 @@ def _admits_string(schema: Any, root: Mapping[str, Any]) -> bool:
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
+def schema_admits_nothing(schema: Any, root: Any = None, depth: int = 0) -> bool:
+    """Whether a JSON Schema obviously has no valid value: `false`, `{"not": {}}`, an empty
+    `enum`, a lower bound above its upper bound, `allOf` with such a branch, `anyOf` / `oneOf`
+    with only such branches, a required property of such a schema. llguidance ignores some of
+    these (`not` in a non-strict schema) and would let the model write any JSON instead.
+    Conservative: False means "not shown empty", not "satisfiable"."""
+    root = schema if root is None else root
+    if depth > 64:
+        return False
+    try:
+        schema = _resolve(schema, root)
+    except ConstraintError:
+        return False
+    if schema is False:
+        return True
+    if not isinstance(schema, Mapping):
+        return False
+    if "not" in schema and (schema["not"] is True or schema["not"] == {}):
+        return True
+    if isinstance(schema.get("enum"), list) and not schema["enum"]:
+        return True
+    for low, high in (("minimum", "maximum"), ("minLength", "maxLength"),
+                      ("minItems", "maxItems"), ("minProperties", "maxProperties")):
+        lower, upper = schema.get(low), schema.get(high)
+        if isinstance(lower, (int, float)) and isinstance(upper, (int, float)) and lower > upper:
+            return True
+
+    def empty(sub: Any) -> bool:
+        return schema_admits_nothing(sub, root, depth + 1)
+
+    if isinstance(schema.get("allOf"), list) and any(empty(b) for b in schema["allOf"]):
+        return True
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches and all(empty(b) for b in branches):
+            return True
+    properties = schema.get("properties")
+    required = schema.get("required")
+    if isinstance(properties, Mapping) and isinstance(required, list):
+        return any(empty(properties[key]) for key in required
+                   if isinstance(key, str) and key in properties)
+    return False
+
+
 class _LarkBuilder:
     def __init__(self, value_grammars: Optional[ValueGrammars] = None,
                  loose: Collection[str] = ()) -> None:
@@ -231,8 +275,17 @@ class _LarkBuilder:
             header = self.terminal(f"\n<function={tool.name}>")
             return self.add("call", f"<tool_call> {header} LOOSE_BODY </tool_call>")
         schema = tool.parameters
-        properties = schema.get("properties") or {}
-        required = set(schema.get("required") or [])
+        # Absent or null is "none"; any other non-object / non-array is a broken schema.
+        properties = {} if schema.get("properties") is None else schema["properties"]
+        required = [] if schema.get("required") is None else schema["required"]
+        if not isinstance(properties, Mapping) or not all(
+                isinstance(prop, (Mapping, bool)) for prop in properties.values()):
+            raise ConstraintError(f"tool {tool.name!r}: 'properties' must be an object of "
+                                  "schemas")
+        if not isinstance(required, list) or not all(isinstance(key, str) for key in required):
+            raise ConstraintError(f"tool {tool.name!r}: 'required' must be an array of "
+                                  "property names")
+        required = set(required)
         unknown = required - set(properties)
         if unknown:
             raise ConstraintError(f"tool {tool.name!r}: required parameters {sorted(unknown)} "

@@ -145,12 +145,18 @@ class Tokenizer:
         a special token (`<|im_end|>`) is encoded as ordinary text."""
         with self._lock:
             if parse_special:
-                return self._hf.encode(text, add_special_tokens=False).ids
+                return self._encode_releasing_the_gil(text)
             self._hf.encode_special_tokens = True
             try:
-                return self._hf.encode(text, add_special_tokens=False).ids
+                return self._encode_releasing_the_gil(text)
             finally:
                 self._hf.encode_special_tokens = False
+
+    def _encode_releasing_the_gil(self, text: str) -> list[int]:
+        # `encode_batch` lets go of the GIL while it works, `encode` does not: a long prompt
+        # tokenized on a server worker thread would otherwise stall the event loop for seconds.
+        # One input gives the same ids as `encode`.
+        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         """The text of `ids` (invalid UTF-8 becomes U+FFFD); for whole sequences. Streams use
