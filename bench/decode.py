@@ -175,7 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
+    ap.add_argument("--spec", choices=("mtp", "ngram"), help="measure speculative decoding instead: "
+                    "acceptance on the CPU tiny model (bench/speculative.py); the GPU cost of a round "
+                    "needs the CUDA runner's verification rows and MTP head")
+    ap.add_argument("--draft-tokens", type=int, default=3, help="drafts per round with --spec")
+    ap.add_argument("--model", type=Path, help="with --spec: a .infernix model (default: a tiny one)")
+    ap.add_argument("--requests", type=int, default=4, help="with --spec: requests to run")
+    ap.add_argument("--max-new", type=int, default=64, help="with --spec: tokens per request")
     args = ap.parse_args(argv)
+    if args.spec is not None:
+        from bench import speculative
+
+        data = speculative.run(args.spec, args.draft_tokens, args.model, args.requests, args.max_new)
+        data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"decode_spec_{args.spec}.json").write_text(json.dumps(data, indent=1))
+        print(speculative.render(data))
+        return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
                args.decode_split)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
