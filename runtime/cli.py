@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from runtime.media.sources import MediaError, part_kind
 from runtime.config import ConfigError, parse_settings
 from runtime.log import colours_enabled, get_logger, setup_logging
 
@@ -82,10 +83,8 @@ def _check_content(content: Any, where: str, role: str) -> None:
         if not isinstance(part, dict):
             raise InputError(f"{at}: a content part must be an object")
         kind = part.get("type", "text" if "text" in part else None)
-        if kind in ("image", "image_url", "video", "video_url") or any(
-                key in part for key in ("image", "image_url", "video", "video_url")):
-            raise InputError(f"{at}: image and video input needs vision support, which this "
-                             "build does not have")
+        if part_kind(part) is not None:
+            continue            # decoded when the prompt is rendered (MediaError names the part)
         if kind != "text" or not isinstance(part.get("text"), str):
             raise InputError(f"{at}: unsupported content part (expected "
                              '{"type": "text", "text": "..."})')
@@ -270,6 +269,8 @@ def _run(session, settings, plan: RunPlan, stdout: TextIO, stderr: TextIO, logge
                                 reasoning_effort=plan.reasoning_effort)
     except ChatTemplateError as exc:
         raise InputError(f"cannot render the messages: {exc}") from None
+    except MediaError as exc:
+        raise InputError(f"--messages: {exc}") from None
     constraint = None
     if plan.constraint_spec is not None:
         from runtime.text.constraints import ConstraintError

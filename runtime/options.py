@@ -121,6 +121,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-new", int, 128, "output-token limit per request (CLI) / default when a request "
            "gives none (server)", group="capacity", minimum=1, maximum=262144, serve_default=4096),
     Option("no-cuda-graph", bool, False, "disable CUDA-graph decode", group="capacity"),
+    # --- media --------------------------------------------------------------------------------
+    Option("vision", bool, False, "load the model's vision tower and accept image input (CPU "
+           "backend only so far)", group="media"),
+    Option("vision-max-merged", int, None, "most merged vision tokens per image; larger images "
+           "are downscaled in preprocessing", group="media", minimum=64, maximum=32768,
+           metavar="N"),
+    Option("allow-remote-media", bool, False, "fetch HTTP(S) image URLs (32 MiB, 10 s per "
+           "connect/read); off: only paths and data URIs", group="media"),
     # --- speculative decoding ---------------------------------------------------------------
     Option("spec", str, "off", "speculative decoding: mtp drafts with the model's MTP head "
            "(its weights load only then); every round is verified, so the output equals plain "

@@ -37,6 +37,7 @@ from runtime.engine.presets import SamplingOverrides, model_presets, resolve_sam
 from runtime.engine.speculative import SlotLayout, SpeculativeConfig
 from runtime.engine.thinking import WORD_CONTINUES, WORD_SEPARATOR, WORD_STARTS
 from runtime.log import Progress, get_logger
+from runtime.media.sources import SourceLimits
 from runtime.model.config import ModelConfig
 from runtime.model.runner import PAGE_SIZE
 from runtime.text.parser import prompt_ends_in_reasoning
@@ -59,6 +60,7 @@ class RenderedPrompt:
 
     ids: tuple[int, ...]
     thinking: bool
+    media: tuple = ()      # `MediaSpan`s of the prompt's images (pads already expanded)
 
 
 def cache_dir() -> Path:
@@ -166,6 +168,35 @@ def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: 
             f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
 
 
+def vision_settings(settings: Any, device: str, artifact: Any,
+                    speculative: SpeculativeConfig) -> Optional[tuple[Any, Any]]:
+    """(VisionConfig, ImageRules) for --vision, None without it; refuses what cannot run."""
+    if not settings.vision:
+        return None
+    from runtime.media.image import ImageRules
+    from runtime.model.vision_reference import VisionConfig
+
+    if "vision" not in artifact.all_component_names:
+        raise ConfigError("--vision: this model has no vision component (convert a checkpoint "
+                          "with model.visual.* tensors)")
+    if device != "cpu":
+        raise ConfigError("--vision runs on the CPU backend only so far (--device cpu); the "
+                          "GPU vision tower is not built yet")
+    if speculative.mtp or speculative.ngram_draft_tokens:
+        raise ConfigError("--vision with speculative decoding is not supported yet")
+    config = artifact.component("vision").config
+    tower = VisionConfig.from_dict(config)
+    processor = config.get("image_processor") or {}
+    defaults = ImageRules()
+    rules = ImageRules(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
+                       merge_size=tower.spatial_merge_size,
+                       min_pixels=int(processor.get("min_pixels") or defaults.min_pixels),
+                       max_pixels=int(processor.get("max_pixels") or defaults.max_pixels),
+                       mean=tuple(processor.get("mean") or defaults.mean),
+                       std=tuple(processor.get("std") or defaults.std))
+    return tower, rules.capped(settings.vision_max_merged)
+
+
 def speculative_settings(settings: Any, device: str, artifact: Any) -> SpeculativeConfig:
     """`--spec`, `--draft-tokens` and `--ngram-*` as the engine's config; combinations that
     cannot work are ConfigErrors, never ignored."""
@@ -183,6 +214,19 @@ def speculative_settings(settings: Any, device: str, artifact: Any) -> Speculati
         raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
                           "checkpoint with its mtp.* weights, or use --spec off)")
     return config
+
+
+TURN_SNAPSHOTS = 4
+"""Message starts of a prompt offered to the prefix cache as snapshot positions: the final
+generation opener, the last user (or tool) turn, and the previous assistant turn with its user
+turn, where the next request of a conversation or an edited history diverges from this one."""
+
+
+def turn_starts(ids: Sequence[int], im_start: int) -> tuple[int, ...]:
+    """The positions of the last `TURN_SNAPSHOTS` `<|im_start|>` markers of a rendered prompt
+    (snapshot hints for the prefix cache; position 0 is no use and left out)."""
+    starts = [i for i, token in enumerate(ids) if token == im_start and i > 0]
+    return tuple(starts[-TURN_SNAPSHOTS:])
 
 
 def word_kinds_table(token_bytes: Sequence[bytes], vocab_size: int) -> np.ndarray:
@@ -203,7 +247,8 @@ class ModelSession:
 
     def __init__(self, *, settings: Any, model_path: Path, model_name: str, device: str,
                  artifact: Any, runner: Any, tokenizer: Any, chat_template: Any,
-                 engine: Engine, kv_capacity_tokens: int, num_lanes: int, load_seconds: float):
+                 engine: Engine, kv_capacity_tokens: int, num_lanes: int, load_seconds: float,
+                 vision: Any = None):
         self.settings = settings
         self.model_path = model_path
         self.model_name = model_name
@@ -216,6 +261,9 @@ class ModelSession:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.num_lanes = num_lanes
         self.load_seconds = load_seconds
+        # (VisionConfig, ImageRules) with --vision, else None; sources' limits always apply.
+        self.vision = vision
+        self.media_limits = SourceLimits(allow_remote=settings.allow_remote_media)
         self.max_context = engine.config.max_context
         self.presets = model_presets(model_name)
         self.think_end_id = tokenizer.special.think_end
@@ -298,11 +346,13 @@ class ModelSession:
         prefill_chunk = min(settings.prefill_chunk, max_context)
         cache = prefix_cache_settings(settings, device, logger)
         speculative = speculative_settings(settings, device, artifact)
+        vision = vision_settings(settings, device, artifact, speculative)
         # Slots: the lanes and their verification snapshots, then the prefix cache's.
         reserved = SlotLayout.for_config(num_lanes, speculative).reserved
         runner = cls._make_runner(device, artifact, num_pages,
                                   reserved + cache["snapshot_slots"], prefill_chunk,
-                                  settings, logger, mtp=speculative.mtp)
+                                  settings, logger, mtp=speculative.mtp,
+                                  vision=vision is not None)
         phase_done(f"weights loaded ({type(runner).__name__})")
         if cache["cache_file"] is not None:
             cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,
@@ -321,7 +371,7 @@ class ModelSession:
                       device=device, artifact=artifact, runner=runner, tokenizer=tokenizer,
                       chat_template=chat_template, engine=engine,
                       kv_capacity_tokens=num_pages * PAGE_SIZE, num_lanes=num_lanes,
-                      load_seconds=seconds)
+                      load_seconds=seconds, vision=vision)
         logger.info("engine ready: %s, %s, context %d, KV pool %d tokens (%d pages), %d lane%s, "
                     "template %s, presets %s (%.1f s)", model_name, device, max_context,
                     num_pages * PAGE_SIZE, num_pages, num_lanes, "" if num_lanes == 1 else "s",
@@ -330,7 +380,8 @@ class ModelSession:
 
     @staticmethod
     def _make_runner(device: str, artifact: Any, num_pages: int, num_slots: int,
-                     prefill_chunk: int, settings: Any, logger, mtp: bool = False) -> Any:
+                     prefill_chunk: int, settings: Any, logger, mtp: bool = False,
+                     vision: bool = False) -> Any:
         """num_slots: the lanes and their verification snapshots, then the prefix cache's
         snapshot slots. mtp: load the MTP head (CPU backend; `speculative_settings` refuses
         speculative decoding on cuda)."""
@@ -369,7 +420,7 @@ class ModelSession:
         logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
                      "--no-cuda-graph has no effect)")
         return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,
-                                         dtype=np.float32, mtp=mtp)
+                                         dtype=np.float32, mtp=mtp, vision=vision)
 
     def device_memory_bytes(self) -> Optional[int]:
         """Device memory the runner reserved at startup (None on the CPU backend)."""
@@ -402,12 +453,21 @@ class ModelSession:
         template's defaults; `reasoning_effort="none"` means thinking off."""
         if reasoning_effort == "none" and enable_thinking is None:
             enable_thinking = False
+        from runtime.media.placement import expand_pads, resolve_media
+
+        # Media parts are decoded here (raising MediaError naming the part), before the template.
+        rules = self.vision[1] if self.vision is not None else None
+        messages, images = resolve_media(messages, rules, self.media_limits)
         ids = self.chat_template.render_ids(
             self.tokenizer, messages, tools=list(tools) if tools else None,
             enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
             preserve_thinking=preserve_thinking, add_generation_prompt=add_generation_prompt,
             **template_kwargs)
-        return RenderedPrompt(ids=tuple(ids), thinking=self.ends_in_thinking(ids))
+        media: tuple = ()
+        if images:
+            ids, media = expand_pads(ids, images, self.vision[0].image_token_id,
+                                     self.vision[0].spatial_merge_size)
+        return RenderedPrompt(ids=tuple(ids), thinking=self.ends_in_thinking(ids), media=media)
 
     def ends_in_thinking(self, ids: Sequence[int]) -> bool:
         """The prompt leaves the final turn's think block open: generation starts in thinking."""
@@ -480,4 +540,5 @@ class ModelSession:
             stop_token_ids=self.stop_token_ids(stop_token_ids),
             thinking=self.thinking_control(prompt.thinking, budget=thinking_budget,
                                            loop_guard=loop_guard),
-            constraint=constraint, logprobs=logprobs)
+            constraint=constraint, logprobs=logprobs, media=prompt.media,
+            snapshot_positions=turn_starts(prompt.ids, self.tokenizer.special.im_start))

@@ -92,6 +92,10 @@ class EngineRequest:
     # there): e.g. the start of the last user turn, where agents' edited histories diverge.
     # The chat layer knows them; the engine treats them as hints.
     snapshot_positions: tuple[int, ...] = ()
+    # The prompt's images (`runtime.model.runner.MediaSpan`, placed by the text layer): passed
+    # unchanged with every chunk and row of this request. Such a request bypasses the prefix
+    # cache (its pad tokens do not name the pixels) and replays after a preemption.
+    media: tuple = ()
 
 
 class RequestRejected(Exception):

@@ -30,6 +30,7 @@ its committed tokens, and decoded alone until a step succeeds: a row that fails 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -334,12 +335,17 @@ class Engine:
         self._live[request.request_id] = live
         try:
             self.scheduler.add(request.request_id, request.prompt_ids,
-                               request.snapshot_positions)
+                               request.snapshot_positions, cacheable=not request.media)
         except RequestRejected as exc:
             self._end(live, FinishReason.ERROR, error=str(exc))
             return
         if self.speculation is not None:
             self.speculation.add(request.request_id, request.prompt_ids)
+
+    @staticmethod
+    def _with_media(unit, live: LiveRequest):
+        """A chunk or decode item with its request's media (the runner needs all of them)."""
+        return dataclasses.replace(unit, media=live.request.media) if live.request.media else unit
 
     def _after_schedule(self, batch: ScheduledBatch) -> None:
         now = time.perf_counter()
@@ -388,9 +394,9 @@ class Engine:
                     runner.reset_slot(work.slot)
                 if work.samples and self._samples_on_device([work]):
                     sampled[work.request_id] = int(runner.prefill_sampled(
-                        work.chunk(), lambda work=work: self._row_sampling([work], masks, sampling_errors))[0])
+                        self._with_media(work.chunk(), live), lambda work=work: self._row_sampling([work], masks, sampling_errors))[0])
                 else:
-                    logits = runner.prefill(work.chunk())
+                    logits = runner.prefill(self._with_media(work.chunk(), live))
                     if work.samples:
                         rows[work.request_id] = logits[-1]
             except Exception as exc:  # noqa: BLE001 - isolate this request
@@ -418,7 +424,7 @@ class Engine:
                 self.counters["decode_tokens"] += len(group)
                 self.counters["decode_batches"] += 1
                 continue
-            items = [work.item() for work in group]
+            items = [self._with_media(work.item(), self._live[work.request_id]) for work in group]
             on_device = self._samples_on_device(group)
             try:
                 if on_device:

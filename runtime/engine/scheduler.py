@@ -128,6 +128,7 @@ class SequenceRecord:
     turn_start_output: int = 0        # num_output when its current service turn began
     turn_start_step: int = 0
     snapshot_positions: tuple[int, ...] = ()   # the request's snapshot hints (chunk ends)
+    cacheable: bool = True      # False (a prompt with media): never matched, published or kept
     block_digests: list[bytes] = field(default_factory=list)  # hashes of its full blocks
     cached_tokens: Optional[int] = None   # prompt tokens its first admission resumed past
     resume_path: str = "cold"         # how it last started: cold, prefix, snapshot or replay
@@ -292,7 +293,7 @@ class Scheduler:
                 f"{self.config.num_pages * PAGE_SIZE}")
 
     def add(self, request_id: str, prompt_ids: Sequence[int],
-            snapshot_positions: Sequence[int] = ()) -> SequenceRecord:
+            snapshot_positions: Sequence[int] = (), cacheable: bool = True) -> SequenceRecord:
         if request_id in self._seqs:
             raise RequestRejected("duplicate_request", f"request id {request_id!r} is in use")
         self.check_admissible(len(prompt_ids))
@@ -301,7 +302,8 @@ class Scheduler:
                                  f"waiting (limit {self.config.max_waiting})")
         seq = SequenceRecord(request_id=request_id, ticket=self._next_ticket,
                              prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
-                             snapshot_positions=tuple(sorted(set(snapshot_positions))))
+                             snapshot_positions=tuple(sorted(set(snapshot_positions))),
+                             cacheable=cacheable)
         self._next_ticket += 1
         self._seqs[request_id] = seq
         self._waiting.append(seq)

@@ -57,6 +57,8 @@ class SequenceCache:
         self.interval = interval
 
     def match(self, seq: "SequenceRecord") -> Optional[Snapshot]:
+        if not seq.cacheable:
+            return None
         return self.cache.match(seq.token_ids, seq.request_id)
 
     def resume_need(self, seq: "SequenceRecord", entry: Snapshot) -> int:
@@ -77,6 +79,8 @@ class SequenceCache:
 
     def publish(self, seq: "SequenceRecord") -> None:
         """Publish the blocks `seq` has computed in full since the last call."""
+        if not seq.cacheable:
+            return
         done = min(seq.num_computed, len(seq.token_ids)) // PAGE_SIZE
         while len(seq.block_digests) < done:
             index = len(seq.block_digests)
@@ -88,7 +92,7 @@ class SequenceCache:
             self.blocks.publish(seq.page_table[index], digest)
 
     def capture(self, seq: "SequenceRecord", position: int) -> None:
-        if self.cache.config.reuse:
+        if self.cache.config.reuse and seq.cacheable:
             self.cache.capture(seq.token_ids, position, seq.block_digests, seq.page_table,
                                seq.slot)
 
@@ -100,7 +104,7 @@ class SequenceCache:
 
     def pause(self, seq: "SequenceRecord") -> bool:
         """Keep a preempted sequence's state; False when it must replay instead."""
-        if seq.num_computed == 0:
+        if seq.num_computed == 0 or not seq.cacheable:
             return False
         self.publish(seq)
         return self.cache.pause(seq.request_id, seq.token_ids, seq.num_computed,

@@ -29,6 +29,9 @@ FORBIDDEN = {
                        "runtime.cli", "runtime.session", "protocols", "cute_kernels"),
     "runtime.text": ("cuda", "runtime.cuda", "runtime.model", "runtime.engine", "runtime.cli",
                      "runtime.session", "protocols", "cute_kernels"),
+    "runtime.media": ("cuda", "runtime.cuda", "runtime.artifact", "runtime.model",
+                      "runtime.engine", "runtime.text", "runtime.cli", "runtime.session",
+                      "protocols", "cute_kernels"),
     "runtime.cli": ("cuda", "runtime.cuda", "protocols", "cute_kernels"),
     "runtime.session": ("cuda", "runtime.cuda", "protocols", "cute_kernels"),
     "protocols": ("cuda", "runtime.cuda", "runtime.model", "runtime.artifact", "runtime.cli",
@@ -44,6 +47,7 @@ FORBIDDEN = {
 ALLOWED = {
     "runtime.engine": ("runtime.model.runner", "runtime.model.sampling"),
     "runtime.session": ("tools.make_tiny",),
+    "runtime.media": ("runtime.model.runner",),
     "cute_kernels": ("runtime.cuda.manifest", "runtime.cuda.expr", "runtime.model.sampling"),
 }
 
