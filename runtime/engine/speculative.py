@@ -30,7 +30,10 @@ A round of one sequence whose last committed token x_n sits at position n:
 The MTP head's KV cache follows the main model ("catch-up", `MtpRow`): before a sequence's
 next computation, the head runs over the positions its last computation kept (prompt chunks
 and verified rounds alike), paired with the committed tokens after them; the last of those
-positions' logits is the next round's first draft.
+positions' logits is the next round's first draft. When another request computed on the
+lane in between (a pause or preemption freed it), the kept states are gone: the sequence then
+drafts nothing until its next computation was caught up (its output is unchanged; only drafts
+are lost).
 """
 
 from __future__ import annotations
@@ -191,6 +194,9 @@ class Speculation:
         self.runner = runner
         self.layout = layout
         self._states: dict[str, _SequenceState] = {}
+        # Lane slot -> the request whose computation the runner's kept hidden states are from
+        # (another request may have used the lane since: a pause or preemption frees it).
+        self._computed_on: dict[int, str] = {}
 
     def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         self._states[request_id] = _SequenceState(
@@ -229,7 +235,8 @@ class Speculation:
         if not self.config.mtp or due is None:
             return None
         due_slot, first, count = due
-        if due_slot != slot or first + count != start_pos:
+        if due_slot != slot or self._computed_on.get(slot) != request_id \
+                or first + count != start_pos:
             return None
         tokens = state.ngram.tokens[first + 1:first + count + 1]
         return MtpRow(slot, tokens, first, page_table, num_drafts)
@@ -294,6 +301,8 @@ class Speculation:
                      accepted: Mapping[str, int]) -> None:
         """Record each computed sequence's kept positions (its MTP catch-up) and its new
         tokens (the n-gram index)."""
+        for work in (*batch.prefills, *batch.decodes):
+            self._computed_on[work.slot] = work.request_id
         for work in batch.prefills:
             state = self._states.get(work.request_id)
             if state is not None:

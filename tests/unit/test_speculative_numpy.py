@@ -113,3 +113,36 @@ def test_mtp_catch_up_in_pieces_equals_the_head_over_the_whole_sequence(tiny_den
     assert len(drafts[0]) == 3
     with pytest.raises(ValueError, match="kept positions"):
         pieces.mtp_draft([MtpRow(0, tokens[1:10], 0, [0, 1])])
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_mtp_rounds_with_the_prefix_cache_pausing_and_resuming(tiny_dense_path, sampling):
+    """Paused requests resume from the host tier on another or the same lane (the runner's
+    kept hidden states are then someone else's: the head drafts again once caught up), and a
+    second turn resumes from the cache; the tokens stay those of plain decoding."""
+    rng = np.random.default_rng(0)
+    prompts = {"a": rng.integers(0, 440, 100).tolist(), "b": rng.integers(0, 440, 110).tolist(),
+               "c": rng.integers(0, 440, 20).tolist()}
+    with open_artifact(tiny_dense_path) as artifact:
+        expected, _ = generate(artifact, OFF, prompts, 30, sampling)
+        layout = SlotLayout.for_config(2, MTP3)
+        runner = NumpyRunner.from_artifact(artifact, num_pages=4, num_slots=layout.reserved + 2,
+                                           mtp=True)
+        config = EngineConfig(num_lanes=2, max_context=256, prefill_chunk=64,
+                              service_turn_tokens=16, host_cache_bytes=64 << 20,
+                              prefix_cache=True, snapshot_slots=2, speculative=MTP3)
+        with Engine(runner, config) as engine:
+            streams = {rid: engine.submit(EngineRequest(rid, tuple(p), sampling, 30))
+                       for rid, p in prompts.items()}
+            results = {rid: list(stream) for rid, stream in streams.items()}
+            second = prompts["c"] + [t for o in results["c"] for t in o.token_ids] + [5, 6, 7]
+            again = list(engine.submit(EngineRequest("c2", tuple(second), sampling, 20)))
+            counters = dict(engine.counters)
+        plain_again, _ = generate(artifact, OFF, {"c2": second}, 20, sampling)
+    preemptions = 0
+    for rid, outputs in results.items():
+        assert [t for o in outputs for t in o.token_ids] == expected[rid][0], rid
+        preemptions += outputs[-1].stats.preemptions
+    assert [t for o in again for t in o.token_ids] == plain_again["c2"][0]
+    assert again[-1].cached_prompt_tokens == 20 + 30 - 1   # resumed where turn one ended
+    assert preemptions > 0 and counters["spec_rounds"] > 50
