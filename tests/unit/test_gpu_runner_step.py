@@ -1,0 +1,289 @@
+"""`runtime.model.gpu` on the null device: what reaches the driver for the step contract.
+
+Kernels do not run here, so these tests check launches, copies and metadata, not values
+(`tests/gpu/test_gpu_runner_step.py` checks values on a GPU):
+- the launch sequence of the scenario in `gpu_trace` equals the one recorded from the runner
+  before it became a package (`tests/data/gpu_runner_trace.json`): same kernels, grids and
+  parameter bytes, same uploads, in the same order;
+- a step of mixed rows sends exactly what the separate `decode` and `prefill` calls send;
+- prefill rows compute only the logits they want, read back in blocks;
+- verification rows: one decode batch per position, states read at the previous snapshot and
+  written to the next, the same launches as separate decode steps;
+- `commit` swaps the slot mapping without copying;
+- the lm_head of the Qwen3.6-27B shape has a kernel at every row count of a prefill chunk.
+Needs the built kernels (`python build_kernels.py`) and skips without them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.model.runner import DecodeItem, PrefillChunk, StepRow
+
+from gpu_trace import FIXTURE, SCENARIO, trace, traced_runner, tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from runtime.cuda.manifest import ManifestError
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
+        pytest.skip("kernels not built")
+    path = tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.infernix")
+    try:
+        CudaRunner.from_artifact(path, num_pages=4, num_slots=1, device=NullDevice(total_memory=2 << 30)).close()
+    except ManifestError as exc:
+        pytest.skip(f"kernels not built: {exc}")
+    except Exception as exc:  # a stale or partial build
+        if type(exc).__name__ in ("KernelMissing", "KernelStale"):
+            pytest.skip(str(exc))
+        raise
+    return path
+
+
+def runner(tiny_path, **shape):
+    from runtime.model.gpu.runner import CudaRunner
+
+    return traced_runner(CudaRunner, tiny_path, **shape)
+
+
+def kernel_lines(log: list[str]) -> list[str]:
+    return [line for line in log if line.startswith(("launch", "capture", "replay"))]
+
+
+def meta_uploads(r) -> list[dict[str, np.ndarray]]:
+    """Every metadata block uploaded since the log was emptied, as field -> int32 values."""
+    st = r.storage
+    blocks = []
+    for dst, data in r.device.uploads:
+        if dst == st.buf["meta"]:
+            arr = np.frombuffer(data, np.int32)
+            blocks.append({name: arr[off:off + st.meta_size[name]] for name, off in st.meta_off.items()})
+    return blocks
+
+
+def test_launch_sequence_equals_the_runner_before_the_package(tiny_path):
+    from runtime.model.gpu.runner import CudaRunner
+
+    want = json.loads(FIXTURE.read_text())
+    got = {"artifact": trace(CudaRunner, tiny_path), "synthetic": trace(CudaRunner, tiny_path, SCENARIO[:2], 3)}
+    assert got.keys() == want.keys()
+    for source, phases in want.items():
+        assert list(got[source]) == list(phases)
+        for phase, lines in phases.items():
+            mine = got[source][phase]
+            first = next((i for i, (a, b) in enumerate(zip(mine, lines)) if a != b), min(len(mine), len(lines)))
+            assert mine == lines, (f"{source}/{phase}: {len(mine)} lines vs {len(lines)} recorded; first "
+                                   f"difference at {first}: {mine[first:first + 1]} vs {lines[first:first + 1]}")
+
+
+def test_step_of_mixed_rows_sends_what_the_separate_calls_send(tiny_path):
+    together, apart = runner(tiny_path), runner(tiny_path)
+    try:
+        v = together.vocab_size
+        prompt = list(range(1, 150))
+        out = together.step([
+            StepRow(slot=0, token_ids=[5], start_pos=0, page_table=[0]),
+            StepRow(slot=1, token_ids=prompt, start_pos=0, page_table=[1, 2, 3], logits="all"),
+            StepRow(slot=2, token_ids=[7], start_pos=0, page_table=[4], logits="none"),
+            StepRow(slot=3, token_ids=[3, 4], start_pos=0, page_table=[5]),
+        ])
+        assert [o.shape for o in out] == [(1, v), (149, v), (0, v), (1, v)]
+        assert all(o.dtype == np.float32 for o in out)
+        apart.decode([DecodeItem(0, 5, 0, [0]), DecodeItem(2, 7, 0, [4])])
+        apart.prefill(PrefillChunk(slot=1, token_ids=prompt, start_pos=0, page_table=[1, 2, 3], all_logits=True))
+        apart.prefill(PrefillChunk(slot=3, token_ids=[3, 4], start_pos=0, page_table=[5]))
+        assert together.device.log == apart.device.log
+    finally:
+        together.close()
+        apart.close()
+
+
+def test_decode_rows_beyond_max_batch_run_as_several_batches(tiny_path):
+    r = runner(tiny_path, num_slots=6, max_batch=4)
+    try:
+        rows = [StepRow(slot=s, token_ids=[s + 1], start_pos=0, page_table=[s]) for s in range(6)]
+        assert [o.shape[0] for o in r.step(rows)] == [1] * 6
+        metas = meta_uploads(r)
+        assert [m["ids"][:4].tolist() for m in metas] == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    finally:
+        r.close()
+
+
+def test_prefill_rows_compute_only_the_logits_they_want(tiny_path):
+    r = runner(tiny_path)
+    try:
+        prompt = list(range(1, 150))  # pieces of 64: [0, 64), [64, 128), [128, 149)
+        out = r.step([StepRow(slot=0, token_ids=prompt, start_pos=0, page_table=[0, 1, 2],
+                              logits=(0, 1, 2, 70, 100))])
+        assert out[0].shape == (5, r.vocab_size)
+        assert [k for k in r.steps.plans.bound if k[0] == "lm_head"] == [("lm_head", 0, 3), ("lm_head", 6, 1),
+                                                                        ("lm_head", 36, 1)]
+        logits = r.storage.buf["logits"]
+        assert sum(line.startswith(f"dtoh {logits:#x}") for line in r.device.log) == 3
+    finally:
+        r.close()
+    r = runner(tiny_path)
+    try:
+        out = r.step([StepRow(slot=0, token_ids=prompt, start_pos=0, page_table=[0, 1, 2], logits="none")])
+        assert out[0].shape == (0, r.vocab_size)
+        assert not [k for k in r.steps.plans.bound if k[0] == "lm_head"]
+        assert not any(line.startswith("dtoh") for line in r.device.log)
+    finally:
+        r.close()
+
+
+def test_all_logits_read_back_in_blocks_of_the_staging_rows(tiny_path):
+    r = runner(tiny_path, prefill_chunk=200, max_batch=8)
+    try:
+        r.storage.logit_rows = 64  # as a large vocabulary would make it (`Storage`)
+        out = r.step([StepRow(slot=0, token_ids=list(range(1, 150)), start_pos=0, page_table=[0, 1, 2],
+                              logits="all")])
+        assert out[0].shape == (149, r.vocab_size)
+        assert [k for k in r.steps.plans.bound if k[0] == "lm_head"] == [("lm_head", 0, 64), ("lm_head", 64, 64),
+                                                                        ("lm_head", 128, 21)]
+    finally:
+        r.close()
+
+
+ROWS = [StepRow(slot=0, token_ids=[5], start_pos=3, page_table=[0]),
+        StepRow(slot=1, token_ids=[7, 8, 9], start_pos=10, page_table=[1], logits="all", snapshots=[4, 5, 6]),
+        StepRow(slot=2, token_ids=[3, 2], start_pos=63, page_table=[2, 3], logits=(1,), snapshots=[7, 8])]
+
+
+def test_verification_rows_chain_their_snapshots(tiny_path):
+    r = runner(tiny_path, num_slots=12)
+    try:
+        phys, pad = list(r.slots.phys), r.slots.pad_slot
+        out = r.step(ROWS)
+        assert [o.shape[0] for o in out] == [1, 3, 1]
+        metas = meta_uploads(r)
+        assert len(metas) == 4  # the decode row's batch, then one batch per verification position
+        assert metas[0]["slots_in"][0] == metas[0]["slots"][0] == phys[0]
+        for p, meta in enumerate(metas[1:]):
+            live = [row for row in ROWS[1:] if row.num_tokens > p]
+            b, bucket = len(live), 1 if len(live) == 1 else 2
+            assert meta["slots_in"][:b].tolist() == [phys[row.slot if p == 0 else row.snapshots[p - 1]]
+                                                     for row in live]
+            assert meta["slots"][:b].tolist() == [phys[row.snapshots[p]] for row in live]
+            assert (meta["slots_in"][b:bucket] == pad).all() and (meta["slots"][b:bucket] == pad).all()
+            assert meta["ids"][:b].tolist() == [row.token_ids[p] for row in live]
+            assert meta["pos"][:b].tolist() == [row.start_pos + p for row in live]
+            pages = [row.page_table[(row.start_pos + p) // 64] * 64 + (row.start_pos + p) % 64 for row in live]
+            assert meta["wrow"][:b].tolist() == pages
+            assert not {phys[1], phys[2]} & set(meta["slots"][:b].tolist())  # the rows' own slots are only read
+        assert r.slots.phys == phys  # a step maps nothing; commit does
+    finally:
+        r.close()
+
+
+def test_verification_launches_are_those_of_separate_decode_steps(tiny_path):
+    verify, separate = runner(tiny_path, num_slots=12), runner(tiny_path, num_slots=12)
+    try:
+        row = ROWS[1]
+        verify.step([row])
+        source = row.slot
+        for p, (token, snapshot) in enumerate(zip(row.token_ids, row.snapshots)):
+            separate.copy_slot(source, snapshot)
+            separate.decode([DecodeItem(snapshot, token, row.start_pos + p, row.page_table)])
+            source = snapshot
+        assert kernel_lines(verify.device.log) == kernel_lines(separate.device.log)
+    finally:
+        verify.close()
+        separate.close()
+
+
+def test_commit_swaps_the_slot_mapping(tiny_path):
+    from runtime.model.sampling import RowSampling
+
+    r = runner(tiny_path, num_slots=12)
+    try:
+        st, dev = r.storage, r.device
+        for slot, value in ((1, 1.0), (5, 2.0)):  # tell the two physical states apart
+            dev.memcpy_htod(st.states[0] + r.slots.phys[slot] * st.state_slot_bytes,
+                            np.full(st.state_slot_bytes // 4, value, np.float32))
+        before = list(r.slots.phys)
+        dev.log = []
+        r.commit(1, 5)
+        assert r.slots.phys[1] == before[5] and r.slots.phys[5] == before[1]
+        assert dev.log == []  # nothing copied
+        assert (r.read_state(0, 1)[0] == 2.0).all() and (r.read_state(0, 5)[0] == 1.0).all()
+        dev.uploads = []
+        r.decode([DecodeItem(slot=1, token_id=5, pos=13, page_table=[1])])
+        meta = meta_uploads(r)[0]
+        assert meta["slots_in"][0] == meta["slots"][0] == before[5]
+        with pytest.raises(ValueError, match="other than"):
+            r.commit(1, 1)
+        with pytest.raises(ValueError, match="out of range"):
+            r.commit(1, 12)
+        if r.samples_on_device:  # a pending step computed ahead is dropped by commit and step
+            for drop in (lambda: r.commit(2, 6),
+                         lambda: r.step([StepRow(slot=3, token_ids=[1], start_pos=0, page_table=[3])])):
+                r.decode_sampled([DecodeItem(slot=2, token_id=5, pos=3, page_table=[2])],
+                                 lambda: [RowSampling(greedy=True)], lookahead=True)
+                assert r._ahead is not None
+                drop()
+                assert r._ahead is None
+    finally:
+        r.close()
+
+
+def test_a_bad_row_refuses_the_step_before_anything_runs(tiny_path):
+    r = runner(tiny_path, num_slots=12)
+    try:
+        good = StepRow(slot=0, token_ids=[1, 2, 3], start_pos=0, page_table=[0])
+        for bad, match in ((StepRow(slot=1, token_ids=[r.vocab_size], start_pos=0, page_table=[1]), "token ids"),
+                           (StepRow(slot=1, token_ids=[1] * 70, start_pos=0, page_table=[1]), "page table"),
+                           (StepRow(slot=1, token_ids=[1], start_pos=-1, page_table=[1]), "start_pos"),
+                           (StepRow(slot=1, token_ids=[1, 2], start_pos=0, page_table=[1], snapshots=[0, 2]), "twice"),
+                           (StepRow(slot=1, token_ids=[1], start_pos=r.max_context, page_table=[1] * 20), "context")):
+            with pytest.raises(ValueError, match=match):
+                r.step([good, bad])
+        assert r.device.log == []
+    finally:
+        r.close()
+
+
+def test_kernel_choice_has_the_27b_lm_head_at_every_chunk_row_count():
+    from bench.decode import QWEN36_27B
+    from runtime.cuda.kernels import KernelLibrary
+    from runtime.cuda.manifest import ManifestError
+    from runtime.cuda.null import NullDevice
+    from runtime.model.config import ModelConfig
+    from runtime.model.gpu.kernels import KernelChoice
+    from runtime.model.gpu.layers import Forward
+    from runtime.model.gpu.storage import Storage
+    from runtime.model.gpu.weights import WeightLayout
+
+    device = NullDevice(total_memory=200 << 30)
+    try:
+        library = KernelLibrary.open(device, required=[])
+    except ManifestError as exc:
+        pytest.skip(f"kernels not built: {exc}")
+    if ("gemm_sm90", "lm_head_n248320_k5120") not in library.manifest.kernels:
+        pytest.skip("the 27B lm_head GEMM was not built")
+    config = ModelConfig.from_dict(QWEN36_27B)
+    kernels = KernelChoice(library, config)
+    v, h = config.vocab_size, config.hidden_size
+    assert kernels.linear(v, h, 8)[0] == "gemv" and kernels.linear(v, h, 16)[0] == "gemv"
+    for m in (17, 128, 512, 2048):
+        assert kernels.linear(v, h, m) == ("gemm_sm90", "lm_head_n248320_k5120")
+    # A 2,048-row chunk stages its logits in blocks of 512 rows (the 256 MiB budget) and the head
+    # binds at that row count.
+    layout = WeightLayout.plan(config)
+    storage = Storage(config, device, kernels, weight_bytes=layout.total, num_pages=33, phys_slots=2, max_batch=1,
+                      prefill_chunk=2048, max_context=2048, decode_split=256)
+    try:
+        assert storage.logit_rows == 512
+        head = Forward(config, kernels, library, storage, layout, phys_slots=2).lm_head(0, storage.logit_rows)
+        assert [launch.kernel.entry.key for launch in head] == ["lm_head_n248320_k5120"]
+    finally:
+        storage.release()
