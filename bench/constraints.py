@@ -244,6 +244,8 @@ class WaitingRunner:
     """A ModelRunner stand-in: every call takes `step_s` of wall time without holding the GIL
     (like waiting on a GPU step) and returns flat logits, so greedy picks the lowest allowed id."""
 
+    samples_on_device = False
+
     def __init__(self, step_s: float):
         self.vocab_size, self.num_pages, self.num_slots = VOCAB, 64, 1
         self.step_s = step_s

@@ -51,7 +51,7 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
                 decode_split: int | None = None) -> Any:
     from runtime.model.config import ModelConfig
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
 
     config = ModelConfig.from_dict(QWEN36_27B)
     pages = max_batch * (-(-max_context // 64) + 1)
@@ -64,13 +64,13 @@ def step_bytes(runner: Any, batch: int, context: int) -> int:
     c = runner.config
     weights = runner.layout.total - runner.layout.globals["embed"].nbytes + batch * c.hidden_size * 2
     kv = batch * context * len(c.attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
-    state = batch * len(c.linear_layers) * 2 * runner.state_slot_bytes
+    state = batch * len(c.linear_layers) * 2 * runner.storage.state_slot_bytes
     return weights + kv + state
 
 
 def kernel_breakdown(runner: Any, bucket: int) -> dict[str, float]:
     """Microseconds per kernel key over one eager decode step (events between launches)."""
-    return plan_breakdown_us(runner.device, runner.stream, runner._decode_plan(bucket), rounds=3)
+    return plan_breakdown_us(runner.device, runner.stream, runner.steps.decode_plan(bucket), rounds=3)
 
 
 SAMPLING_MODES = ("host", "device", "device+ahead")
@@ -124,7 +124,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
                     if mode == "host" or runner.samples_on_device}
             # GPU-only time of the graph (no host work in between): replay back to back.
             bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
-            graph = runner._graphs[bucket]
+            graph = runner.steps.graphs[bucket]
             start, end = dev.create_event(), dev.create_event()
             start.record(s)
             for _ in range(steps):
@@ -144,7 +144,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
             print(json.dumps(row), flush=True)
             if batch == 1:
                 breakdown[str(context)] = kernel_breakdown(runner, 1)
-    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "decode_split": runner.decode_split,
+    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(),
+            "decode_split": runner.storage.decode_split,
             "results": results,
             "breakdown_us": breakdown}
 

@@ -60,7 +60,7 @@ def chunk_breakdown(runner: Any, tokens: int) -> dict[str, float]:
     runner.reset_slot(0)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(tokens)), start_pos=0,
                                 page_table=list(range(-(-tokens // 64)))))
-    plan = next(p for k, p in runner._plans.items() if k[0] == "prefill" and k[1] == tokens)
+    plan = next(p for k, p in runner.steps.plans.bound.items() if k[0] == "prefill" and k[1] == tokens)
     return plan_breakdown_us(dev, s, plan)
 
 
@@ -71,7 +71,7 @@ def use_gdn(runner: Any, mode: str, kernels: dict[str, Any]) -> None:
     k.gdn_chunked = kernels["gdn_chunked"] if mode == "chunked" else None
     k.gdn_split = kernels["gdn_split"] if mode == "split" else None
     k.gdn_norm = None if mode == "fused" else kernels["gdn_norm"]
-    runner._plans.clear()
+    runner.steps.plans.clear()
 
 
 def gdn_vs_fla(runner: Any, n: int) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
 def use_attn(runner: Any, mode: str, key: Any) -> None:
     """Point the runner's prefill attention at the split-KV path or the tensor-core kernel."""
     runner.kernels.prefill_attn = None if mode == "split" else key
-    runner._plans.clear()
+    runner.steps.plans.clear()
 
 
 GDN_MODES = ("chunked", "split", "fused")

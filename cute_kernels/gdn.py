@@ -13,8 +13,9 @@ GDN input projection whose columns `z_off`, `b_off`, `a_off` hold z [Hv*dv], b [
 fp32 state pool is `[slots, Hv, dv, dk]` (rows of dk contiguous, "v-major"): a state row is one
 512-byte vector at dk = 128, so S k and S q are reductions inside a group of dk/4 lanes and the
 rank-1 update is row-local. Sequence b uses slot `slots[b]` (the fused kernel reads it there and
-writes it to `slots_out[b]`: the same slot in place, or another one when the runner computes a
-decode step it may still discard, see cuda_runner's look-ahead).
+writes it to `slots_out[b]`: the same slot in place, or another one: a spare for a decode step
+the runner computes ahead and may still discard, a snapshot for a verification position; see
+runtime/model/gpu/step.py).
 
 Two modes:
 

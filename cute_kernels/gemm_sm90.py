@@ -40,13 +40,15 @@ SMS = 132  # persistent grid: at most one CTA per SM of an H100/H200 SXM (any gr
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
-# (name, N, K): the 27B's prefill linear layers.
+# (name, N, K): the 27B's prefill linear layers, and its lm_head for the logits of more rows
+# than a GEMV variant takes (prompt log-probabilities: all positions of a chunk).
 SHAPES = [
     ("gdn_in", 16480, 5120),
     ("o_proj", 5120, 6144),
     ("attn_qkv", 14336, 5120),
     ("gate_up", 34816, 5120),
     ("down", 5120, 17408),
+    ("lm_head", 248320, 5120),
     ("test", 328, 192),  # small and ragged (N not a multiple of the tile) for tests
     # The tiny dense test model (tools/make_tiny.py: hidden 256, GDN 2/4 heads of 32, attention
     # 4/2 heads of 64, MLP 512, vocabulary 512), prefill and decode alike.

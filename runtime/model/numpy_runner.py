@@ -69,6 +69,9 @@ class NumpyRunner:
     gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
     """
 
+    # The engine samples this runner's logits on the host (the sampler is the same code).
+    samples_on_device = False
+
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], *,
                  num_pages: int, num_slots: int, dtype: Any = np.float32,
                  mtp_weights: Mapping[str, np.ndarray] | None = None,
@@ -220,6 +223,15 @@ class NumpyRunner:
         for b, item in enumerate(items):
             self._keep_hidden(item.slot, item.pos, out.hidden[b:b + 1])
         return out.logits.astype(np.float32, copy=False)
+
+    def prefill_sampled(self, chunk: PrefillChunk, sampling: Any) -> np.ndarray:
+        raise NotImplementedError("NumpyRunner does not sample (samples_on_device is False): the "
+                                  "engine samples its logits on the host")
+
+    def decode_sampled(self, items: Sequence[DecodeItem], sampling: Any,
+                       lookahead: bool = False) -> np.ndarray:
+        raise NotImplementedError("NumpyRunner does not sample (samples_on_device is False): the "
+                                  "engine samples its logits on the host")
 
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
         return [out.logits.astype(np.float32, copy=False) for out in self.step_with_hidden(rows)]

@@ -27,9 +27,11 @@ same row gives alone (`prefill` and `decode` are the one-row and all-decode spec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, Union
+from typing import Callable, Literal, Protocol, Sequence, Union
 
 import numpy as np
+
+from runtime.model.sampling import RowSampling
 
 PAGE_SIZE = 64
 """Tokens per KV page, everywhere (engine, NumPy runner, CUDA runner, kernels)."""
@@ -219,6 +221,9 @@ class ModelRunner(Protocol):
 
     vocab_size: width of returned logits (the padded vocabulary of the checkpoint).
     num_pages / num_slots: capacities fixed at construction (the engine sizes its pools from them).
+    samples_on_device: the runner can sample rows itself (`prefill_sampled`, `decode_sampled`:
+        only ids come back); False means the engine samples the logits on the host and must not
+        call those two.
     mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
         loaded, every `prefill`, `decode` and `step` keeps each row's final-normed hidden states
         per lane slot until the slot's next computation (`MtpRow`).
@@ -227,6 +232,7 @@ class ModelRunner(Protocol):
     vocab_size: int
     num_pages: int
     num_slots: int
+    samples_on_device: bool
     slot_nbytes: int
     page_nbytes: int
     mtp_layers: int
@@ -271,6 +277,25 @@ class ModelRunner(Protocol):
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
         """One token for each item (distinct slots); float32 logits [len(items), V]."""
+        ...
+
+    def prefill_sampled(self, chunk: PrefillChunk,
+                        sampling: Callable[[], Sequence[RowSampling]]) -> np.ndarray:
+        """`prefill` of a chunk (not all_logits), then the token after its last position sampled
+        on the device with the one row `sampling()` gives: int32 ids [1]. Needs
+        `samples_on_device`."""
+        ...
+
+    def decode_sampled(self, items: Sequence[DecodeItem],
+                       sampling: Callable[[], Sequence[RowSampling]],
+                       lookahead: bool = False) -> np.ndarray:
+        """`decode` of the items with each row's next token sampled on the device: int32 ids
+        [len(items)] (`runtime.model.sampling.DEAD_END` where a row's mask allows nothing).
+        `sampling()` gives one row per item; the runner calls it once the forward pass is
+        queued. lookahead: the caller expects to decode the same sequences next, each with the
+        id sampled here one position on; the runner may queue that step before returning and
+        use it if the next call matches exactly (any other call drops it). Needs
+        `samples_on_device`."""
         ...
 
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:

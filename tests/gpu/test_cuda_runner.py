@@ -35,7 +35,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runners(tiny_path, device, library):
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
     from runtime.model.numpy_runner import NumpyRunner
 
     cuda = CudaRunner.from_artifact(tiny_path, num_pages=80, num_slots=12, device=device, library=library,
@@ -243,20 +243,20 @@ def test_batched_equals_alone_and_graph_equals_eager(runners):
         return [DecodeItem(slot=base + i, token_id=nxt[i], pos=len(p), page_table=_pages(base + i, 2))
                 for i, p in enumerate(prompts)]
 
-    cuda.cuda_graphs = True
+    cuda.steps.cuda_graphs = True
     batched = cuda.decode(items(2))
-    cuda.cuda_graphs = False
+    cuda.steps.cuda_graphs = False
     alone = np.concatenate([cuda.decode([it]) for it in items(5)])
-    cuda.cuda_graphs = True
+    cuda.steps.cuda_graphs = True
     np.testing.assert_array_equal(batched, alone)
     # Graph replay against eager launches of the same step (fresh copies of the states).
     for i, ids in enumerate(prompts):
         _prefill_seq(cuda, 2 + i, 2 + i, ids)
         _prefill_seq(cuda, 5 + i, 5 + i, ids)
     graph = cuda.decode(items(2))
-    cuda.cuda_graphs = False
+    cuda.steps.cuda_graphs = False
     eager = cuda.decode(items(5))
-    cuda.cuda_graphs = True
+    cuda.steps.cuda_graphs = True
     np.testing.assert_array_equal(graph, eager)
 
 

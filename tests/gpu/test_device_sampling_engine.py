@@ -93,7 +93,7 @@ def _run(runner, device_sampling, requests=None, stagger=0):
 
 
 def test_device_sampling_equals_host_sampling(tiny_path, device, library):  # noqa: F811
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
 
     runner = CudaRunner.from_artifact(tiny_path, num_pages=80, num_slots=8, max_batch=8, device=device,
                                       library=library, prefill_chunk=128)
@@ -101,7 +101,7 @@ def test_device_sampling_equals_host_sampling(tiny_path, device, library):  # no
         if not runner.samples_on_device:
             pytest.skip("the sampling kernels were not built")
         on_device = _run(runner, True)
-        assert any(key[0] == "sample" for key in runner._plans), "the device sampler never ran"
+        assert any(key[0] == "sample" for key in runner.steps.plans.bound), "the device sampler never ran"
         on_host = _run(runner, False)
     finally:
         runner.close()
@@ -116,7 +116,7 @@ def test_lookahead_through_joins_and_leaves(tiny_path, device, library):  # noqa
     """Sequences with different lengths, submitted while others decode: the runner computes
     steps ahead while the batch is steady; the tokens must still be those of host sampling."""
     from runtime.engine.api import EngineRequest, SamplingParams
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
 
     runner = CudaRunner.from_artifact(tiny_path, num_pages=80, num_slots=8, max_batch=8, device=device,
                                       library=library, prefill_chunk=128)
@@ -147,7 +147,7 @@ def test_a_step_ahead_used_or_dropped_changes_nothing(tiny_path, device, library
     then again with a step computed ahead that the second call uses, and again with one it drops
     (the second call feeds other tokens). Ids and the GDN states after the second step must be
     bit-identical to the reference in both cases."""
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
     from runtime.model.runner import DecodeItem, PrefillChunk
     from runtime.model.sampling import RowSampling
 

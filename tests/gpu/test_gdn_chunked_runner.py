@@ -24,7 +24,7 @@ LAYERS = 4
 def runner(device, library):
     from bench.decode import QWEN36_27B
     from runtime.model.config import ModelConfig
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
 
     shape = {**QWEN36_27B, "num_hidden_layers": LAYERS, "layer_types": QWEN36_27B["layer_types"][:LAYERS]}
     r = CudaRunner.synthetic(ModelConfig.from_dict(shape), 7, num_pages=16, num_slots=2, max_batch=1,
@@ -50,12 +50,12 @@ def test_chunked_prefill_matches_split(runner, record_property):
     chunked_logits, chunked_states = _prefill(runner, ids)
     chunked_key = k.gdn_chunked
     k.gdn_chunked = None
-    runner._plans.clear()
+    runner.steps.plans.clear()
     try:
         split_logits, split_states = _prefill(runner, ids)
     finally:
         k.gdn_chunked = chunked_key
-        runner._plans.clear()
+        runner.steps.plans.clear()
     assert np.isfinite(chunked_logits).all()
     e_logits = rel_err(chunked_logits, split_logits)
     e_states = [rel_err(a, b) for a, b in zip(chunked_states, split_states)]

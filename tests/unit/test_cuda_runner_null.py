@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def runner(tmp_path_factory):
     from runtime.cuda.manifest import ManifestError
     from runtime.cuda.null import NullDevice
-    from runtime.model.cuda_runner import CudaRunner
+    from runtime.model.gpu.runner import CudaRunner
     from tools.make_tiny import make_tiny
 
     if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
@@ -53,10 +53,10 @@ def test_decode_graph_per_bucket(runner):
     dev = runner.device
     items = [DecodeItem(slot=0, token_id=5, pos=149, page_table=[0, 1, 2]),
              DecodeItem(slot=1, token_id=7, pos=2, page_table=[3])]
-    before = len(runner._graphs)
+    before = len(runner.steps.graphs)
     assert runner.decode(items).shape == (2, runner.vocab_size)
     assert runner.decode(items[:1]).shape == (1, runner.vocab_size)
-    assert len(runner._graphs) == before + 2  # buckets 2 and 1
+    assert len(runner.steps.graphs) == before + 2  # buckets 2 and 1
     n = len(dev.launches)
     runner.decode(items)
     replayed = dev.launches[n:]
@@ -90,10 +90,11 @@ def test_lookahead_step_is_used_when_asked_for_and_dropped_otherwise(runner):
     assert ahead is not None and ahead.positions == [11, 21] and ahead.tokens.tolist() == ids.tolist()
     # The step ahead reads the sequences' slots and writes two spares; its ids come from the
     # sampler's output on the device, not from the host.
-    meta = np.empty(runner.meta_count, np.int32)
-    dev.memcpy_dtoh(meta, runner.buf["meta"])
-    off = runner.meta_off
-    assert meta[off["slots_in"]:off["slots_in"] + 2].tolist() == [runner._phys[2], runner._phys[3]]
+    st, slots = runner.storage, runner.slots
+    meta = np.empty(st.meta_count, np.int32)
+    dev.memcpy_dtoh(meta, st.buf["meta"])
+    off = st.meta_off
+    assert meta[off["slots_in"]:off["slots_in"] + 2].tolist() == [slots.phys[2], slots.phys[3]]
     assert meta[off["slots"]:off["slots"] + 2].tolist() == ahead.spares
     assert meta[off["pos"]:off["pos"] + 2].tolist() == [11, 21]
 
@@ -104,19 +105,19 @@ def test_lookahead_step_is_used_when_asked_for_and_dropped_otherwise(runner):
     runner.decode_sampled(nxt, rows)
     names = {launch.function for launch in dev.launches[n:]}
     assert all("sampling" in name for name in names), names
-    assert [runner._phys[2], runner._phys[3]] == ahead.spares
-    assert sorted(runner._phys + runner._spares) == list(range(runner.phys_slots - 1))
+    assert [slots.phys[2], slots.phys[3]] == ahead.spares
+    assert sorted(slots.phys + slots.spares) == list(range(slots.phys_slots - 1))
     assert runner._ahead is None
 
     # A different next step (another token): the step ahead is dropped, the slots stay.
     runner.decode_sampled(nxt, rows, lookahead=True)
-    phys = list(runner._phys)
+    phys = list(slots.phys)
     n = len(dev.launches)
     other = [DecodeItem(slot=it.slot, token_id=it.token_id + 1, pos=it.pos + 1, page_table=it.page_table)
              for it in nxt]
     runner.decode_sampled(other, rows)
     assert any("sampling" not in launch.function for launch in dev.launches[n:])  # the forward ran
-    assert runner._phys == phys
+    assert slots.phys == phys
     # A page boundary ahead (position 64 needs a page the table does not hold): nothing ahead.
     runner.decode_sampled([DecodeItem(slot=2, token_id=1, pos=63, page_table=[5])],
                           lambda: [RowSampling(greedy=True)], lookahead=True)

@@ -1,0 +1,182 @@
+"""The forward pass as bound launches: one builder per layer kind.
+
+`Forward.bind` lists the launches of one step shape (`StepShape`: prefill is one sequence, decode
+one token per sequence) from the embedding to the final norm, reading per-step values (token
+ids, positions, KV rows, slots, page tables) from the metadata block, so the list is bound once
+and launched, or captured into a graph, for every step of that shape. `Forward.lm_head` is the
+head over a block of rows. Each layer is its mixer (`gdn` or `attention`), then its MLP
+(`dense_mlp`); every projection goes through `linear`, which picks the kernel by the weight's
+format and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.model.config import LINEAR_ATTENTION
+from runtime.model.gpu.weights import Slot
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step shape: m rows (tokens) of nseq sequences of t tokens each (m = nseq * t); splits
+    and split: KV splits per query row and keys per split of split-KV attention; prefill: the
+    prefill kernels (GDN chunked or split form, flash attention where compiled) and in-place
+    states, else the decode kernels (states read at `slots_in`, written at `slots`)."""
+
+    m: int
+    nseq: int
+    t: int
+    splits: int
+    split: int
+    prefill: bool
+
+
+class Forward:
+    """The model's launches: `bind(shape)` for the forward pass of a step shape, `lm_head` for the
+    head over a block of rows. Built once per runner; binding happens once per shape."""
+
+    def __init__(self, config: Any, kernels: Any, library: Any, storage: Any, layout: Any, phys_slots: int):
+        self.config, self.kernels, self.library = config, kernels, library
+        self.storage, self.layout = storage, layout
+        self.phys_slots = phys_slots
+
+    def bind(self, shape: StepShape) -> list:
+        """The launches of one step shape, embedding to final norm (hidden rows in `buf["h"]`)."""
+        out: list = []
+        self.embedding(out, shape)
+        gdn_index = attn_index = 0
+        for i, layer in enumerate(self.layout.layers):
+            if i == 0:
+                self.norm(out, shape, layer["input_norm"])
+            else:
+                self.add_norm(out, shape, layer["input_norm"])
+            if self.config.layer_types[i] == LINEAR_ATTENTION:
+                self.gdn(out, shape, gdn_index, layer)
+                gdn_index += 1
+            else:
+                self.attention(out, shape, attn_index, layer)
+                attn_index += 1
+            self.add_norm(out, shape, layer["post_norm"])
+            # The MoE MLP builder goes here (router, top-k, expert GEMMs, shared expert), chosen
+            # by the config's family; `WeightLayout.plan` refuses MoE models until it exists.
+            self.dense_mlp(out, shape, layer)
+        self.add_norm(out, shape, self.layout.globals["norm"])
+        return out
+
+    def lm_head(self, row0: int, rows: int) -> list:
+        """The head over hidden rows row0 .. row0 + rows - 1 into logits rows 0 .. rows - 1."""
+        out: list = []
+        head = self.layout.globals.get("lm_head") or self.layout.globals["embed"]
+        buf = self.storage.buf
+        self.linear(out, buf["h"] + row0 * self.config.hidden_size * 2, head, buf["logits"], rows)
+        return out
+
+    # ------------------------------------------------------------------ helpers
+
+    def launch(self, out: list, family: str, key: str, bufs: dict, sizes: dict) -> None:
+        out.append(self.library.kernel(family, key).bind(bufs, sizes))
+
+    def w(self, slot: Slot) -> int:
+        return self.storage.weights_base + slot.offset
+
+    def linear(self, out: list, x: int, weight: Slot, y: int, rows: int) -> None:
+        """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
+        shape (the GEMV for a few rows, the GEMM otherwise). BF16 is the only format so far; a
+        quantized format adds its kernels (and binds its scales) here."""
+        if weight.format != "bf16":
+            raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "
+                                      "CudaRunner runs bf16 weights only so far")
+        n, k = weight.shape
+        family, key = self.kernels.linear(n, k, rows)
+        self.launch(out, family, key, {"x": x, "w": self.w(weight), "out": y}, {"M": rows})
+
+    # ------------------------------------------------------------------ layer kinds
+
+    def embedding(self, out: list, shape: StepShape) -> None:
+        """The token rows into the residual (gathered on the host where no kernel was built)."""
+        st = self.storage
+        if self.kernels.embedding:
+            self.launch(out, "embedding", self.kernels.embedding,
+                        {"ids": st.meta_ptr("ids"), "table": self.w(self.layout.globals["embed"]),
+                         "out": st.buf["resid"], "err": st.meta_ptr("err")}, {"M": shape.m})
+
+    def norm(self, out: list, shape: StepShape, weight: Slot) -> None:
+        """h = norm(resid)."""
+        buf = self.storage.buf
+        self.launch(out, "rmsnorm", self.kernels.norm, {"x": buf["resid"], "w": self.w(weight), "out": buf["h"]},
+                    {"M": shape.m})
+
+    def add_norm(self, out: list, shape: StepShape, weight: Slot) -> None:
+        """resid += delta; h = norm(resid)."""
+        buf = self.storage.buf
+        self.launch(out, "rmsnorm", self.kernels.add_norm, {"x": buf["delta"], "residual": buf["resid"],
+                                                            "w": self.w(weight), "out": buf["h"]}, {"M": shape.m})
+
+    def gdn(self, out: list, shape: StepShape, n: int, layer: dict[str, Slot]) -> None:
+        """The n-th Gated DeltaNet mixer: projection, causal conv, delta rule, gated norm, out."""
+        k, st, buf = self.kernels, self.storage, self.storage.buf
+        m, nseq, t, prefill, slots = shape.m, shape.nseq, shape.t, shape.prefill, self.phys_slots
+        self.linear(out, buf["h"], layer["w_in"], buf["proj"], m)
+        # Prefill reads the old windows from a scratch copy (the step copies them there: the conv
+        # kernel's writers and readers differ when a piece is longer than one thread's tokens).
+        win_in = buf["win_scratch"] + n * st.win_slot_bytes if prefill else st.windows[n]
+        self.launch(out, "conv1d", k.conv, {"x": buf["proj"], "w": self.w(layer["conv"]), "win_in": win_in,
+                                            "win_out": st.windows[n], "slots_in": st.meta_ptr("slots_in"),
+                                            "slots_out": st.meta_ptr("slots"), "out": buf["conv_out"]},
+                    {"B": nseq, "T": t, "NI": 1 if prefill else slots, "NO": slots})
+        gdn_args = {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": self.w(layer["a_log"]),
+                    "dt_bias": self.w(layer["dt_bias"]), "state": st.states[n], "slots": st.meta_ptr("slots")}
+        if prefill and (k.gdn_chunked or k.gdn_split):
+            # The chunked or split kernel (un-normalised o into gdn_out), then the gated norm in
+            # place, z read from the projection rows.
+            family, key = ("gdn_chunked", k.gdn_chunked) if k.gdn_chunked else ("gdn", k.gdn_split)
+            self.launch(out, family, key, {**gdn_args, "out": buf["gdn_out"]}, {"B": nseq, "T": t, "NS": slots})
+            self.launch(out, "rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
+                                                     "w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                        {"M": m * self.config.linear_num_value_heads})
+        else:
+            # Decode reads each state at slots_in and writes it at slots (the same slot, a spare
+            # for a step computed ahead, or a snapshot for verification); prefill works in place.
+            self.launch(out, "gdn", k.gdn, {**gdn_args, "slots": st.meta_ptr("slots" if prefill else "slots_in"),
+                                            "slots_out": st.meta_ptr("slots"), "norm_w": self.w(layer["gdn_norm"]),
+                                            "out": buf["gdn_out"]},
+                        {"B": nseq, "T": t, "NS": slots})
+        self.linear(out, buf["gdn_out"], layer["out_proj"], buf["delta"], m)
+
+    def attention(self, out: list, shape: StepShape, n: int, layer: dict[str, Slot]) -> None:
+        """The n-th gated attention mixer: projection, q/k norm + RoPE + KV write, attention over
+        the paged KV with the sigmoid gate, out."""
+        k, st, buf = self.kernels, self.storage, self.storage.buf
+        m = shape.m
+        pad_pages = st.num_pages + 1  # the pad page padded decode rows write into
+        self.linear(out, buf["h"], layer["w_qkv"], buf["proj"], m)
+        pages = {"k_pages": st.k_pages[n], "v_pages": st.v_pages[n]}
+        self.launch(out, "attention", k.prep, {"x": buf["proj"], "qn_w": self.w(layer["q_norm"]),
+                                               "kn_w": self.w(layer["k_norm"]), "cos": buf["cos"], "sin": buf["sin"],
+                                               "pos": st.meta_ptr("pos"), "wrow": st.meta_ptr("wrow"),
+                                               "q_out": buf["q"], **pages},
+                    {"M": m, "P": st.rope_positions, "NP": pad_pages})
+        rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
+        if shape.prefill and k.prefill_attn:
+            self.launch(out, "attention_prefill", k.prefill_attn,
+                        {"q": buf["q"], **pages, **rows, "x": buf["proj"], "out": buf["attn_out"]},
+                        {"M": m, "maxp": st.maxp, "R": st.max_batch, "NP": pad_pages})
+        else:
+            self.launch(out, "attention", k.split, {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"],
+                                                    "lse": buf["lse"]},
+                        {"M": m, "S": shape.splits, "split": shape.split, "maxp": st.maxp, "R": st.max_batch,
+                         "NP": pad_pages})
+            self.launch(out, "attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"],
+                                                      "pos": st.meta_ptr("pos"), "x": buf["proj"],
+                                                      "out": buf["attn_out"]},
+                        {"M": m, "S": shape.splits, "split": shape.split})
+        self.linear(out, buf["attn_out"], layer["o_proj"], buf["delta"], m)
+
+    def dense_mlp(self, out: list, shape: StepShape, layer: dict[str, Slot]) -> None:
+        """h -> delta through gate/up, SiLU(gate) * up, down."""
+        buf = self.storage.buf
+        self.linear(out, buf["h"], layer["w_gate_up"], buf["proj"], shape.m)
+        self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": shape.m})
+        self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m)

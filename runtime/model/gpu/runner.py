@@ -1,0 +1,335 @@
+"""`CudaRunner`: the `ModelRunner` protocol on one NVIDIA GPU, with AOT-compiled CuTe DSL kernels.
+
+The runner checks each call, maps the engine's slots to physical ones (`storage.StateSlots`) and
+hands the work to its parts: `storage` (the arenas), `weights` (layout, upload), `kernels`
+(which variant runs what), `layers` (the forward pass as bound launches), `step` (metadata,
+plans, graphs, look-ahead) and `sampling` (device sampling).
+
+`step(rows)` (the step contract of `runtime/model/runner.py`) runs, in this order: the one-token
+rows without snapshots as decode batches of up to `max_batch` (graphs per bucket, as `decode`);
+each prefill row as `prefill` does, with only the wanted positions' logits computed; then the
+verification rows, one decode batch per token position over every verification row that long,
+row i reading its state at the previous snapshot (its own slot for position 0) and writing it to
+snapshot i. Decode kernels are batch-invariant, so every row equals the separate calls it stands
+for bit for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
+the snapshot slot then holds the slot's old state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from runtime.model.config import ModelConfig
+from runtime.model.gpu.kernels import KernelChoice
+from runtime.model.gpu.layers import Forward
+from runtime.model.gpu.sampling import DeviceSampler
+from runtime.model.gpu.step import Steps
+from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
+from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, StepRow, checked_page_table,
+                                  checked_rows, checked_tokens)
+from runtime.model.sampling import RowSampling
+
+
+class CudaRunner:
+    """See the module docstring. Build with `from_artifact` or `synthetic`.
+
+    Besides the protocol, tests and benchmarks read the parts: `config`, `device`, `stream`,
+    `library`, `kernels` (`KernelChoice`), `layout` (`WeightLayout`), `storage`, `slots`, `steps`,
+    and `read_state` (a GDN layer's state of a slot, in `NumpyRunner`'s layout).
+    """
+
+    def __init__(self, config: ModelConfig, *, num_pages: int, num_slots: int, component: Any = None,
+                 synthetic_seed: int | None = None, device: Any = None, library: Any = None,
+                 max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
+                 cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
+                 progress: Callable[[int, int], None] | None = None):
+        from runtime.cuda.kernels import KernelLibrary
+
+        if (component is None) == (synthetic_seed is None):
+            raise ValueError("give exactly one of an artifact component or a synthetic seed")
+        if max_batch not in BUCKETS:
+            raise ValueError(f"max_batch must be one of {BUCKETS}, got {max_batch}")
+        c = self.config = config
+        self.vocab_size = c.vocab_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        # `max_batch` spares hold a decode step computed ahead (see `decode_sampled`).
+        self.slots = StateSlots(num_slots, max_batch if lookahead else 0)
+        self.max_context = min(max_context or num_pages * PAGE_SIZE, c.max_position_embeddings)
+        if device is None:
+            from runtime.cuda.device import CudaDevice
+            device = CudaDevice(0)
+        self.device = device
+        self.stream = device.create_stream()
+        self.library = library or KernelLibrary.open(device, required=[])
+        self.kernels = KernelChoice(self.library, c)
+        for fam, key in self.kernels.required():
+            self.library.kernel(fam, key)
+        self.layout = WeightLayout.plan(c)
+        self._component = component
+        self._host_embed: np.ndarray | None = None
+        self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
+                               phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                               max_context=self.max_context, decode_split=decode_split)
+        st = self.storage
+        if component is not None:
+            upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress)
+        else:
+            fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream)
+        cos, sin = rope_tables(c, st.rope_positions)
+        device.memcpy_htod(st.buf["cos"], cos, self.stream)
+        device.memcpy_htod(st.buf["sin"], sin, self.stream)
+        self.stream.synchronize()
+        for n in range(num_slots):
+            self.reset_slot(n)
+        forward = Forward(c, self.kernels, self.library, st, self.layout, self.slots.phys_slots)
+        self.steps = Steps(device, self.stream, st, self.slots, forward, self.kernels, self._embed_table,
+                           cuda_graphs=cuda_graphs)
+        self.sampler = DeviceSampler(device, self.stream, st, self.kernels, self.library, self.steps.plans,
+                                     c.vocab_size)
+        self._ahead = None  # the decode step queued ahead (`step.Ahead`), if any
+        self.lookahead_steps = {True: 0, False: 0}  # steps computed ahead: used, dropped
+        self.samples_on_device = bool(self.kernels.sample_candidates)
+        self.mtp_layers = 0  # the MTP head does not run on the GPU yet (`mtp_draft` is never called)
+
+    @classmethod
+    def from_artifact(cls, path_or_artifact: Any, **kwargs: Any) -> "CudaRunner":
+        from runtime.artifact import open_artifact
+
+        artifact = open_artifact(path_or_artifact) if not hasattr(path_or_artifact, "component") \
+            else path_or_artifact
+        text = artifact.component("text")
+        runner = cls(ModelConfig.from_dict(text.config), component=text, **kwargs)
+        runner._artifact = artifact  # keeps the mapped file open for the host embedding rows
+        return runner
+
+    @classmethod
+    def synthetic(cls, config: ModelConfig, seed: int, **kwargs: Any) -> "CudaRunner":
+        return cls(config, synthetic_seed=seed, **kwargs)
+
+    # ------------------------------------------------------------------ ModelRunner protocol
+
+    def reset_slot(self, slot: int) -> None:
+        self.slots.check(slot)
+        self._ahead = None
+        st, phys = self.storage, self.slots.phys[slot]
+        for state, window in zip(st.states, st.windows):
+            self.device.memset_d8(state + phys * st.state_slot_bytes, 0, st.state_slot_bytes, self.stream)
+            self.device.memset_d8(window + phys * st.win_slot_bytes, 0, st.win_slot_bytes, self.stream)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.slots.check(src)
+        self.slots.check(dst)
+        self._ahead = None
+        st = self.storage
+        src, dst = self.slots.phys[src], self.slots.phys[dst]
+        for state, window in zip(st.states, st.windows):
+            self.device.memcpy_dtod(state + dst * st.state_slot_bytes, state + src * st.state_slot_bytes,
+                                    st.state_slot_bytes, self.stream)
+            self.device.memcpy_dtod(window + dst * st.win_slot_bytes, window + src * st.win_slot_bytes,
+                                    st.win_slot_bytes, self.stream)
+
+    def prefill(self, chunk: PrefillChunk) -> np.ndarray:
+        tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
+        self._ahead = None
+        wanted = range(len(tokens)) if chunk.all_logits else (len(tokens) - 1,)
+        return self._prefill(chunk.slot, tokens, start, pages, wanted)
+
+    def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        self._ahead = None
+        return self._launch_decode(items)
+
+    def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
+        checked_rows(rows, self.num_slots)
+        checked = [self._checked_chunk(row.slot, row.token_ids, row.start_pos, row.page_table) for row in rows]
+        self._ahead = None
+        out: list[np.ndarray | None] = [None] * len(rows)
+        decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1 and row.snapshots is None]
+        for lo in range(0, len(decodes), self.max_batch):
+            group = decodes[lo:lo + self.max_batch]
+            logits = self._launch_decode([DecodeItem(rows[i].slot, int(checked[i][0][0]), checked[i][1],
+                                                     checked[i][2]) for i in group])
+            for b, i in enumerate(group):
+                out[i] = logits[b:b + 1] if rows[i].logit_offsets() else logits[:0]
+        for i, row in enumerate(rows):
+            if out[i] is None and row.snapshots is None:
+                out[i] = self._prefill(row.slot, *checked[i], row.logit_offsets())
+        verify = [i for i, row in enumerate(rows) if row.snapshots is not None]
+        if verify:
+            for i, logits in zip(verify, self._verify([rows[i] for i in verify], [checked[i] for i in verify])):
+                out[i] = logits
+        return out  # type: ignore[return-value]
+
+    def commit(self, slot: int, snapshot: int) -> None:
+        """Swap the physical slots behind `slot` and `snapshot` (see the module docstring)."""
+        self.slots.check(slot)
+        self.slots.check(snapshot)
+        if slot == snapshot:
+            raise ValueError(f"commit needs a snapshot slot other than the slot itself ({slot})")
+        self._ahead = None
+        self.slots.swap(slot, snapshot)
+
+    def prefill_sampled(self, chunk: PrefillChunk, sampling: Callable[[], Sequence[RowSampling]]) -> np.ndarray:
+        """Compute a chunk and sample the token after its last position on the device (as
+        `decode_sampled` does for a decode row): int32 ids [1]."""
+        if chunk.all_logits:
+            raise ValueError("prefill_sampled samples the last position; all_logits asks for logits")
+        tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
+        self._ahead = None
+        self._prefill(chunk.slot, tokens, start, pages, (), sample=True)
+        rows = list(sampling())
+        if len(rows) != 1:
+            raise ValueError(f"sampling gave {len(rows)} rows for one prefill chunk")
+        self.sampler.queue(rows).synchronize()
+        return self.sampler.ids(1)
+
+    def decode_sampled(self, items: Sequence[DecodeItem], sampling: Callable[[], Sequence[RowSampling]],
+                       lookahead: bool = False) -> np.ndarray:
+        """One token for each item, sampled on the device: int32 ids [len(items)] (`DEAD_END`
+        where a row's mask allows nothing). `sampling()` gives each row's inputs; it is called
+        once the forward pass is queued, so the host builds them while the GPU computes.
+
+        lookahead: the caller expects to decode the same sequences again next, each with the
+        token sampled here at the next position. The runner then queues that step's forward
+        pass before returning (`step.Steps.launch_ahead`), so the GPU computes step t+1 while
+        the host handles step t. The next call uses it if its items are exactly those (same
+        slots in the same order, positions + 1, the sampled ids, the same pages) and discards it
+        otherwise; a discarded step changed nothing but K/V rows at positions the real step
+        rewrites before any query reads them."""
+        ahead, self._ahead = self._ahead, None
+        used = ahead is not None and ahead.matches(items)
+        if ahead is not None:
+            self.lookahead_steps[used] += 1
+        if used:
+            b = len(items)
+            for logical, spare in zip(ahead.slots, ahead.spares):
+                self.slots.adopt_spare(logical, spare)
+        else:
+            b = self._queue_decode(items)
+        rows = list(sampling())
+        if len(rows) != b:
+            raise ValueError(f"sampling gave {len(rows)} rows for {b} decode items")
+        done = self.sampler.queue(rows)
+        ahead = self.steps.launch_ahead(items) if lookahead else None
+        done.synchronize()
+        ids = self.sampler.ids(b)
+        if ahead is not None:
+            ahead.tokens = ids
+            self._ahead = ahead
+        return ids
+
+    # ------------------------------------------------------------------ work
+
+    def _prefill(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, wanted: Sequence[int],
+                 sample: bool = False) -> np.ndarray:
+        """The chunk in pieces of at most `prefill_chunk` tokens; float32 logits of the chunk
+        offsets `wanted` [len(wanted), V] (sample: the last row left for the sampler)."""
+        outputs = []
+        for lo in range(0, len(tokens), self.prefill_chunk):
+            piece = tokens[lo:lo + self.prefill_chunk]
+            last = lo + len(piece) == len(tokens)
+            rows = [o - lo for o in wanted if lo <= o < lo + len(piece)]
+            outputs += self.steps.prefill_piece(self.slots.phys[slot], piece, start + lo, pages, rows,
+                                                sample=sample and last)
+        return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, self.vocab_size), np.float32)
+
+    def _launch_decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        return self.steps.read_logits(self._queue_decode(items))
+
+    def _queue_decode(self, items: Sequence[DecodeItem]) -> int:
+        """Check and queue the decode step of `items` (logits rows 0..b-1); b."""
+        b = len(items)
+        if b == 0:
+            raise ValueError("decode needs at least one item")
+        if b > self.max_batch:
+            raise ValueError(f"decode batch of {b} exceeds max_batch {self.max_batch}")
+        slots = [int(item.slot) for item in items]
+        for s in slots:
+            self.slots.check(s)
+        if len(set(slots)) != b:
+            raise ValueError(f"decode items must use distinct slots, got {slots}")
+        tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
+        positions = [int(item.pos) for item in items]
+        for pos in positions:
+            if pos < 0 or pos >= self.max_context:
+                raise ValueError(f"decode position {pos} outside [0, {self.max_context})")
+        tables = [checked_page_table(item.page_table, pos + 1, self.num_pages) for item, pos in zip(items, positions)]
+        phys = [self.slots.phys[s] for s in slots]
+        self.steps.decode(tokens, positions, tables, phys, phys)
+        return b
+
+    def _verify(self, rows: Sequence[StepRow], checked: Sequence[tuple]) -> list[np.ndarray]:
+        """Verification rows: one decode batch per token position p over the rows longer than p,
+        states read at snapshot p - 1 (the row's slot for p = 0) and written to snapshot p;
+        the wanted positions' logits per row, in order."""
+        phys = self.slots.phys
+        wanted = [set(row.logit_offsets()) for row in rows]
+        logits: list[list[np.ndarray]] = [[] for _ in rows]
+        for p in range(max(row.num_tokens for row in rows)):
+            live = [r for r, row in enumerate(rows) if row.num_tokens > p]
+            for lo in range(0, len(live), self.max_batch):
+                group = live[lo:lo + self.max_batch]
+                tokens = np.array([checked[r][0][p] for r in group], np.int64)
+                slots_in = [phys[rows[r].slot if p == 0 else rows[r].snapshots[p - 1]] for r in group]
+                slots_out = [phys[rows[r].snapshots[p]] for r in group]
+                self.steps.decode(tokens, [checked[r][1] + p for r in group], [checked[r][2] for r in group],
+                                  slots_in, slots_out)
+                if any(p in wanted[r] for r in group):
+                    block = self.steps.read_logits(len(group))
+                    for b, r in enumerate(group):
+                        if p in wanted[r]:
+                            logits[r].append(block[b])
+        return [np.stack(rows_out) if rows_out else np.zeros((0, self.vocab_size), np.float32)
+                for rows_out in logits]
+
+    # ------------------------------------------------------------------ checks and reads
+
+    def _checked_chunk(self, slot: int, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int]
+                       ) -> tuple[np.ndarray, int, np.ndarray]:
+        """(tokens, start, pages) of a run of tokens, refusing a bad slot, tokens, start, a
+        position past the context or a short page table."""
+        tokens = checked_tokens(token_ids, self.vocab_size)
+        self.slots.check(slot)
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+            raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
+        start = int(start_pos)
+        end = start + len(tokens)
+        if end > self.max_context:
+            raise ValueError(f"positions up to {end - 1} exceed this runner's context of {self.max_context}")
+        return tokens, start, checked_page_table(page_table, end, self.num_pages)
+
+    def _embed_table(self) -> np.ndarray:
+        """The bf16 embedding table on the host, for shapes without an embedding kernel (the
+        tiny test models): the artifact's mapped tensor, or a copy of the synthetic one."""
+        if self._component is not None:
+            return self._component.raw("embed_tokens.weight")
+        if self._host_embed is None:
+            slot = self.layout.globals["embed"]
+            table = np.empty(slot.shape, np.uint16)
+            self.device.memcpy_dtoh(table, self.storage.weights_base + slot.offset, self.stream)
+            self.stream.synchronize()
+            self._host_embed = table
+        return self._host_embed
+
+    def read_state(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(recurrent state [Hv, dk, dv] fp32, conv window [Kc-1, conv_dim] fp32) of the n-th GDN
+        layer, in `NumpyRunner`'s layout (tests)."""
+        c, st = self.config, self.storage
+        state = np.empty((c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim), np.float32)
+        win = np.empty((c.linear_conv_kernel_dim - 1, c.conv_dim), np.uint16)
+        self.stream.synchronize()
+        phys = self.slots.phys[slot]
+        self.device.memcpy_dtoh(state, st.states[layer] + phys * st.state_slot_bytes, self.stream)
+        self.device.memcpy_dtoh(win, st.windows[layer] + phys * st.win_slot_bytes, self.stream)
+        self.stream.synchronize()
+        return np.swapaxes(state, 1, 2).copy(), (win.astype(np.uint32) << 16).view(np.float32)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.steps.destroy_graphs()
+        self.storage.release()

@@ -1,0 +1,287 @@
+"""Running steps on the device: metadata upload, plans, batch buckets, graphs, look-ahead.
+
+A step (a prefill piece of one sequence, or a decode batch) is a list of launches bound once per
+shape (`Plans`, `layers.Forward`). Per-step values live in the metadata block, uploaded with one
+host-to-device copy before the launches, so decode for each batch bucket (1, 2, 4, 8) is captured
+once into a CUDA graph and replayed; `cuda_graphs = False` launches the same list eagerly.
+Logits come back as bf16, in blocks of `Storage.logit_rows` rows, and are returned as float32.
+
+Decode rows read each GDN state and conv window at physical slot `slots_in[i]` and write it at
+`slots[i]`: the same slot for a plain decode step, a spare for a step computed ahead (`Ahead`),
+the next snapshot for a verification position (`CudaRunner.step`).
+
+Look-ahead: after queueing step t's sampling, the runner queues step t+1 for the same sequences
+(`launch_ahead`: ids copied on the device from the sampler's output, positions + 1, states
+written to spare slots) before it waits for step t's ids, so the GPU runs t+1 while the engine
+commits t and prepares its next call. If that call asks for exactly that step, its forward pass
+is already done (the spares become the sequences' slots); otherwise it is dropped.
+
+Prefill pieces are at most `prefill_chunk` tokens; GDN runs the chunked (WY, tensor-core) kernel
+where one was compiled for the shape, else the recurrent `split` variant, either followed by the
+gated norm as an `rmsnorm` gated_x launch (decode keeps the `fused` kernel); attention runs the
+tensor-core `attention_prefill` kernel where one was compiled for the shape, else each token is
+a query row of the split-KV kernel (see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from runtime.model.gpu.layers import StepShape
+from runtime.model.gpu.storage import BUCKETS, PREFILL_SPLITS, cdiv
+from runtime.model.runner import PAGE_SIZE, DecodeItem, checked_page_table
+
+PREFILL_PLANS = 32  # bound shapes kept besides the decode buckets (prefill pieces, heads, sampling)
+
+
+class Plans:
+    """Bound launches per step shape, bound once. Decode plans stay (graphs replay their
+    parameters); the other shapes are kept for the `PREFILL_PLANS` most recent."""
+
+    def __init__(self) -> None:
+        self.bound: OrderedDict[tuple, list] = OrderedDict()
+
+    def get(self, key: tuple, bind: Callable[[], list]) -> list:
+        plan = self.bound.get(key)
+        if plan is None:
+            plan = bind()
+            self.bound[key] = plan
+            others = [k for k in self.bound if k[0] != "decode"]
+            if len(others) > PREFILL_PLANS:
+                del self.bound[others[0]]
+        else:
+            self.bound.move_to_end(key)
+        return plan
+
+    def clear(self) -> None:
+        """Forget every bound shape (after pointing `KernelChoice` at another variant)."""
+        self.bound.clear()
+
+
+@dataclass
+class Ahead:
+    """A decode step queued ahead (`CudaRunner.decode_sampled`): for the engine slots `slots`, in
+    order, the tokens `tokens` at `positions` over the pages `tables`, states written to `spares`."""
+
+    slots: list[int]
+    positions: list[int]
+    tables: list[np.ndarray]
+    tokens: np.ndarray  # the ids sampled for these positions (set once they are on the host)
+    spares: list[int]
+
+    def matches(self, items: Sequence[DecodeItem]) -> bool:
+        if len(items) != len(self.slots):
+            return False
+        for i, item in enumerate(items):
+            if (int(item.slot) != self.slots[i] or int(item.pos) != self.positions[i]
+                    or int(item.token_id) != int(self.tokens[i])):
+                return False
+            pages = np.asarray(item.page_table, dtype=np.int64).reshape(-1)[:len(self.tables[i])]
+            if not np.array_equal(pages, self.tables[i]):
+                return False
+        return True
+
+
+class Steps:
+    """Queues prefill pieces and decode batches on one stream (see the module docstring)."""
+
+    def __init__(self, device: Any, stream: Any, storage: Any, slots: Any, forward: Any, kernels: Any,
+                 embed_table: Callable[[], np.ndarray], *, cuda_graphs: bool):
+        self.device, self.stream, self.storage, self.slots = device, stream, storage, slots
+        self.forward, self.kernels = forward, kernels
+        self.embed_table = embed_table  # bf16 bits [V, H] on the host (no embedding kernel)
+        self.cuda_graphs = cuda_graphs
+        self.plans = Plans()
+        self.graphs: dict[int, Any] = {}
+        self._meta_turn = 0
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, tokens: np.ndarray, positions: Sequence[int], tables: Sequence[np.ndarray],
+               slots_in: Sequence[int], slots_out: Sequence[int]) -> None:
+        """Queue one decode batch (checked by the caller; physical slots); its logits land in
+        rows 0..b-1 of the logits buffer."""
+        meta = self._meta_clear()
+        bucket = self._decode_meta(meta, positions, tables, slots_in, slots_out)
+        meta["ids"][:len(tokens)] = tokens
+        self._upload_step(tokens, bucket)
+        self._run_decode(bucket)
+
+    def launch_ahead(self, items: Sequence[DecodeItem]) -> Ahead | None:
+        """Queue the decode step after `items` (see the module docstring); None where it cannot be
+        computed ahead: no embedding kernel (ids are gathered on the host), too few spare slots,
+        a position past the context, or a next position whose page the table does not hold yet."""
+        st, slots = self.storage, self.slots
+        b = len(items)
+        if not self.kernels.embedding or b > len(slots.spares):
+            return None
+        positions = [int(item.pos) + 1 for item in items]
+        tables = [np.asarray(item.page_table, dtype=np.int64).reshape(-1) for item in items]
+        if any(p >= st.max_context or p // PAGE_SIZE >= len(t) for p, t in zip(positions, tables)):
+            return None
+        tables = [checked_page_table(t, p + 1, st.num_pages) for p, t in zip(positions, tables)]
+        spares = slots.spares[:b]
+        meta = self._meta_views(self._next_meta_block())
+        bucket = self._decode_meta(meta, positions, tables, [slots.phys[int(item.slot)] for item in items], spares)
+        self._upload_meta()
+        self.device.memcpy_dtod(st.meta_ptr("ids"), st.buf["sample_ids"], b * 4, self.stream)
+        self._run_decode(bucket)
+        return Ahead(slots=[int(item.slot) for item in items], positions=positions, tables=tables,
+                     tokens=np.zeros(0, np.int32), spares=spares)
+
+    def decode_plan(self, bucket: int) -> list:
+        st = self.storage
+        shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, split=st.decode_split, prefill=False)
+        return self.plans.get(("decode", bucket), lambda: self.forward.bind(shape) + self.forward.lm_head(0, bucket))
+
+    def _decode_meta(self, meta: dict[str, np.ndarray], positions: Sequence[int], tables: Sequence[np.ndarray],
+                     slots_in: Sequence[int], slots_out: Sequence[int]) -> int:
+        """Fill a decode step's metadata (all but the ids): row i at `positions[i]` over the pages
+        `tables[i]`, its GDN state and conv window read from physical slot `slots_in[i]` and
+        written to `slots_out[i]`; the rows up to the batch bucket use the pad page and slot.
+        Returns the bucket."""
+        st = self.storage
+        b = len(positions)
+        bucket = next(x for x in BUCKETS if x >= b)
+        table = meta["table"].reshape(st.max_batch, st.maxp)
+        table[:] = st.num_pages  # pad page
+        for i, (pos, pages) in enumerate(zip(positions, tables)):
+            table[i, :len(pages)] = pages
+            meta["pos"][i] = pos
+            meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        meta["wrow"][b:bucket] = st.num_pages * PAGE_SIZE
+        meta["qseq"][:bucket] = np.arange(bucket)
+        meta["slots_in"][:bucket] = self.slots.pad_slot
+        meta["slots_in"][:b] = slots_in
+        meta["slots"][:bucket] = self.slots.pad_slot
+        meta["slots"][:b] = slots_out
+        return bucket
+
+    def _run_decode(self, bucket: int) -> None:
+        if self.cuda_graphs:
+            graph = self.graphs.get(bucket)
+            if graph is None:
+                graph = self._capture(bucket)
+            graph.replay(self.stream)
+        else:
+            for launch in self.decode_plan(bucket):
+                launch(self.stream)
+
+    def _capture(self, bucket: int) -> Any:
+        from runtime.cuda.device import capture_graph
+
+        plan = self.decode_plan(bucket)
+
+        def record() -> None:
+            for launch in plan:
+                launch(self.stream)
+        graph = capture_graph(self.device, self.stream, record)
+        self.graphs[bucket] = graph
+        return graph
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_piece(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, wanted: Sequence[int],
+                      sample: bool = False) -> list[np.ndarray]:
+        """Queue one piece of at most `prefill_chunk` tokens of the sequence in physical slot
+        `slot`; returns the float32 logits of the piece offsets `wanted` (increasing), in blocks.
+        sample: leave the last row's logits in the logits buffer for the sampler instead."""
+        st = self.storage
+        t = len(tokens)
+        end = start + t
+        split = cdiv(cdiv(end, PREFILL_SPLITS), PAGE_SIZE) * PAGE_SIZE
+        splits = cdiv(end, split)
+        meta = self._meta_clear()
+        positions = np.arange(start, end)
+        meta["pos"][:t] = positions
+        meta["wrow"][:t] = pages[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        meta["ids"][:t] = tokens
+        meta["slots"][0] = slot
+        meta["slots_in"][0] = 0
+        table = meta["table"].reshape(st.max_batch, st.maxp)
+        table[0, :len(pages)] = pages
+        # The conv kernel reads the old windows from a scratch copy (see layers.Forward.gdn).
+        for n, window in enumerate(st.windows):
+            self.device.memcpy_dtod(st.buf["win_scratch"] + n * st.win_slot_bytes,
+                                    window + slot * st.win_slot_bytes, st.win_slot_bytes, self.stream)
+        self._upload_step(tokens, t)
+        shape = StepShape(m=t, nseq=1, t=t, splits=splits, split=split, prefill=True)
+        for launch in self.plans.get(("prefill", t, splits, split), lambda: self.forward.bind(shape)):
+            launch(self.stream)
+        if sample:
+            self._run_lm_head(t - 1, 1)
+            return []
+        out = []
+        for lo, hi in _runs(wanted):
+            for row0 in range(lo, hi, st.logit_rows):
+                n = min(st.logit_rows, hi - row0)
+                self._run_lm_head(row0, n)
+                out.append(self.read_logits(n))
+        return out
+
+    def _run_lm_head(self, row0: int, rows: int) -> None:
+        for launch in self.plans.get(("lm_head", row0, rows), lambda: self.forward.lm_head(row0, rows)):
+            launch(self.stream)
+
+    # ------------------------------------------------------------------ host <-> device
+
+    def read_logits(self, rows: int) -> np.ndarray:
+        """Logits rows 0..rows-1 as float32 [rows, V] (waits for the stream)."""
+        st = self.storage
+        v = st.config.vocab_size
+        host = st.logits_host.array(np.uint16, rows * v)
+        self.device.memcpy_dtoh(host, st.buf["logits"], self.stream)
+        self.stream.synchronize()
+        return (host.astype(np.uint32) << 16).view(np.float32).reshape(rows, v).copy()
+
+    def _next_meta_block(self) -> np.ndarray:
+        """The other pinned metadata block, zeroed (the one the last upload read stays intact)."""
+        st = self.storage
+        self._meta_turn ^= 1
+        arr = st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count)
+        arr[:] = 0
+        return arr
+
+    def _meta_views(self, arr: np.ndarray) -> dict[str, np.ndarray]:
+        st = self.storage
+        return {name: arr[off:off + st.meta_size[name]] for name, off in st.meta_off.items()}
+
+    def _meta_clear(self) -> dict[str, np.ndarray]:
+        self.stream.synchronize()  # earlier uploads may still read the pinned blocks
+        return self._meta_views(self._next_meta_block())
+
+    def _upload_meta(self) -> None:
+        """Upload the metadata block filled last."""
+        st = self.storage
+        self.device.memcpy_htod(st.buf["meta"], st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count),
+                                self.stream)
+
+    def _upload_step(self, tokens: np.ndarray, rows: int) -> None:
+        self._upload_meta()
+        if not self.kernels.embedding:
+            st = self.storage
+            host = st.embed_host.array(np.uint16, rows * st.config.hidden_size).reshape(rows, -1)
+            host[:len(tokens)] = self.embed_table()[tokens]
+            host[len(tokens):] = 0
+            self.device.memcpy_htod(st.buf["resid"], host, self.stream)
+
+    def destroy_graphs(self) -> None:
+        for graph in self.graphs.values():
+            graph.destroy()
+        self.graphs.clear()
+        self.plans.clear()
+
+
+def _runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
+    """Increasing offsets as maximal runs [lo, hi) of consecutive ones."""
+    runs: list[list[int]] = []
+    for o in offsets:
+        if runs and runs[-1][1] == o:
+            runs[-1][1] = o + 1
+        else:
+            runs.append([o, o + 1])
+    return [(lo, hi) for lo, hi in runs]

@@ -1,0 +1,176 @@
+"""Device memory of `CudaRunner`, planned and reserved once at construction.
+
+Arenas (`runtime.cuda.memory.DeviceArenas`):
+- weights: `weights.WeightLayout.total` bytes, bf16 as stored in the artifact;
+- KV pages: per full-attention layer, K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and
+  post-RoPE (the paging contract of `runtime/model/runner.py`); page `num_pages` is a pad page
+  that padded decode rows write into;
+- state slots: per GDN layer the fp32 recurrent state `[phys_slots, Hv, dv, dk]` (v-major) and the
+  conv window `[phys_slots, Kc - 1, conv_dim]` bf16, over the physical slots of `StateSlots`;
+- workspace: activations for `rows = max(prefill_chunk, max_batch)` rows, attention split
+  partials, the logits rows, RoPE tables, the device-sampling blocks and one int32 metadata
+  block (per-step values: token ids, positions, KV rows, slots, page tables).
+
+Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
+`logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding
+rows, and the pinned sampling block mirrored on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from runtime.cuda.memory import DeviceArenas
+from runtime.model.config import ModelConfig
+from runtime.model.runner import PAGE_SIZE
+from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP
+
+BUCKETS = (1, 2, 4, 8)
+PREFILL_SPLITS = 16  # most KV splits per query row in prefill
+LOGITS_BYTES = 256 << 20  # the logits staging buffer's budget (device and pinned host alike)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class StateSlots:
+    """The engine's state slots over physical ones.
+
+    Physical slots: the engine's `num_slots`, then `spares` (which receive the states of a decode
+    step computed ahead, `step.Ahead`), then one pad slot that padded decode rows read and write.
+    `phys[logical]` is where a slot's state is now: using a step computed ahead and `commit`
+    swap entries instead of copying states.
+    """
+
+    def __init__(self, num_slots: int, spares: int):
+        self.num_slots = num_slots
+        self.phys_slots = num_slots + spares + 1
+        self.pad_slot = self.phys_slots - 1
+        self.phys = list(range(num_slots))
+        self.spares = list(range(num_slots, num_slots + spares))
+
+    def check(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the physical slots behind logical slots a and b."""
+        self.phys[a], self.phys[b] = self.phys[b], self.phys[a]
+
+    def adopt_spare(self, logical: int, spare: int) -> None:
+        """Make `spare` the physical slot of `logical`; its old one becomes that spare."""
+        self.spares[self.spares.index(spare)] = self.phys[logical]
+        self.phys[logical] = spare
+
+
+class Storage:
+    """The arenas, buffers and metadata layout of one runner (see the module docstring).
+
+    buf: workspace buffer name -> device address; k_pages / v_pages: per attention layer;
+    states / windows: per GDN layer; meta_off / meta_size: int32 offset and count of each
+    metadata field; sample_off: byte offset of each device-sampling input in `buf["sample_in"]`.
+    """
+
+    def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
+                 phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int, decode_split: int):
+        c = self.config = config
+        self.device = device
+        self.num_pages = num_pages
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.maxp = cdiv(max_context, PAGE_SIZE)
+        self.decode_split = decode_split
+        self.decode_splits = cdiv(max_context, decode_split)
+        rows = self.rows = max(prefill_chunk, max_batch)
+        h = c.hidden_size
+        n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
+        kv_bytes = (num_pages + 1) * PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2
+        self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
+        self.state_slot_bytes = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
+        state_bytes = phys_slots * self.state_slot_bytes
+        win_bytes = phys_slots * self.win_slot_bytes
+        k = kernels
+        proj_w = max(k.gdn_stride, k.attn_stride, 2 * (c.intermediate_size or 0))
+        hq, d = c.num_attention_heads, c.head_dim
+        part_rows = max(max_batch * self.decode_splits, rows * PREFILL_SPLITS) * hq
+        self.rope_positions = min(c.max_position_embeddings, max(max_context, 1))
+        # Logits rows staged at once: every row of a step where the budget allows, else as many
+        # whole 128-row tiles of the lm_head GEMM as fit (a 2,048-token chunk of a 248K vocabulary
+        # reads back in blocks of 512), never fewer than a decode batch.
+        budget_rows = LOGITS_BYTES // (c.vocab_size * 2)
+        self.logit_rows = max(max_batch, min(rows, budget_rows // 128 * 128 or budget_rows))
+        sizes = {
+            "resid": rows * h * 2, "h": rows * h * 2, "delta": rows * h * 2, "proj": rows * proj_w * 2,
+            "conv_out": rows * c.conv_dim * 2, "gdn_out": rows * c.linear_value_dim * 2,
+            "q": rows * hq * d * 2, "attn_out": rows * hq * d * 2, "act": rows * (c.intermediate_size or 0) * 2,
+            "o_part": part_rows * d * 4, "lse": part_rows * 4,
+            "logits": self.logit_rows * c.vocab_size * 2,
+            "cos": self.rope_positions * (c.rotary_dim // 2) * 2, "sin": self.rope_positions * (c.rotary_dim // 2) * 2,
+            "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
+        }
+        # Device sampling: each row's inputs (parameters, packed mask, penalty list) in one block
+        # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
+        self.mask_words = cdiv(c.vocab_size, 32)
+        self.max_penalties = max_batch * min(max_context, c.vocab_size)
+        sample_fields = (("row_i32", max_batch * ROW_I32, np.int32),
+                         ("row_f32", max_batch * ROW_F32, np.float32),
+                         ("bitmask", max_batch * self.mask_words, np.uint32),
+                         ("pen_ids", self.max_penalties, np.int32), ("pen_delta", self.max_penalties, np.float32),
+                         ("ids", max_batch, np.int32))
+        self.sample_off: dict[str, int] = {}
+        off = 0
+        for name, count, _ in sample_fields:
+            self.sample_off[name] = off
+            off += cdiv(count * 4, 256) * 256
+        sample_bytes = off
+        if k.sample_candidates:
+            cands = max_batch * k.sample_ctas * TOP_K_CAP * 4
+            sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": max_batch * 4})
+        # Metadata (int32): ids, pos, wrow, qseq [rows]; slots, slots_in [max_batch]; err; table.
+        self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": max_batch,
+                          "slots_in": max_batch, "err": 4, "table": max_batch * self.maxp}
+        self.meta_off: dict[str, int] = {}
+        off = 0
+        for name, count in self.meta_size.items():
+            self.meta_off[name] = off
+            off += cdiv(count, 64) * 64
+        self.meta_count = off
+        sizes["meta"] = off * 4
+        workspace = sum(cdiv(v, 256) * 256 for v in sizes.values()) + 4096
+        self.arenas = DeviceArenas.reserve(
+            device, weights=weight_bytes + 256, kv_pages=max(n_attn * 2 * kv_bytes, 256),
+            state_slots=max(n_gdn * (state_bytes + win_bytes), 256), workspace=workspace)
+        ws = self.arenas["workspace"]
+        self.buf = {name: ws.take(max(n, 16), name).ptr for name, n in sizes.items()}
+        kv = self.arenas["kv_pages"]
+        self.k_pages = [kv.take(kv_bytes, f"k{i}").ptr for i in range(n_attn)]
+        self.v_pages = [kv.take(kv_bytes, f"v{i}").ptr for i in range(n_attn)]
+        st = self.arenas["state_slots"]
+        self.states = [st.take(state_bytes, f"state{i}").ptr for i in range(n_gdn)]
+        self.windows = [st.take(win_bytes, f"window{i}").ptr for i in range(n_gdn)]
+        self.weights_base = self.arenas["weights"].base
+        # Two pinned metadata blocks, used in turn: a step computed ahead is prepared in one while
+        # the upload of the step before may still read the other.
+        self.meta_hosts = [device.pinned(self.meta_count * 4), device.pinned(self.meta_count * 4)]
+        self.logits_host = device.pinned(self.logit_rows * c.vocab_size * 2)
+        self.embed_host = device.pinned(rows * h * 2)
+        self.sample_pinned = device.pinned(sample_bytes) if k.sample_candidates else None
+        self.sample_host: dict[str, np.ndarray] = {}
+        if self.sample_pinned is not None:
+            raw = self.sample_pinned.array(np.uint8)
+            for name, count, dtype in sample_fields:
+                start = self.sample_off[name]
+                self.sample_host[name] = raw[start:start + count * 4].view(dtype)
+
+    def meta_ptr(self, name: str) -> int:
+        """Device address of one metadata field."""
+        return self.buf["meta"] + self.meta_off[name] * 4
+
+    def release(self) -> None:
+        for pinned in (*self.meta_hosts, self.logits_host, self.embed_host, self.sample_pinned):
+            if pinned is not None:
+                pinned.free()
+        self.arenas.release()
