@@ -27,6 +27,7 @@ from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice
                            get_dict, get_effort, get_int, get_list, get_stop,
                            get_str, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
+from protocols.media_parts import anthropic_image, content_with_images, image_part, joined
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
 
@@ -203,28 +204,35 @@ def _assistant(blocks: list, where: str, messages: list[dict]) -> None:
 
 
 def _user(blocks: list, where: str, messages: list[dict]) -> None:
-    texts: list[str] = []
+    parts: list[dict] = []      # text and image parts, in order
     for number, block in enumerate(blocks):
         block_where = f"{where}.content[{number}]"
         if not isinstance(block, dict):
             raise invalid(block_where, "must be an object")
         kind = block.get("type")
         if kind == "text":
-            texts.append(get_str(block, "text", f"{block_where}.text", required=True))
+            parts.append({"type": "text",
+                          "text": get_str(block, "text", f"{block_where}.text", required=True)})
+        elif kind == "image":
+            parts.append(image_part(anthropic_image(block, block_where), block_where))
         elif kind == "tool_result":
             call_id = get_str(block, "tool_use_id", f"{block_where}.tool_use_id", required=True)
-            content = block.get("content", "")
-            text = text_of_parts(content, f"{block_where}.content")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            # Images in a tool result: passed with vision on, a short note with it off.
+            content = content_with_images(block.get("content", ""), f"{block_where}.content",
+                                          anthropic_image)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         else:
             raise unsupported(f"{block_where}.type", f"content blocks of type {kind!r} are not "
                                                      "supported by this model")
-    if texts:
-        text = "".join(texts)
+    if parts:
+        # Without images the turn stays one string, as text-only prompts always rendered.
+        content = parts if any(part["type"] == "image" for part in parts) else \
+            "".join(part["text"] for part in parts)
         if messages and messages[-1]["role"] == "user":
-            messages[-1]["content"] += "\n\n" + text  # consecutive user turns are merged
+            # consecutive user turns are merged
+            messages[-1]["content"] = joined(messages[-1]["content"], "\n\n", content)
         else:
-            messages.append({"role": "user", "content": text})
+            messages.append({"role": "user", "content": content})
 
 
 def _tools(raw: list) -> list[dict]:

@@ -11,6 +11,7 @@ doubled `/v1/v1/` prefix (clients given a base URL that already ends in /v1).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 import time
@@ -25,7 +26,7 @@ from protocols import openai_responses as responses_api
 from protocols.errors import ApiError, error_body, error_headers, flavor_for_path, invalid
 from protocols.generation import Backend, Generation, GenerationResult
 from protocols.http import HttpRequest, HttpResponse, StreamingResponse
-from protocols.job import Capabilities, GenerationJob
+from protocols.job import Capabilities, GenerationJob, json_depth
 from protocols.metrics import Metrics
 from protocols.request_log import RequestLog, rounded
 from protocols.responses_encoder import ResponsesEncoder
@@ -37,6 +38,8 @@ log = get_logger("serve")
 
 MAX_JSON_DEPTH = 256
 HEARTBEAT_S = 5.0
+_UNAUTHORIZED = ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or "
+                              "x-api-key: KEY)")
 
 
 @dataclass(frozen=True)
@@ -70,24 +73,6 @@ def parse_json_body(body: bytes) -> dict:
         raise invalid("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
                       "json_too_deep")
     return value
-
-
-def json_depth(value) -> int:
-    """Nesting depth of containers (a scalar is 0, `{}` is 1), without recursion."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, (dict, list)))
-    return deepest
 
 
 class ToolCallCap:
@@ -151,20 +136,35 @@ class App:
         path = request.path
         if path.startswith("/v1/v1/"):
             path = path[3:]
-        flavor = flavor_for_path(path)
         request_id = "req_" + secrets.token_hex(12)
         try:
             if path != "/health" and not self._authorized(request):
-                raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY "
-                                    "or x-api-key: KEY)")
+                raise _UNAUTHORIZED
             return await self._route(request, path, request_id)
         except ApiError as error:
-            if path.startswith("/v1/") and error.status != 404:
-                self.request_log.write("request_rejected", id=request_id, path=path,
-                                       status=error.status, code=error.code, param=error.param,
-                                       message=error.message)
-                self.metrics.count_request(_api_of(path), "rejected")
-            return self.error_response(flavor, error, request_id)
+            return self._rejected(path, error, request_id)
+        except Exception:  # noqa: BLE001 - a bug: logged once with its id, the client gets both
+            log.exception("request %s (%s %s) failed", request_id, request.method, path)
+            return self._rejected(path, ApiError(
+                500, f"internal server error (request id {request_id})", code="server_error"),
+                request_id)
+
+    def check_head(self, request: HttpRequest) -> Optional[HttpResponse]:
+        """The HTTP layer's head check: a 401 before the body is read when the key is wrong,
+        so unauthenticated clients cannot hold connection slots with slow bodies."""
+        path = request.path[3:] if request.path.startswith("/v1/v1/") else request.path
+        if path == "/health" or self._authorized(request):
+            return None
+        return self._rejected(path, _UNAUTHORIZED, "req_" + secrets.token_hex(12))
+
+    def _rejected(self, path: str, error: ApiError, request_id: str) -> HttpResponse:
+        if path.startswith("/v1/") and error.status != 404:
+            self.request_log.write("request_rejected", id=request_id, path=path,
+                                   status=error.status, code=error.code, param=error.param,
+                                   message=error.message)
+            self.metrics.count_request(_api_of(path),
+                                       "error" if error.status >= 500 else "rejected")
+        return self.error_response(flavor_for_path(path), error, request_id)
 
     def error_response(self, flavor: str, error: ApiError,
                        request_id: Optional[str] = None) -> HttpResponse:
@@ -347,6 +347,16 @@ class App:
         self.running += 1
         try:
             return await self.backend.start(job, request_id, request.received_at)
+        except asyncio.CancelledError:
+            # The client left while the prompt was prepared: still a request, counted and
+            # logged like one that left during generation.
+            self.running -= 1
+            self.metrics.count_request(job.api, "cancelled")
+            self.request_log.write(
+                "request_done", id=request_id, api=job.api, seed=None, tag=request.header("x-request-tag") or None, prompt_tokens=None,
+                completion_tokens=0, total_s=rounded(time.monotonic() - request.received_at),
+                finish_reason="cancelled")
+            raise
         except BaseException:
             self.running -= 1
             raise
@@ -430,7 +440,9 @@ class App:
         if result is None:  # the client went away before the end
             result = GenerationResult(finish_reason="cancelled",
                                       prompt_tokens=generation.prompt_tokens,
-                                      completion_tokens=generation.completion_tokens)
+                                      completion_tokens=generation.completion_tokens,
+                                      reasoning_tokens=generation.reasoning_tokens,
+                                      queue_wait_s=generation.queue_wait_s)
             generation.finish(result)
         total_s = None
         if generation.last_token_at is not None:
@@ -442,6 +454,7 @@ class App:
             "request_done", id=generation.request_id, api=api, stream=stream,
             seed=generation.seed, tag=request.header("x-request-tag") or None,
             prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_prompt_tokens,
+            prefilled_tokens=result.prefilled_tokens, resume_path=result.resume_path,
             completion_tokens=result.completion_tokens,
             reasoning_tokens=result.reasoning_tokens,
             queue_wait_s=rounded(result.queue_wait_s), ttft_s=rounded(result.ttft_s),

@@ -124,9 +124,11 @@ class FakeBackend:
             holding = True
             self.waiting -= 1
             self.active.add(request_id)
-            queue_wait = time.monotonic() - submitted
+            queue_wait = generation.queue_wait_s = time.monotonic() - submitted
             await asyncio.sleep(script.prefill_s)
             for event in script.events:
+                if isinstance(event, ReasoningDelta):
+                    generation.reasoning_tokens += 1
                 generation.publish([event], new_tokens=1)
                 tokens += 1
                 await asyncio.sleep(script.step_s)

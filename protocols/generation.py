@@ -58,6 +58,8 @@ class GenerationResult:
     spec_rounds: int = 0              # speculative decoding: rounds, drafts verified, accepted
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    prefilled_tokens: int = 0         # prompt tokens computed (the rest came from the cache)
+    resume_path: str = "cold"         # cold, prefix, snapshot or replay (RequestStats)
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
@@ -81,6 +83,10 @@ class Generation:
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
         self.completion_tokens = 0
+        # Kept current by the backend while tokens arrive, so that a generation cut short by
+        # its client (no final result from the engine) is still accounted for.
+        self.reasoning_tokens = 0
+        self.queue_wait_s: Optional[float] = None
         self.result: Optional[GenerationResult] = None
         self._cancel = cancel
         self._pending: list[ParserEvent] = []
@@ -167,7 +173,8 @@ class Backend(Protocol):
     count_tokens(): prompt tokens the job would use (Anthropic count_tokens, Responses
         input_tokens); the same rendering as start().
     healthy(): False after an engine-wide failure (/health answers 503).
-    gauges(): point-in-time numbers for /metrics, e.g. {"kv_pages_in_use": 12, ...}.
+    gauges(): point-in-time numbers for /metrics, e.g. {"kv_pages_in_use": 12, ...}; a name
+        ending in `_total` is a count since start (exported as a counter).
     shutdown(): cancel everything in flight (server stopping).
     close(): release the model (after the server stopped).
     """

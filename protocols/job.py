@@ -19,6 +19,13 @@ from runtime.engine.presets import SamplingOverrides
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 VERBOSITIES = ("low", "medium", "high")
+MAX_STOP_STRINGS = 16
+MAX_ARGUMENT_DEPTH = 256  # as deep as a request body may nest (protocols.app.MAX_JSON_DEPTH)
+MAX_STOP_CHARS = 1024
+# Template variables the server sets from the request itself (or names the renderer's own
+# arguments): a client value for them would clash (once a TypeError, a 500).
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenizer",
+                                      "self"})
 
 
 @dataclass(frozen=True)
@@ -227,17 +234,23 @@ def get_top_k(body: dict, key: str, where: Optional[str] = None) -> Optional[int
 
 
 def get_stop(obj: dict, key: str, where: Optional[str] = None,
-             max_items: Optional[int] = None) -> tuple[str, ...]:
+             max_items: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
+    """Stop strings, bounded in count and length: each one is matched against every token of
+    the answer, and a huge one (megabytes) took seconds to compile."""
     where = where or key
     value = obj.get(key)
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,) if value else ()
+        value = [value]
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise invalid(where, "must be a string or an array of strings")
-    if max_items is not None and len(value) > max_items:
+    if len(value) > max_items:
         raise invalid(where, f"at most {max_items} stop sequences are allowed")
+    for item in value:
+        if len(item) > MAX_STOP_CHARS:
+            raise invalid(where, f"a stop sequence may have at most {MAX_STOP_CHARS} "
+                                 f"characters (got {len(item)})")
     return tuple(item for item in value if item)
 
 
@@ -285,11 +298,37 @@ def parse_arguments(text: Any) -> Any:
         value = orjson.loads(text) if text.strip() else {}
     except orjson.JSONDecodeError:
         return text
+    if text.count("{") + text.count("[") > MAX_ARGUMENT_DEPTH and \
+            json_depth(value) > MAX_ARGUMENT_DEPTH:
+        return text  # the template would recurse through it: rendered as the string instead
     return value if isinstance(value, dict) else text
 
 
+def json_depth(value) -> int:
+    """Nesting depth of containers (a scalar is 0, `{}` is 1), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
+
+
 def template_kwargs(body: dict, where: str = "chat_template_kwargs") -> dict:
+    """The client's template variables; the ones the server sets itself are refused."""
     value = get_dict(body, "chat_template_kwargs", where)
+    for key in value or ():
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise invalid(f"{where}.{key}", f"{key!r} is set by the server (use the request's "
+                                            "own fields)")
     return dict(value) if value else {}
 
 

@@ -130,7 +130,9 @@ class Metrics:
         for name, value in sorted(engine.items()):
             if name == "requests_waiting":
                 continue
-            metric(name, "gauge", f"Engine gauge {name.replace('_', ' ')}.", [("", value)])
+            # Prometheus naming: a `_total` number only grows (preemptions): a counter.
+            kind = "counter" if name.endswith("_total") else "gauge"
+            metric(name, kind, f"Engine {kind} {name.replace('_', ' ')}.", [("", value)])
         for histogram in (self.ttft, self.duration, self.decode_rate, self.queue_wait):
             histogram.render(lines)
         return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice
                            get_dict, get_effort, get_int, get_list, get_number, get_stop,
                            get_str, get_verbosity, parse_arguments, template_kwargs,
                            text_of_parts, thinking_from_kwargs)
+from protocols.media_parts import chat_image, content_with_images
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
 
@@ -152,8 +153,8 @@ def _messages(raw: list) -> list[dict]:
             messages.append({"role": "system", "content": text_of_parts(
                 message.get("content"), f"{where}.content")})
         elif role == "user":
-            messages.append({"role": "user", "content": text_of_parts(
-                message.get("content"), f"{where}.content")})
+            messages.append({"role": "user", "content": content_with_images(
+                message.get("content"), f"{where}.content", chat_image)})
         elif role == "assistant":
             messages.append(_assistant(message, where))
         elif role in ("tool", "function"):
@@ -161,8 +162,10 @@ def _messages(raw: list) -> list[dict]:
             if not isinstance(call_id, str):
                 key = "tool_call_id" if role == "tool" else "name"
                 raise invalid(f"{where}.{key}", "is required and must be a string")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": text_of_parts(
-                message.get("content"), f"{where}.content")})
+            # Images in a tool result: passed with vision on, a short note with it off.
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": content_with_images(message.get("content"),
+                                                            f"{where}.content", chat_image)})
         else:
             raise invalid(f"{where}.role", f"unknown role {role!r}")
     return messages

@@ -34,6 +34,7 @@ from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice
                            get_dict, get_effort, get_int, get_list, get_str, get_verbosity,
                            parse_arguments, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
+from protocols.media_parts import content_with_images, responses_image
 from protocols.responses_encoder import decode_reasoning
 
 BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "local_shell",
@@ -397,7 +398,12 @@ def _messages(items: list, history_len: int, instructions: Optional[str]) -> lis
         kind = item.get("type", "message")
         if kind == "message":
             role = get_str(item, "role", f"{where}.role", required=True)
-            text = text_of_parts(item.get("content"), f"{where}.content", allowed=TEXT_PARTS)
+            if role == "user":
+                text = content_with_images(item.get("content"), f"{where}.content",
+                                           responses_image, allowed=TEXT_PARTS)
+            else:
+                text = text_of_parts(item.get("content"), f"{where}.content",
+                                     allowed=TEXT_PARTS)
             if role == "assistant":
                 turn = open_assistant()
                 if turn["content"] or turn.get("tool_calls"):
@@ -442,7 +448,9 @@ def _messages(items: list, history_len: int, instructions: Optional[str]) -> lis
             assistant = None
             call_id = get_str(item, "call_id", f"{where}.call_id", required=True)
             output = item.get("output", "")
-            text = text_of_parts(output, f"{where}.output", allowed=TEXT_PARTS)
+            # Images in a tool result: passed with vision on, a short note with it off.
+            text = content_with_images(output, f"{where}.output", responses_image,
+                                       allowed=TEXT_PARTS)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "tool_search_call":
             call_id = get_str(item, "call_id", f"{where}.call_id") or get_str(

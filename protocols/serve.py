@@ -55,7 +55,8 @@ async def serve(app: App, limits: HttpLimits, host: str, port: int, *,
     def connections_changed(count: int) -> None:
         metrics.connections = count
 
-    server = HttpServer(app, limits, app.render_http_error, connections_changed)
+    server = HttpServer(app, limits, app.render_http_error, connections_changed,
+                        head_check=app.check_head)
     bound_host, bound_port = await server.start(host, port)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
@@ -135,6 +136,15 @@ async def _call(function: Callable, *args):
     return function(*args)
 
 
+def start_record(settings, backend) -> dict:
+    """The request log's `server_start` fields. `device` is the one the model runs on (`--device
+    auto` resolved); the API key itself is never written."""
+    return {"model": backend.model_id, "host": settings.host, "port": settings.port,
+            "max_context": backend.max_context, "max_concurrency": settings.max_concurrency,
+            "max_pending_requests": settings.max_pending_requests,
+            "device": backend.session.device, "auth": bool(settings.api_key)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         settings = parse_settings("serve", sys.argv[1:] if argv is None else argv)
@@ -157,11 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     request_log = RequestLog(settings.request_log)
     app = App(backend, app_config_from_settings(settings), metrics=Metrics(backend.model_id),
               request_log=request_log)
-    request_log.write("server_start", model=backend.model_id, host=settings.host,
-                      port=settings.port, max_context=backend.max_context,
-                      max_concurrency=settings.max_concurrency,
-                      max_pending_requests=settings.max_pending_requests,
-                      device=settings.device, auth=bool(settings.api_key))
+    request_log.write("server_start", **start_record(settings, backend))
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     stop = asyncio.Event()

@@ -12,6 +12,7 @@ the loop, per request.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -31,6 +32,15 @@ _REJECTED_STATUS = {"queue_full": 503, "engine_unavailable": 503}
 CALL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
 
 
+# A prompt that cannot fit is refused before rendering when its message text alone, at the
+# most bytes one token can stand for, needs more tokens than the context has (bytes >= chars).
+# Token counting is refused only far beyond the context: clients count to decide to compact.
+COUNTABLE_CONTEXTS = 8
+# After preparing a prompt this long (characters), freed memory is handed back to the system:
+# tokenizing megabytes allocates gigabytes that the C allocator would otherwise keep.
+RELEASE_MEMORY_CHARS = 1 << 20
+
+
 @dataclass
 class _Prepared:
     """A job rendered and ready to submit (built off the event loop)."""
@@ -39,6 +49,7 @@ class _Prepared:
     prompt_tokens: int
     thinking: bool
     tools: tuple = ()
+    parser: Any = None
 
 
 @dataclass
@@ -73,6 +84,7 @@ class SessionBackend:
         self.capabilities = Capabilities(logprobs=True, constraints=_constraints_available())
         self._running: dict[str, _Running] = {}
         self._closing = False
+        self.max_token_chars = max(len(data) for data in session.tokenizer.token_bytes)
         if self.capabilities.constraints:
             # Built now, before serving: the build takes seconds and holds the GIL throughout,
             # so doing it on first use would stall the event loop (every stream) meanwhile.
@@ -100,21 +112,27 @@ class SessionBackend:
                 "engine_preemptions_total": snapshot.get("preemptions", 0),
                 "engine_spec_rounds_total": snapshot.get("spec_rounds", 0),
                 "engine_spec_drafted_tokens_total": snapshot.get("spec_drafted_tokens", 0),
-                "engine_spec_accepted_tokens_total": snapshot.get("spec_accepted_tokens", 0)}
+                "engine_spec_accepted_tokens_total": snapshot.get("spec_accepted_tokens", 0),
+                # hits, misses, evictions, tier bytes, host<->device traffic (engine names)
+                **{name: value for name, value in snapshot.items()
+                   if name.startswith("prefix_cache_")}}
 
     async def count_tokens(self, job: GenerationJob) -> int:
+        self._refuse_beyond(job, COUNTABLE_CONTEXTS * self.max_context)
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(None, self._render, job)
+        prompt = await loop.run_in_executor(None, _releasing_memory, job, self._render, job)
         return len(prompt.ids)
 
     async def start(self, job: GenerationJob, request_id: str,
                     received_at: float) -> Generation:
         if self._closing:
             raise ApiError(503, "the server is shutting down", retry_after=1)
+        self._refuse_beyond(job, self.max_context)
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(None, self._prepare, job, request_id)
+        prepared = await loop.run_in_executor(None, _releasing_memory, job, self._prepare, job,
+                                              request_id)
         session = self.session
-        parser = self._parser(job, prepared)
+        parser = prepared.parser
         seed = prepared.request.sampling.seed if prepared.request else 0
         generation = Generation(request_id, prompt_tokens=prepared.prompt_tokens, seed=seed,
                                 max_tokens=prepared.request.max_new_tokens if prepared.request
@@ -152,9 +170,18 @@ class SessionBackend:
     def close(self) -> None:
         self.session.close()
 
+    def _refuse_beyond(self, job: GenerationJob, tokens: int) -> None:
+        """400 before rendering when the messages' text alone needs more than `tokens`."""
+        at_least = message_chars(job) // self.max_token_chars
+        if at_least >= tokens:
+            raise ApiError(400, f"prompt is too long: at least {at_least} tokens > "
+                                f"{self.max_context - 1} maximum", param="messages",
+                           code="context_length_exceeded")
+
     # --- preparing (executor thread) --------------------------------------------------------
 
     def _render(self, job: GenerationJob):
+        from runtime.media.sources import MediaError
         from runtime.text.chat import ChatTemplateError
 
         settings = self.settings
@@ -165,14 +192,22 @@ class SessionBackend:
                                           else None)
         preserve = job.preserve_thinking if job.preserve_thinking is not None else \
             bool(settings.preserve_thinking)
+        extra = dict(job.template_kwargs)
+        effort = effort or extra.pop("reasoning_effort", None)
         try:
             prompt = self.session.render(
                 list(job.messages), tools=list(job.tools) or None, enable_thinking=enable,
                 reasoning_effort=effort, preserve_thinking=preserve,
-                add_generation_prompt=not job.continue_final, **job.template_kwargs)
+                add_generation_prompt=not job.continue_final, **extra)
         except ChatTemplateError as exc:
             raise invalid("messages", f"cannot render the chat template: {exc}",
                           "invalid_prompt") from None
+        except RecursionError:
+            raise invalid("messages", "cannot render the chat template: values nested too "
+                                      "deep", "invalid_prompt") from None
+        except MediaError as exc:
+            # `where` is the part's wire path (protocols.media_parts): the 400 names it.
+            raise ApiError(400, str(exc), param=exc.where, code="invalid_image") from None
         if job.continue_final:
             prompt = self._continue_final(prompt)
         return prompt
@@ -188,7 +223,9 @@ class SessionBackend:
             if ids[index] == im_end:
                 ids = ids[:index]
                 break
-        return RenderedPrompt(ids=tuple(ids), thinking=self.session.ends_in_thinking(ids))
+        # The images stay where they were: only the end of the prompt was cut.
+        return RenderedPrompt(ids=tuple(ids), thinking=self.session.ends_in_thinking(ids),
+                              media=prompt.media)
 
     def _prepare(self, job: GenerationJob, request_id: str) -> _Prepared:
         session, settings = self.session, self.settings
@@ -202,6 +239,8 @@ class SessionBackend:
         wanted = job.max_tokens if job.max_tokens is not None else settings.max_new
         if wanted == 0:
             return _Prepared(None, prompt_tokens, prompt.thinking, job.tools)
+        # Built here, off the event loop: stop strings compile into regular expressions.
+        parser = self._parser(job, prompt.thinking, job.tools)
         max_new = min(wanted, room)
         constraint = self._constraint(job, prompt.thinking)
         overrides = job.sampling
@@ -221,12 +260,13 @@ class SessionBackend:
             stop_token_ids=settings.stop_token_id, thinking_budget=budget,
             loop_guard=settings.reasoning_loop, constraint=constraint, logprobs=logprobs,
             request_id=request_id)
-        return _Prepared(request, prompt_tokens, prompt.thinking, job.tools)
+        return _Prepared(request, prompt_tokens, prompt.thinking, job.tools, parser)
 
     def _constraint(self, job: GenerationJob, thinking: bool):
         from runtime.text.constraints import ConstraintError
 
         param = _constraint_param(job)
+        self._check_satisfiable(job)
         try:
             spec, _ = constraint_spec(job)
             if spec is None:
@@ -246,20 +286,40 @@ class SessionBackend:
         log.warning("non-strict tools' calls left unchecked: %s", error)
         return constraint
 
+    def _check_satisfiable(self, job: GenerationJob) -> None:
+        """400 for an answer schema or a tool grammar that no text can match: compiled into
+        the whole answer's constraint, it would pass the first mask and dead-end mid-answer
+        (or, a schema llguidance only partly enforces, be silently loosened)."""
+        from runtime.text.constraints import ConstraintError
+        from runtime.text.constraints_tools import schema_admits_nothing, value_grammar_spec
+
+        output = job.output_format
+        if output is not None and output.kind != "json_object" and \
+                schema_admits_nothing(output.schema):
+            raise invalid(_constraint_param(job), "the JSON schema admits no value",
+                          "invalid_constraint")
+        for grammar in job.tool_grammars if job.tools else ():
+            try:
+                self.session.compile_constraint(
+                    value_grammar_spec(grammar.syntax, grammar.definition), False)
+            except ConstraintError as exc:
+                raise invalid("tools", f"custom tool {grammar.tool!r}: {exc}",
+                              "invalid_constraint") from None
+
     def _compile(self, job: GenerationJob, spec, thinking: bool):
         # With tools, the spec covers the calls: a `<tool_call>` inside the think block would
         # be parsed as a call the grammar never saw, so it is not allowed there.
         return self.session.compile_constraint(spec, thinking, tool_calls=bool(job.tools))
 
-    def _parser(self, job: GenerationJob, prepared: _Prepared):
+    def _parser(self, job: GenerationJob, thinking: bool, tools: tuple):
         from runtime.text.parser import QwenOutputParser
         from runtime.text.stops import StopConditions
 
         settings = self.settings
         stops = StopConditions.build(tuple(settings.stop) + tuple(job.stop),
                                      settings.reasoning_stop, settings.stop_token_id)
-        return QwenOutputParser(self.session.tokenizer, tools=list(prepared.tools) or None,
-                                starts_in_reasoning=prepared.thinking,
+        return QwenOutputParser(self.session.tokenizer, tools=list(tools) or None,
+                                starts_in_reasoning=thinking,
                                 tolerant_tool_calls=settings.tolerant_tool_calls,
                                 call_id_prefix=CALL_ID_PREFIX.get(job.api, "call_"),
                                 stop=stops)
@@ -280,6 +340,9 @@ class SessionBackend:
             running.stop_hit = parser.stopped
             if not output.finished:
                 self.session.engine.cancel(generation.request_id)
+        generation.reasoning_tokens = output.thinking_tokens
+        if output.queue_s is not None:
+            generation.queue_wait_s = output.queue_s
         generation.publish(events, new_tokens=len(output.token_ids))
         if output.finished:
             self._finish(running, output)
@@ -309,6 +372,8 @@ class SessionBackend:
             spec_rounds=stats.spec_rounds if stats else 0,
             drafted_tokens=stats.drafted_tokens if stats else 0,
             accepted_tokens=stats.accepted_tokens if stats else 0,
+            prefilled_tokens=stats.prefilled_tokens if stats else 0,
+            resume_path=stats.resume_path if stats else "cold",
             ttft_s=(stats.ttft_s + delay) if stats and stats.output_tokens else None,
             decode_s=stats.decode_s if stats else None))
 
@@ -379,6 +444,36 @@ def _constraint_param(job: GenerationJob) -> str:
         return "tools"
     return {"chat": "response_format", "responses": "text.format",
             "messages": "output_config.format"}[job.api]
+
+
+def message_chars(job: GenerationJob) -> int:
+    """Characters of the messages' text (string contents and text parts): text every chat
+    template renders, so a lower bound of the rendered prompt's length."""
+    total = 0
+    for message in job.messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
+
+
+def _releasing_memory(job: GenerationJob, work, *args):
+    """`work(*args)`; after a long prompt, hand freed memory back to the system."""
+    try:
+        return work(*args)
+    finally:
+        if message_chars(job) >= RELEASE_MEMORY_CHARS:
+            _trim_heap()
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def _constraints_available() -> bool:

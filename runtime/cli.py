@@ -39,6 +39,7 @@ class RunPlan:
     constraint_spec: Any = None
     enable_thinking: Optional[bool] = None
     reasoning_effort: Optional[str] = None
+    demo_thinking_off: bool = False  # --demo turned thinking off (nothing asked for it)
 
 
 # --- validation and input -----------------------------------------------------------------------
@@ -180,6 +181,11 @@ def plan_run(settings) -> RunPlan:
     if settings.no_thinking and effort not in (None, "none"):
         raise ConfigError(f"--reasoning-effort {effort} cannot be combined with --no-thinking")
     thinking_off = settings.no_thinking or effort == "none"
+    # The demo's random model would think until --max-new and print nothing on stdout: it
+    # answers without thinking unless a thinking option asks for it.
+    thinking_asked = (effort not in (None, "none") or settings.thinking_budget is not None
+                      or settings.reasoning_loop != "off")
+    demo_thinking_off = settings.demo and not thinking_off and not thinking_asked
     if thinking_off and settings.thinking_budget is not None:
         raise ConfigError("--thinking-budget cannot be combined with --no-thinking "
                           "(or --reasoning-effort none)")
@@ -212,8 +218,9 @@ def plan_run(settings) -> RunPlan:
         raise InputError(f"{constraints[0]} requires no tools, but the messages file declares "
                          f"{len(tools)}; JSON constraints may accompany tools")
     return RunPlan(messages=messages, tools=tools, constraint_spec=_constraint_spec(settings),
-                   enable_thinking=False if thinking_off else None,
-                   reasoning_effort=effort if effort not in (None, "none") else None)
+                   enable_thinking=False if thinking_off or demo_thinking_off else None,
+                   reasoning_effort=effort if effort not in (None, "none") else None,
+                   demo_thinking_off=demo_thinking_off)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -234,6 +241,9 @@ def main(argv: Optional[list[str]] = None, *, stdout: Optional[TextIO] = None,
     logger = get_logger("cli")
     if settings.options_from_file:
         logger.info("options from %s: %s", settings.config, ", ".join(settings.options_from_file))
+    if plan.demo_thinking_off:
+        logger.info("demo: thinking off, so the answer shows on stdout (--reasoning-effort "
+                    "LEVEL or --thinking-budget N turns it on)")
 
     from runtime.session import ModelSession
 

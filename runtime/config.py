@@ -118,7 +118,8 @@ def _help_text(option: Option, command: str) -> str:
     if option.kind is bool:
         return f"{option.help} (default: off)"
     if default is None or default == ():
-        return f"{option.help} (default: unset)"
+        # A help text that already says what happens when the option is absent keeps it.
+        return option.help if "(default:" in option.help else f"{option.help} (default: unset)"
     return f"{option.help} (default: {default})"
 
 

@@ -112,7 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-context", int, 2048, "per-sequence context ceiling in tokens", group="capacity",
            minimum=64, maximum=262144, serve_default=8192),
     Option("kv-capacity", int, None, "shared KV pool size in tokens (rounded up to 64-token "
-           "pages); omitted means --max-context (times --max-concurrency for the server)",
+           "pages) (default: --max-context, times --max-concurrency for the server)",
            group="capacity", minimum=64, maximum=1 << 24, auto=True),
     Option("kv-dtype", str, "bf16", "KV-cache storage format", group="capacity",
            choices=("bf16",)),

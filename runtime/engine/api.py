@@ -166,7 +166,10 @@ class RequestStats:
 class EngineOutput:
     """An increment for one request. `token_ids` are newly committed ids (sampled or inserted);
     `inserted` marks which of them the engine inserted without sampling (thinking budget).
-    The final increment has `finished=True`, the reason, and `stats`."""
+    The final increment has `finished=True`, the reason, and `stats`. Every increment carries
+    `thinking_tokens` (model-origin tokens inside the think block so far) and, once the request
+    was admitted, `queue_s` (submit -> first admission): a request cancelled by its client
+    never gets `stats`, and its accounting must still be right."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -178,3 +181,5 @@ class EngineOutput:
     cached_prompt_tokens: int = 0
     logprobs: Optional[Sequence[dict]] = None
     stats: Optional[RequestStats] = None
+    thinking_tokens: int = 0
+    queue_s: Optional[float] = None

@@ -46,6 +46,7 @@ from runtime.engine.cache_file import load_cache_file, save_cache_file
 from runtime.engine.cache_ops import Traffic, apply_ops
 from runtime.engine.prefix_cache import PrefixCacheConfig
 from runtime.engine.request_state import LiveRequest, OutputSink
+from runtime.engine.sampler import DeadEndError
 from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from runtime.engine.speculative import SlotLayout, Speculation, SpeculativeConfig
 from runtime.engine.thinking import budget_room_error
@@ -400,14 +401,22 @@ class Engine:
                     if work.samples:
                         rows[work.request_id] = logits[-1]
             except Exception as exc:  # noqa: BLE001 - isolate this request
-                self._end(live, FinishReason.ERROR, error=f"prefill failed: {exc}")
+                self._failed(live, "prefill", exc)
                 continue
             self.counters["prefill_tokens"] += work.num_tokens
             live.prefilled_tokens += work.num_tokens
             if work.replay:
                 self.counters["replayed_tokens"] += work.num_tokens
         # Rows under suspicion (their batch failed before) decode alone until one step works.
-        groups = [[w for w in batch.decodes if not self._live[w.request_id].suspect]]
+        # Rows that need their logits on the host (logprobs) decode apart from the rest when the
+        # runner samples on its device: a row's forward pass does not depend on its batch, but
+        # its sampling would (host float64 vs device fp32 decide alike except within rounding
+        # of a threshold), so a request's draws never depend on whether a neighbour asks for
+        # logprobs (request invariance).
+        steady = [w for w in batch.decodes if not self._live[w.request_id].suspect]
+        device_capable = self.config.device_sampling and self.runner.samples_on_device
+        host = [w for w in steady if self._live[w.request_id].request.logprobs] if device_capable else []
+        groups = [[w for w in steady if w not in host], host]
         groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
         rounds: dict = {}
         for group in groups:
@@ -460,7 +469,7 @@ class Engine:
                 else:
                     result = live.step(rows[request_id], masks.get(request_id))
             except Exception as exc:  # noqa: BLE001 - sampling / constraint failure
-                self._end(live, FinishReason.ERROR, error=f"sampling failed: {exc}")
+                self._failed(live, "sampling", exc)
                 continue
             new_tokens[request_id] = result.token_ids
             endings.append((live, result))
@@ -489,19 +498,7 @@ class Engine:
                 self._end(live, result.finish_reason, token_ids=result.token_ids,
                           inserted=result.inserted, logprobs=result.logprobs)
             else:
-                self._publish(live, EngineOutput(
-                    request_id=live.request_id, token_ids=result.token_ids,
-                    inserted=result.inserted, prompt_tokens=len(live.request.prompt_ids),
-                    cached_prompt_tokens=live.cached_tokens, logprobs=result.logprobs))
-
-    def _count_round(self, live: LiveRequest, outcome) -> None:
-        if outcome.drafted:
-            live.spec_rounds += 1
-            live.drafted_tokens += outcome.drafted
-            live.accepted_tokens += outcome.accepted
-            self.counters["spec_rounds"] += 1
-            self.counters["spec_drafted_tokens"] += outcome.drafted
-            self.counters["spec_accepted_tokens"] += outcome.accepted
+                self._publish(live, live.progress_output(result))
 
     def _save_cache(self, periodic: bool) -> None:
         """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
@@ -529,6 +526,15 @@ class Engine:
         """Run the prefix cache's queued copies (`runtime.engine.cache_ops`), in order."""
         if self.scheduler.cache is not None:
             apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.cache_traffic)
+
+    def _count_round(self, live: LiveRequest, outcome) -> None:
+        if outcome.drafted:
+            live.spec_rounds += 1
+            live.drafted_tokens += outcome.drafted
+            live.accepted_tokens += outcome.accepted
+            self.counters["spec_rounds"] += 1
+            self.counters["spec_drafted_tokens"] += outcome.drafted
+            self.counters["spec_accepted_tokens"] += outcome.accepted
 
     def _samples_on_device(self, group: list) -> bool:
         """Whether the runner samples these rows itself (only ids come back): it can, the engine
@@ -567,7 +573,7 @@ class Engine:
         is rebuilt by replaying its committed tokens, and decode it alone next time."""
         if len(group) == 1:
             live = self._live[group[0].request_id]
-            self._end(live, FinishReason.ERROR, error=f"decode failed: {exc}")
+            self._failed(live, "decode", exc)
             return
         if self._logger is not None:
             self._logger.warning("batched decode of %d rows failed (%s); replaying them",
@@ -589,6 +595,19 @@ class Engine:
                     self._logger.warning("output sink of %s failed (%s); cancelling it",
                                          live.request_id, exc)
                 self._end(live, FinishReason.CANCELLED)
+
+    def _failed(self, live: LiveRequest, stage: str, exc: Exception) -> None:
+        """End a request on an exception. A dead end (the constraint allows nothing, or the
+        logits are not finite) is this request's condition and its message explains it. Any
+        other exception is a bug: its traceback is logged once, at error level, with the request
+        id, and the request's error names the stage and the id, not library internals."""
+        if isinstance(exc, DeadEndError):
+            self._end(live, FinishReason.ERROR, error=f"{stage} failed: {exc}")
+            return
+        if self._logger is not None:
+            self._logger.error("request %s: %s failed", live.request_id, stage, exc_info=exc)
+        self._end(live, FinishReason.ERROR, error=f"{stage} failed (request id "
+                                                  f"{live.request_id}; cause in the server log)")
 
     def _end(self, live: LiveRequest, reason: FinishReason, *, in_scheduler: bool = True,
              token_ids: tuple[int, ...] = (), inserted: tuple[bool, ...] = (),
@@ -633,13 +652,14 @@ class Engine:
         if cache is None:
             return {}
         traffic = self.cache_traffic
-        return {**{f"prefix_cache_{k}": v for k, v in cache.cache.stats.items()},
-                "prefix_cache_block_evictions": self.scheduler.pages.evictions,
+        # Counters end in _total (they only grow), the rest are gauges (/metrics names).
+        return {**{f"prefix_cache_{k}_total": v for k, v in cache.cache.stats.items()},
+                "prefix_cache_block_evictions_total": self.scheduler.pages.evictions,
+                "prefix_cache_host_to_device_bytes_total": traffic.host_to_device_bytes,
+                "prefix_cache_device_to_host_bytes_total": traffic.device_to_host_bytes,
                 "prefix_cache_cached_pages": self.scheduler.pages.num_cached,
                 "prefix_cache_device_snapshots": cache.cache.device_snapshots,
-                "prefix_cache_host_bytes": cache.cache.host_used,
-                "prefix_cache_host_to_device_bytes": traffic.host_to_device_bytes,
-                "prefix_cache_device_to_host_bytes": traffic.device_to_host_bytes}
+                "prefix_cache_host_bytes": cache.cache.host_used}
 
 
 def prefix_cache_config(runner: ModelRunner, config: EngineConfig) -> Optional[PrefixCacheConfig]:

@@ -174,6 +174,19 @@ class LiveRequest:
             accepted_tokens=self.accepted_tokens,
         )
 
+    @property
+    def queue_s(self) -> Optional[float]:
+        """Submit -> first admission; None while still waiting."""
+        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
+
+    def progress_output(self, step: StepResult) -> EngineOutput:
+        """The increment of a step that did not end the request."""
+        return EngineOutput(request_id=self.request_id, token_ids=step.token_ids,
+                            inserted=step.inserted, prompt_tokens=len(self.request.prompt_ids),
+                            cached_prompt_tokens=self.cached_tokens,
+                            logprobs=step.logprobs, thinking_tokens=self.thinking.model_tokens,
+                            queue_s=self.queue_s)
+
     def publish(self, output: EngineOutput) -> None:
         self.sink(output)
 
@@ -184,4 +197,5 @@ class LiveRequest:
         return EngineOutput(request_id=self.request_id, token_ids=token_ids, inserted=inserted,
                             finished=True, finish_reason=reason, error=error,
                             prompt_tokens=len(self.request.prompt_ids), logprobs=logprobs,
-                            cached_prompt_tokens=self.cached_tokens, stats=self.stats())
+                            cached_prompt_tokens=self.cached_tokens, stats=self.stats(), thinking_tokens=self.thinking.model_tokens,
+                            queue_s=self.queue_s)

@@ -93,8 +93,17 @@ class SequenceCache:
 
     def capture(self, seq: "SequenceRecord", position: int) -> None:
         if self.cache.config.reuse and seq.cacheable:
+            self._republish(seq, position)
             self.cache.capture(seq.token_ids, position, seq.block_digests, seq.page_table,
                                seq.slot)
+
+    def _republish(self, seq: "SequenceRecord", position: int) -> None:
+        """Make every block a snapshot at `position` needs findable again: a block whose
+        canonical page was evicted while `seq` kept its own copy is published from that copy
+        (a snapshot never depends on content that no page or host copy holds)."""
+        for index, digest in enumerate(seq.block_digests[:position // PAGE_SIZE]):
+            if self.blocks.lookup(digest) is None:
+                self.blocks.publish(seq.page_table[index], digest)
 
     def finish(self, seq: "SequenceRecord", keep_state: bool) -> None:
         """A running sequence ends: keep its endpoint (when its state is sound)."""
@@ -107,6 +116,7 @@ class SequenceCache:
         if seq.num_computed == 0 or not seq.cacheable:
             return False
         self.publish(seq)
+        self._republish(seq, seq.num_computed)
         return self.cache.pause(seq.request_id, seq.token_ids, seq.num_computed,
                                 seq.block_digests, seq.page_table, seq.slot)
 

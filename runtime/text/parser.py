@@ -21,7 +21,8 @@ Modes, switched by the special-token ids (never by text that merely spells a mar
 
 Stop conditions (stops.py) are applied here, on the text: stop strings to the answer's content
 (never inside a tool call or the reasoning), reasoning-stop strings to the reasoning, stop token
-ids and the tokenizer's eos ids end the output. `stopped` tells the caller why the output ended early, so it can cancel the request.
+ids and the tokenizer's eos ids end the output. `stopped` tells the caller why the output ended
+early, so it can cancel the request.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 - Stop strings (`--stop`, API `stop`/`stop_sequences`) apply to the answer's content: never
   inside a tool call (its markup and arguments are not text the client sees; the OpenAI and
   Anthropic APIs apply stop sequences to generated text) nor the reasoning. Reasoning-stop
-  strings (`--reasoning-stop`) apply only inside the think block. The matched string is not part of the output.
+  strings (`--reasoning-stop`) apply only inside the think block. The matched string is not
+  part of the output.
 - Matching is streaming: text that could still be the start of a stop string is held back until
   it either completes a match (dropped) or can no longer match (released), so a stop string never
   leaks to a client even when it arrives split over several tokens. Special tokens are not text:

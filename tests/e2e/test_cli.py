@@ -235,13 +235,57 @@ def test_demo_builds_the_model_once_into_the_cache(model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("INFERNIX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tools.make_tiny, "make_tiny", fake_make_tiny)
+    errors = []
     for _ in range(2):
         code, out, err = run_cli("--demo", "--prompt", PROMPT, "--max-new", "2")
         assert code == 0, err
         assert "demo" in err and "device cpu" in err
-    assert calls == [{"family": "dense", "vocab": "real", "seed": 0, "log": None}]
+        errors.append(err)
+    assert [{k: v for k, v in call.items() if k != "on_phase"} for call in calls] == [
+        {"family": "dense", "vocab": "real", "seed": 0, "log": None}]
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [
         "demo-tiny-dense-real-seed0.infernix"]
+    # The first run says it is building (it takes seconds), before the model is loaded.
+    first = errors[0]
+    assert first.index("building the demo model once") < first.index("demo model built") \
+        < first.index("loading ")
+    assert "building" not in errors[1] and "demo model built" not in errors[1]
+
+
+def test_demo_answers_without_thinking_unless_asked(model, tmp_path, monkeypatch):
+    """The random model thinks until --max-new, so `infernix --demo --prompt Hello` printed
+    nothing on stdout: the demo turns thinking off unless a thinking option asks for it."""
+    import shutil
+
+    import tools.make_tiny
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(model, cache / "demo-tiny-dense-real-seed0.infernix")
+    monkeypatch.setenv("INFERNIX_CACHE", str(cache))
+    monkeypatch.setattr(tools.make_tiny, "make_tiny", None)  # the cached model is used
+    code, out, err = run_cli("--demo", "--prompt", PROMPT, "--max-new", "2",
+                             "--log-level", "debug")
+    assert code == 0, err
+    assert "demo: thinking off, so the answer shows on stdout" in err
+    assert "non-thinking mode" in err
+    code, out, err = run_cli("--demo", "--prompt", PROMPT, "--max-new", "2",
+                             "--reasoning-effort", "low", "--log-level", "debug")
+    assert code == 0, err
+    assert "demo: thinking off" not in err and ", thinking mode" in err
+
+
+def test_demo_on_cuda_says_why_it_runs_on_the_cpu(model, tmp_path, monkeypatch):
+    import shutil
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(model, cache / "demo-tiny-dense-real-seed0.infernix")
+    monkeypatch.setenv("INFERNIX_CACHE", str(cache))
+    code, out, err = run_cli("--demo", "--device", "cuda", "--prompt", PROMPT, "--max-new", "2")
+    assert code == 0, err
+    assert "--demo runs on the CPU, not --device cuda: no GPU kernels are built" in err
+    assert "device cpu" in err
 
 
 def test_subprocess_keeps_stdout_for_the_answer_only(model):
@@ -327,6 +371,10 @@ ERROR_CASES = {
     "missing template": (["{model}", "--prompt", "x", "--chat-template", "/nonexistent.jinja"],
                          "--chat-template"),
     "missing model": (["/nonexistent.infernix", "--prompt", "x"], "does not exist"),
+    "hugging face directory": (["{hf_dir}", "--prompt", "x"],
+                               "is a Hugging Face checkpoint directory; convert it first: "
+                               "python -m tools.convert"),
+    "plain directory": (["{plain_dir}", "--prompt", "x"], "is a directory, not a .infernix"),
     "missing config": (["--config", "/nonexistent.toml", "--prompt", "x"], "--config"),
     "prompt too long": (["{model}", "--device", "cpu", "--prompt", "word " * 200,
                          "--max-context", "64"], "max context"),
@@ -348,6 +396,8 @@ def test_option_and_input_errors_exit_2_with_one_line(case, model, tmp_path):
         "bad_role": tmp_path / "role.json",
         "image_messages": tmp_path / "image.json",
         "bad_grammar": tmp_path / "bad.gbnf",
+        "hf_dir": model.with_name(model.stem + "-hf"),
+        "plain_dir": tmp_path,
     }
     files["bad_json"].write_text("{not json")
     files["empty_messages"].write_text("[]")

@@ -170,3 +170,13 @@ def test_console_entry_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "max-context" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["cli", "serve"])
+def test_every_help_entry_states_its_default_once(command):
+    """A help text that already said its default got a second `(default: unset)`."""
+    from runtime.config import _help_text
+
+    for option in OPTIONS:
+        if command in option.commands:
+            assert _help_text(option, command).count("(default:") == 1, option.name

@@ -438,3 +438,38 @@ def test_logprobs_are_reported(engine_factory):
     for entry in entries:
         assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
         assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]   # greedy = top-1
+
+
+class _DeviceSampling(FakeRunner):
+    """Samples on its 'device' (greedy argmax of the same logits) and records which calls did."""
+
+    samples_on_device = True
+
+    def decode_sampled(self, items, sampling, lookahead=False):
+        rows = self.decode(items)
+        assert len(list(sampling())) == len(items)
+        self.calls.append(("decode_sampled", tuple(item.slot for item in items)))
+        return np.argmax(rows, axis=1).astype(np.int32)
+
+    def prefill_sampled(self, chunk, sampling):
+        rows = self.prefill(chunk)
+        list(sampling())
+        return np.argmax(rows[-1:], axis=1).astype(np.int32)
+
+
+def test_a_neighbour_asking_for_logprobs_does_not_move_a_row_to_host_sampling(engine_factory):
+    # Request invariance: host (float64) and device (fp32) sampling decide alike except within
+    # rounding of a threshold, so a row must be sampled where it would be alone.
+    runner = _DeviceSampling()
+    engine = engine_factory(runner, num_lanes=2)
+    plain = engine.submit(request("plain", [3, 1, 4], 12))
+    probed = engine.submit(request("probed", [2, 7], 12, logprobs=1))
+    plain_tokens, _ = collect(plain)
+    probed_tokens, _ = collect(probed)
+    assert plain_tokens == reference_greedy(FakeRunner, [3, 1, 4], 12)
+    assert probed_tokens == reference_greedy(FakeRunner, [2, 7], 12)
+    sampled_slots = [slots for call, *slots in runner.calls if call == "decode_sampled" for slots in slots]
+    # Every device-sampled decode call held only the plain request's lane (slot 0): 11 decode
+    # steps after its prefill, none of them shared with the logprobs request.
+    assert sampled_slots and all(slots == (0,) for slots in sampled_slots)
+    assert len(sampled_slots) == 11

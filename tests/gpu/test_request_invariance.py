@@ -1,0 +1,116 @@
+"""Request invariance on the GPU: a request's token ids do not depend on what runs beside it.
+
+Real Qwen3.6-27B shapes (synthetic weights: random weights make near-ties everywhere, so any
+place where a row's arithmetic depends on the batch shows up within a few dozen tokens): a
+4-layer model of those shapes (three GDN layers, one attention layer) and the whole 64-layer
+model. Eight requests (greedy and seeded, prompts of different lengths crossing the prefill chunk
+grid) run together through the engine, then each alone on the same runner; the ids must be equal
+bit for bit. The same while sequences join and leave a running decode batch. Under KV pressure
+(preemption) the test is a strict xfail until a paused request's lane state is kept instead of
+replayed (docs/architecture.md, "Request invariance", lists why).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PREFILL_CHUNK = 256
+
+
+def _runner(device, library, layers, num_pages=160):
+    from bench.decode import QWEN36_27B
+    from runtime.model.config import ModelConfig
+    from runtime.model.gpu.runner import CudaRunner
+
+    shape = dict(QWEN36_27B)
+    if layers is not None:
+        shape.update(num_hidden_layers=layers, layer_types=QWEN36_27B["layer_types"][:layers])
+    return CudaRunner.synthetic(ModelConfig.from_dict(shape), 11, num_pages=num_pages, num_slots=8,
+                                max_batch=8, max_context=2048, prefill_chunk=PREFILL_CHUNK,
+                                device=device, library=library)
+
+
+def _requests(vocab):
+    from runtime.engine.api import EngineRequest, SamplingParams
+
+    rng = np.random.default_rng(21)
+    out = []
+    for i in range(8):
+        sampling = SamplingParams(greedy=True) if i % 2 == 0 else \
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=500 + i)
+        prompt = tuple(int(t) for t in rng.integers(0, vocab, 97 + 131 * i))
+        out.append(EngineRequest(request_id=f"r{i}", prompt_ids=prompt, sampling=sampling,
+                                 max_new_tokens=48))
+    return out
+
+
+def _run(runner, requests, *, lanes=8, stagger=0, num_pages=None):
+    """Token ids of each request through one engine; with `stagger`, request i is submitted once
+    request i - 1 has produced `stagger` tokens."""
+    from runtime.engine.engine_loop import Engine, EngineConfig
+
+    engine = Engine(runner, EngineConfig(num_lanes=lanes, max_context=2048, prefill_chunk=PREFILL_CHUNK,
+                                         num_pages=num_pages),
+                    on_thread_start=runner.device.make_current).start()
+    try:
+        streams, tokens = [], []
+
+        def pull(i):
+            tokens[i].extend(streams[i].get(timeout=120).token_ids)
+
+        for request in requests:
+            if stagger and streams:
+                while len(tokens[-1]) < stagger and not streams[-1].done:
+                    pull(len(streams) - 1)
+            streams.append(engine.submit(request))
+            tokens.append([])
+        for i, stream in enumerate(streams):
+            while not stream.done:
+                pull(i)
+        return tokens, dict(engine.counters)
+    finally:
+        engine.shutdown()
+
+
+def _alone(runner, requests):
+    return [_run(runner, [request], lanes=1)[0][0] for request in requests]
+
+
+@pytest.fixture(scope="module", params=[4, None], ids=["27b-4-layers", "27b"])
+def runner(request, device, library):
+    r = _runner(device, library, request.param)
+    yield r
+    r.close()
+
+
+def test_eight_together_equal_each_alone(runner):
+    requests = _requests(runner.vocab_size)
+    together, _ = _run(runner, requests)
+    alone = _alone(runner, requests)
+    assert all(len(t) == 48 for t in together)
+    assert len(set(together[1])) > 5, "sampled output looks degenerate"
+    diverged = [i for i, (a, b) in enumerate(zip(together, alone)) if a != b]
+    assert not diverged, {i: (together[i], alone[i]) for i in diverged}
+
+
+def test_joining_and_leaving_mid_decode_equal_each_alone(runner):
+    requests = _requests(runner.vocab_size)
+    staggered, _ = _run(runner, requests, stagger=7)
+    alone = _alone(runner, requests)
+    diverged = [i for i, (a, b) in enumerate(zip(staggered, alone)) if a != b]
+    assert not diverged, {i: (staggered[i], alone[i]) for i in diverged}
+
+
+@pytest.mark.xfail(strict=True, reason="a preempted request replays its output by prefill, which "
+                   "rounds differently from the decode steps that first computed it; exact once the "
+                   "lane state is kept across the pause (issue 16)")
+def test_kv_pressure_with_preemption_equals_each_alone(runner):
+    requests = _requests(runner.vocab_size)[:4]
+    # 24 pages (1,536 tokens) for four requests of up to ~580 tokens each: they must take turns.
+    pressured, counters = _run(runner, requests, lanes=4, num_pages=24)
+    assert counters["preemptions"] > 0
+    alone = _alone(runner, requests)
+    assert pressured == alone
