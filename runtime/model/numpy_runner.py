@@ -200,13 +200,6 @@ class NumpyRunner:
         self.key_pages[:, ids] = keys
         self.value_pages[:, ids] = values
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        src_ids, dst_ids = self._checked_pages(src), self._checked_pages(dst)
-        if len(src_ids) != len(dst_ids) or set(src_ids.tolist()) & set(dst_ids.tolist()):
-            raise ValueError("copy_pages needs two disjoint page lists of equal length")
-        self.key_pages[:, dst_ids] = self.key_pages[:, src_ids]
-        self.value_pages[:, dst_ids] = self.value_pages[:, src_ids]
-
     def _checked_pages(self, pages: Sequence[int]) -> np.ndarray:
         ids = np.asarray(pages, dtype=np.int64).reshape(-1)
         if np.any(ids < 0) or np.any(ids >= self.num_pages):

@@ -266,11 +266,6 @@ class ModelRunner(Protocol):
         """Write K/V rows that `read_pages` returned into `pages` (same count, in order)."""
         ...
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy the K/V rows of pages `src[i]` into `dst[i]` on the device (copy-on-write of a
-        shared partial block); the two lists are disjoint."""
-        ...
-
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         """Compute a chunk; float32 logits [len(token_ids), V] if all_logits else [1, V]."""
         ...
