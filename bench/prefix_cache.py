@@ -1,0 +1,189 @@
+"""The prefix cache over HTTP, like a client: a growing conversation and a KV-pressure case,
+each on a server with the cache and one without.
+
+    python -m bench.prefix_cache --out results/ --server "infernix-serve --demo --device cpu" \
+        [--turns 6 --grow 400] [--pressure 8,600,2048] [--max-new 8]
+
+Growing conversation: turn n resends the whole history (system text, every earlier user turn
+and answer) plus about `--grow` new tokens of user text, streamed over Chat Completions; the
+time to the first token (request sent -> first streamed content) and the cached tokens the
+server reports are recorded per turn, for both servers, and the answers of the two are
+compared (seeded sampling: they must be equal).
+
+Pressure: `N,L,POOL` sends N requests of about L prompt tokens at once to servers whose KV
+pool holds POOL tokens (`--kv-capacity POOL --max-concurrency min(N, 8)`): with the cache a
+paused request keeps its state in the host tier; without it (`--no-prefix-cache
+--host-context-mib 0`) it is recomputed. Reports wall time, preemptions and host-tier bytes
+from /metrics, and whether every answer equals the same request sent alone to an idle server.
+
+The server command gets `--port`, `--seed 1`, `--max-context` and the arm's flags appended.
+Writes `prefix_cache.json` and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+SYSTEM = "You are a coding agent. Read files carefully, answer briefly and cite paths. " * 8
+ARMS = {"cache": [], "no-cache": ["--no-prefix-cache", "--host-context-mib", "0",
+                                  "--device-snapshot-slots", "0"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `infernix-serve` process on a free port, stopped on exit."""
+
+    def __init__(self, command: str, flags: list[str], log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        argv = shlex.split(command) + ["--port", str(self.port), "--seed", "1"] + flags
+        self.log = log.open("w")
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}); see {log}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after 600 s; see {log}")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=30).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line and not line.startswith("#") and "{" not in line}
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def chat(base: str, messages: list[dict], max_new: int, seed: int) -> dict:
+    """One streamed chat request: answer text, TTFT and the usage block."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_new, "seed": seed,
+            "stream": True, "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": False}}
+    sent = time.perf_counter()
+    first, text, usage = None, [], {}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=3600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    text.append(delta)
+    return {"text": "".join(text), "ttft_s": (first or time.perf_counter()) - sent,
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+def filler(tokens: int, salt: int) -> str:
+    """About `tokens` tokens of distinct user text (numbered words)."""
+    return " ".join(f"item{salt}_{i}" for i in range(max(1, tokens // 4)))
+
+
+def conversation(base: str, turns: int, grow: int, max_new: int) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    rows = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": filler(grow, turn)})
+        result = chat(base, messages, max_new, seed=turn)
+        messages.append({"role": "assistant", "content": result["text"] or "ok"})
+        rows.append(result)
+    return rows
+
+
+def pressure(base: str, count: int, length: int, max_new: int) -> dict:
+    prompts = [[{"role": "user", "content": filler(length, 1000 + n)}] for n in range(count)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        results = list(pool.map(lambda p: chat(base, p, max_new, seed=7), prompts))
+    return {"wall_s": time.perf_counter() - started, "texts": [r["text"] for r in results],
+            "prompts": prompts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--server", default="infernix-serve --demo --device cpu")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--grow", type=int, default=400, help="new user tokens per turn")
+    ap.add_argument("--max-new", type=int, default=8)
+    ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--pressure", default="", help="N,L,POOL: N requests of L tokens, POOL-token "
+                    "KV pool (empty: skip)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"server": args.server, "turns": {}, "pressure": {}}
+    for arm, flags in ARMS.items():
+        server = Server(args.server, ["--max-context", str(args.max_context)] + flags,
+                        args.out / f"serve-{arm}.log")
+        try:
+            report["turns"][arm] = conversation(server.base, args.turns, args.grow, args.max_new)
+        finally:
+            server.close()
+    if args.pressure:
+        count, length, pool = (int(x) for x in args.pressure.split(","))
+        shape = ["--max-context", str(args.max_context), "--kv-capacity", str(pool),
+                 "--max-concurrency", str(min(count, 8)), "--max-pending-requests", str(count)]
+        for arm, flags in ARMS.items():
+            server = Server(args.server, shape + flags, args.out / f"serve-pressure-{arm}.log")
+            try:
+                run = pressure(server.base, count, length, args.max_new)
+                metrics = server.metrics()
+                alone = [chat(server.base, p, args.max_new, seed=7)["text"] for p in run["prompts"]]
+            finally:
+                server.close()
+            report["pressure"][arm] = {
+                "wall_s": run["wall_s"],
+                "preemptions": metrics.get("infernix_engine_preemptions_total", 0),
+                "pauses_saved": metrics.get("infernix_prefix_cache_pauses_saved_total", 0),
+                "device_to_host_bytes": metrics.get(
+                    "infernix_prefix_cache_device_to_host_bytes_total", 0),
+                "outputs_equal_alone": run["texts"] == alone}
+    (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=2))
+    print("| turn | prompt tokens | cached (cache) | TTFT cache s | TTFT no-cache s | same text |")
+    print("|---:|---:|---:|---:|---:|:---:|")
+    for n, (on, off) in enumerate(zip(report["turns"]["cache"], report["turns"]["no-cache"])):
+        print(f"| {n + 1} | {on['prompt_tokens']} | {on['cached_tokens']} | {on['ttft_s']:.3f} "
+              f"| {off['ttft_s']:.3f} | {'yes' if on['text'] == off['text'] else 'NO'} |")
+    if report["pressure"]:
+        print("\n| arm | wall s | preemptions | pauses kept | device->host MiB | equal alone |")
+        print("|---|---:|---:|---:|---:|:---:|")
+        for arm, row in report["pressure"].items():
+            print(f"| {arm} | {row['wall_s']:.2f} | {row['preemptions']:.0f} | "
+                  f"{row['pauses_saved']:.0f} | {row['device_to_host_bytes'] / 2**20:.1f} | "
+                  f"{'yes' if row['outputs_equal_alone'] else 'NO'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
