@@ -10,8 +10,10 @@ the inserted thinking-close span all take the same path; only the count differs.
 Rules, in the order `schedule()` applies them:
 
 1. Admission is strict FIFO over a bounded queue: the head is admitted when a lane (state slot)
-   is free and the pool has the pages of its first unit on top of what the running sequences
-   need for their own next unit; a blocked head is never overtaken. A preempted sequence goes
+   is free and the pool has the pages of its whole prompt and a first output token on top of
+   what the running sequences need to finish theirs (a pool that cannot hold a request for a
+   useful turn does not take it in, so nobody pauses for it at once); a blocked head is never
+   overtaken. A preempted sequence goes
    back to the front of the queue (ahead of fresh requests) and resumes only when its whole
    replay fits.
    Bounded service turns under KV pressure: when the head is blocked by pages (not by lanes),
@@ -499,6 +501,13 @@ class Scheduler:
         stop = next_stop(seq, seq.num_computed, self.config.snapshot_interval)
         return count if stop is None else min(count, stop - seq.num_computed)
 
+    def _prompt_room(self, seq: SequenceRecord) -> int:
+        """Pages a running sequence still needs to finish what it holds (its prompt or replay)
+        and one more token: admission keeps them free, so an admitted sequence is never
+        paused for a newcomer before its first turn."""
+        return max(self._next_unit_pages(seq),
+                   pages_for(len(seq.token_ids) + 1) - len(seq.page_table))
+
     def _next_unit_pages(self, seq: SequenceRecord) -> int:
         count = 1 if seq.pending == 1 and seq.num_computed > 0 else self._next_chunk(seq)
         return max(0, pages_for(seq.num_computed + count) - len(seq.page_table))
@@ -513,7 +522,9 @@ class Scheduler:
             elif head.status is SeqStatus.PAUSED:
                 need = pages_for(len(head.token_ids))          # its whole replay must fit
             else:
-                need = pages_for(min(len(head.token_ids), self.config.prefill_chunk))
+                # Its whole prompt and a first output token: admitting a prompt the pool
+                # cannot finish only makes it (or a neighbour) pause again (thrashing).
+                need = pages_for(len(head.token_ids) + 1)
             if need > self.config.num_pages:
                 # A paused sequence that outgrew the whole pool can never resume.
                 self._waiting.popleft()
@@ -522,7 +533,7 @@ class Scheduler:
                     self.cache.cache.drop_private(head.request_id)
                 failed.append((head.request_id, FinishReason.CONTEXT))
                 continue
-            reserve = sum(self._next_unit_pages(seq) for seq in self._running)
+            reserve = sum(self._prompt_room(seq) for seq in self._running)
             if need + reserve > self.pages.num_free and not self._rotate_for(head):
                 break                                          # never overtake a blocked head
             self._waiting.remove(head)       # (a fresh head may now follow paused victims)

@@ -157,3 +157,23 @@ def test_turn_starts_are_the_last_message_markers():
     ids = [im, 1, 2, im, 3, im, 4, 5, im, 6, im, 7]
     assert turn_starts(ids, im) == (3, 5, 8, 10)
     assert turn_starts([im, 1, 2], im) == ()
+
+
+def test_admission_waits_for_room_for_the_whole_prompt_instead_of_thrashing():
+    # Six pages hold one 250-token prompt (4 pages) and its output, not two prompts.
+    s = Scheduler(SchedulerConfig(num_lanes=2, num_pages=6, max_context=1024, prefill_chunk=128,
+                                  service_turn_tokens=1000))
+    s.add("a", prompt(250))
+    s.add("b", prompt(250, base=1))
+    admitted, preempted = [], 0
+    for _ in range(8):
+        batch = s.schedule()
+        admitted += batch.admitted
+        preempted += len(batch.preempted)
+        s.update(batch, {rid: [1] for rid in batch.sampling_requests()})
+        s.check_invariants()
+    # b would fit its first chunk beside a's, then one of them would have to pause.
+    assert admitted == ["a"] and preempted == 0 and s.waiting_ids() == ["b"]
+    s.finish("a")
+    batch = s.schedule()
+    assert batch.admitted == ("b",)
