@@ -6,8 +6,9 @@ Responses `{"type": "input_image", "image_url": "data:..."}`, Anthropic
 `{"type": "image", "image": SOURCE, "where": WIRE_PATH}`; the session decodes it when the prompt
 is rendered, and a bad image (corrupt, not an image, too large, a remote URL without
 `--allow-remote-media`, vision off) is a `MediaError` whose `where` is the wire path, answered
-with a 400 naming it. Only the shape is checked here: reading and decoding need the session's
-limits and rules.
+with a 400 naming it. Here only the shape and the source's kind are checked (a data URI or an
+HTTP(S) URL: never a path on the server's disk); reading and decoding need the session's limits
+and rules.
 
 Content without images stays one string (exactly `text_of_parts`), so text-only prompts render
 as before; content with images is a list of text and image parts in the client's order.
@@ -25,6 +26,12 @@ ImageSource = Callable[[dict, str], Optional[str]]
 
 
 def image_part(source: str, where: str) -> dict:
+    """The part for `runtime.media`; a source that is not a data URI or an HTTP(S) URL is refused
+    here, because the runtime reads any other string as a path on the server's own disk."""
+    scheme = source.partition(":")[0].lower()
+    if scheme not in ("data", "http", "https"):
+        raise invalid(where, "an image source must be a base64 data URI "
+                             "(data:image/png;base64,...) or an http(s) URL")
     return {"type": "image", "image": source, "where": where}
 
 

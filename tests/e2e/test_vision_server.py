@@ -7,8 +7,10 @@ API's own error shape."""
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import struct
+import threading
 import zlib
 
 import httpx
@@ -249,3 +251,35 @@ def test_responses_file_id_is_refused_naming_it(vision_server):
             {"type": "input_image", "file_id": "file_123"}]}]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "input[0].content[0].file_id"
+
+
+def test_remote_image_with_allow_remote_media(vision_model, clients, cli_answer):
+    """With the flag, an http:// image (served here on 127.0.0.1) is fetched and counted."""
+    class OnePng(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+            self.wfile.write(PNG)
+
+        def log_message(self, *args):   # keep the test output quiet
+            pass
+
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OnePng)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    server, backend = start_server(vision_model, "--vision", "--allow-remote-media")
+    try:
+        url = f"http://127.0.0.1:{images.server_address[1]}/a.png"
+        answer = clients.openai(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [
+                chat_image(url), {"type": "text", "text": QUESTION}]}],
+            max_tokens=MAX_NEW, temperature=0, extra_body=NO_THINKING)
+    finally:
+        server.stop()
+        backend.close()
+        images.shutdown()
+        images.server_close()
+    prompt_tokens, _, text = cli_answer
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.choices[0].message.content == text

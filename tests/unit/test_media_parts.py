@@ -4,7 +4,10 @@ stays one string."""
 
 from __future__ import annotations
 
+import pytest
+
 from protocols.anthropic_messages import parse_messages_request
+from protocols.errors import ApiError
 from protocols.openai_chat import parse_chat_request
 from protocols.openai_responses import parse_responses_request
 
@@ -79,3 +82,24 @@ def test_anthropic_consecutive_user_turns_merge_text_and_images():
         {"type": "text", "text": "first"}, {"type": "text", "text": "\n\n"},
         image("messages[1].content[0]"), {"type": "text", "text": "\n\n"},
         {"type": "text", "text": "last"}]}]
+
+
+@pytest.mark.parametrize("source", ["/etc/hostname", "file:///etc/hostname", "C:/x.png",
+                                    "ftp://example.com/a.png"])
+def test_sources_other_than_data_uris_and_http_are_refused_naming_the_part(source):
+    """The runtime reads a path from the server's disk (the CLI's case): never for a client."""
+    requests = [
+        (parse_chat_request, {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": source}}]}]},
+         "messages[0].content[1]"),
+        (parse_responses_request, {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": source}]}]}, "input[0].content[0]"),
+        (parse_messages_request, {"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [
+                {"type": "image", "source": {"type": "url", "url": source}}]}]}]},
+         "messages[0].content[0].content[0]")]
+    for parse, body, where in requests:
+        with pytest.raises(ApiError) as error:
+            parse(body)
+        assert (error.value.status, error.value.param) == (400, where)
+        assert "must be a base64 data URI" in error.value.message
