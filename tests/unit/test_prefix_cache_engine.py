@@ -238,3 +238,22 @@ def test_eviction_under_a_small_pool_keeps_outputs_and_pages_in_use(make_runner)
         for rid, prompt in prompts.items():
             assert results[rid] == run(cold, rid, prompt, 12)[0], rid
     assert evictions > 0 and stats["hits"] > 0
+
+
+def test_blocks_evicted_to_the_host_tier_come_back_for_a_resume(make_runner):
+    first = tokens(40, 300)
+    other = tokens(41, 400)
+    follow = first + tokens(42, 30)
+    # Eight pages: the unrelated prompt needs all of them, so `first`'s cached pages are
+    # evicted; its snapshots need them, so they go to the host tier and come back.
+    with Engine(make_runner(8, 6), config(**CACHE)) as engine:
+        run(engine, "a", first, 4)
+        run(engine, "b", other, 4)
+        ids, final = run(engine, "c", follow, 4)
+        stats = dict(engine.scheduler.cache.cache.stats)
+        traffic = engine.cache_traffic
+    with Engine(make_runner(), config()) as cold:
+        assert ids == run(cold, "c", follow, 4)[0]
+    assert final.cached_prompt_tokens == 300 and final.stats.resume_path == "prefix"
+    assert stats["block_demotions"] >= 4 and stats["block_promotions"] >= 4
+    assert traffic.host_to_device_bytes > 0 and traffic.device_to_host_bytes > 0
