@@ -255,5 +255,7 @@ def test_blocks_evicted_to_the_host_tier_come_back_for_a_resume(make_runner):
     with Engine(make_runner(), config()) as cold:
         assert ids == run(cold, "c", follow, 4)[0]
     assert final.cached_prompt_tokens == 300 and final.stats.resume_path == "prefix"
-    assert stats["block_demotions"] >= 4 and stats["block_promotions"] >= 4
+    # Of the prompt's four full blocks, those evicted came back from the host (one was still
+    # cached on the device when the unrelated prompt finished).
+    assert stats["block_demotions"] >= 4 and stats["block_promotions"] >= 3
     assert traffic.host_to_device_bytes > 0 and traffic.device_to_host_bytes > 0
