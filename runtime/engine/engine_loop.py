@@ -355,8 +355,9 @@ class Engine:
             if live.admitted_at is None:
                 live.admitted_at = now
             record = self.scheduler.get(request_id)
-            live.cached_tokens = record.cached_tokens or 0
-            live.resume_path = record.resume_path
+            if record is not None:            # (None: the scheduler also failed it this step)
+                live.cached_tokens = record.cached_tokens or 0
+                live.resume_path = record.resume_path
         for request_id in batch.preempted:
             self._live[request_id].preemptions += 1
             self.counters["preemptions"] += 1
