@@ -139,3 +139,48 @@ def test_prefill_sampled_samples_the_last_position_on_the_device(runner):
     with pytest.raises(ValueError, match="all_logits"):
         runner.prefill_sampled(PrefillChunk(slot=1, token_ids=[1], start_pos=0, page_table=[7], all_logits=True),
                                lambda: [RowSampling(greedy=True)])
+
+
+def test_host_copies_of_slots_and_pages_round_trip(runner):
+    """save_slot / load_slot and read_pages / write_pages (the prefix cache's host tier): the
+    bytes that go out come back into another slot and other pages exactly, runs of consecutive
+    pages included, and the sizes the runner reports are those of the copies."""
+    st = runner.storage
+    rng = np.random.default_rng(4)
+    # Distinct bytes in slot 2's state and in pages 5, 6, 7 and 9 of every attention layer.
+    phys = runner.slots.phys[2]
+    for n, (state, window) in enumerate(zip(st.states, st.windows)):
+        runner.device.memcpy_htod(state + phys * st.state_slot_bytes,
+                                  rng.integers(0, 256, st.state_slot_bytes, dtype=np.uint8))
+        runner.device.memcpy_htod(window + phys * st.win_slot_bytes,
+                                  rng.integers(0, 256, st.win_slot_bytes, dtype=np.uint8))
+    saved = runner.save_slot(2)
+    assert sum(a.nbytes for a in saved) == runner.slot_nbytes
+    runner.load_slot(3, saved)
+    for n in range(len(st.states)):
+        for a, b in zip(runner.read_state(n, 3), runner.read_state(n, 2)):
+            np.testing.assert_array_equal(a, b)
+    pages = [5, 6, 7, 9]
+    data = tuple(rng.integers(0, 256, (len(st.k_pages), len(pages), st.page_bytes), dtype=np.uint8)
+                 for _ in range(2))
+    runner.write_pages(pages, data)
+    back = runner.read_pages(pages)
+    assert sum(a.nbytes for a in back) == len(pages) * runner.page_nbytes
+    for a, b in zip(back, data):
+        np.testing.assert_array_equal(a, b)
+    # Moved to other pages in another order, the rows follow their pages.
+    runner.write_pages([12, 11, 10, 13], back)
+    again = runner.read_pages([10, 11, 12, 13])
+    for a, b in zip(again, data):
+        np.testing.assert_array_equal(a, b[:, [2, 1, 0, 3]])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda r: r.read_pages([0, 16]), "page ids must be in"),
+    (lambda r: r.write_pages([1], r.read_pages([1, 2])), "does not fit 1 pages"),
+    (lambda r: r.load_slot(0, (np.zeros((1, 3), np.uint8), np.zeros((1, 3), np.uint8))), "does not match"),
+    (lambda r: r.save_slot(4), "out of range"),
+])
+def test_bad_host_copies_are_refused(runner, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(runner)

@@ -28,8 +28,8 @@ from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.step import Steps
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, PrefillChunk, StepRow, checked_page_table,
-                                  checked_rows, checked_tokens)
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
+                                  checked_page_table, checked_rows, checked_tokens)
 from runtime.model.sampling import RowSampling
 
 
@@ -133,6 +133,74 @@ class CudaRunner:
                                     st.state_slot_bytes, self.stream)
             self.device.memcpy_dtod(window + dst * st.win_slot_bytes, window + src * st.win_slot_bytes,
                                     st.win_slot_bytes, self.stream)
+
+    # ------------------------------------------------------------------ host copies
+
+    @property
+    def slot_nbytes(self) -> int:
+        st = self.storage
+        return len(st.states) * (st.state_slot_bytes + st.win_slot_bytes)
+
+    @property
+    def page_nbytes(self) -> int:
+        return 2 * len(self.storage.k_pages) * self.storage.page_bytes
+
+    def save_slot(self, slot: int) -> HostArrays:
+        """The slot's GDN states and conv windows as raw bytes, one row per GDN layer."""
+        self.slots.check(slot)
+        st, phys = self.storage, self.slots.phys[slot]
+        states = np.empty((len(st.states), st.state_slot_bytes), np.uint8)
+        windows = np.empty((len(st.windows), st.win_slot_bytes), np.uint8)
+        for n, (state, window) in enumerate(zip(st.states, st.windows)):
+            self.device.memcpy_dtoh(states[n], state + phys * st.state_slot_bytes, self.stream)
+            self.device.memcpy_dtoh(windows[n], window + phys * st.win_slot_bytes, self.stream)
+        self.stream.synchronize()
+        return states, windows
+
+    def load_slot(self, slot: int, state: HostArrays) -> None:
+        self.slots.check(slot)
+        st = self.storage
+        states, windows = state
+        if states.shape != (len(st.states), st.state_slot_bytes) \
+                or windows.shape != (len(st.windows), st.win_slot_bytes):
+            raise ValueError("slot state does not match this runner's state shapes")
+        self._ahead = None
+        phys = self.slots.phys[slot]
+        for n, (dev_state, dev_window) in enumerate(zip(st.states, st.windows)):
+            self.device.memcpy_htod(dev_state + phys * st.state_slot_bytes, states[n], self.stream)
+            self.device.memcpy_htod(dev_window + phys * st.win_slot_bytes, windows[n], self.stream)
+
+    def read_pages(self, pages: Sequence[int]) -> HostArrays:
+        """K and V rows of `pages` as raw bytes [attention layers, pages, page bytes]; runs of
+        consecutive page ids go in one copy per layer."""
+        ids = self._checked_pages(pages)
+        st = self.storage
+        keys = np.empty((len(st.k_pages), len(ids), st.page_bytes), np.uint8)
+        values = np.empty_like(keys)
+        for lo, hi in _runs(ids):
+            for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
+                self.device.memcpy_dtoh(keys[n, lo:hi], k + int(ids[lo]) * st.page_bytes, self.stream)
+                self.device.memcpy_dtoh(values[n, lo:hi], v + int(ids[lo]) * st.page_bytes, self.stream)
+        self.stream.synchronize()
+        return keys, values
+
+    def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
+        ids = self._checked_pages(pages)
+        st = self.storage
+        keys, values = data
+        if keys.shape != (len(st.k_pages), len(ids), st.page_bytes) or values.shape != keys.shape:
+            raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
+        self._ahead = None
+        for lo, hi in _runs(ids):
+            for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
+                self.device.memcpy_htod(k + int(ids[lo]) * st.page_bytes, keys[n, lo:hi], self.stream)
+                self.device.memcpy_htod(v + int(ids[lo]) * st.page_bytes, values[n, lo:hi], self.stream)
+
+    def _checked_pages(self, pages: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if np.any(ids < 0) or np.any(ids >= self.num_pages):
+            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.tolist()}")
+        return ids
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
@@ -333,3 +401,13 @@ class CudaRunner:
         self.stream.synchronize()
         self.steps.destroy_graphs()
         self.storage.release()
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of `ids` whose page ids are consecutive (one copy each)."""
+    runs, lo = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((lo, i))
+            lo = i
+    return runs

@@ -87,7 +87,8 @@ class Storage:
         rows = self.rows = max(prefill_chunk, max_batch)
         h = c.hidden_size
         n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
-        kv_bytes = (num_pages + 1) * PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2
+        self.page_bytes = PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2  # one layer's K (or V) rows
+        kv_bytes = (num_pages + 1) * self.page_bytes
         self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
         self.state_slot_bytes = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
         state_bytes = phys_slots * self.state_slot_bytes
