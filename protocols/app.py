@@ -1,6 +1,6 @@
 """The HTTP application: routes, authentication, admission, and the shared generation driver
 that feeds parser events through an API encoder (streaming or not), with heartbeats, in-band
-errors, the tool-call cap, metrics and the request log.
+errors, the tool-call cap (`protocols/tool_call_cap.py`), metrics and the request log.
 
 Endpoints: POST /v1/chat/completions, POST /v1/responses (+ GET / DELETE /v1/responses/{id},
 GET /v1/responses/{id}/input_items, POST /v1/responses/input_tokens), POST /v1/messages and
@@ -31,12 +31,15 @@ from protocols.metrics import Metrics
 from protocols.request_log import RequestLog, rounded
 from protocols.responses_encoder import ResponsesEncoder
 from protocols.sse import DONE, sse_event, typed_event
+from protocols.tool_call_cap import ToolCallCap, call_limit
 from runtime.log import get_logger
-from runtime.text.events import ParserEvent, ToolCallEnd
 
 log = get_logger("serve")
 
-MAX_JSON_DEPTH = 256
+# A body may nest well below orjson's writing limit (254 levels): answers put request values a
+# few levels deeper (Responses echoes `text.format.schema` and `tools` inside `response`,
+# inside the stream event), and a 255-deep echo failed to encode (a 500, a cut stream).
+MAX_JSON_DEPTH = 128
 HEARTBEAT_S = 5.0
 _UNAUTHORIZED = ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or "
                               "x-api-key: KEY)")
@@ -73,37 +76,6 @@ def parse_json_body(body: bytes) -> dict:
         raise invalid("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
                       "json_too_deep")
     return value
-
-
-class ToolCallCap:
-    """Ends a generation once `limit` tool calls are complete (parallel_tool_calls=false,
-    max_tool_calls); later events are dropped and the cancellation counts as a normal stop."""
-
-    def __init__(self, limit: Optional[int]):
-        self.limit = limit
-        self.finished_calls = 0
-        self.reached = False
-
-    def filter(self, events: list[ParserEvent], generation: Generation) -> list[ParserEvent]:
-        if self.limit is None:
-            return events
-        if self.reached:
-            return []
-        kept = []
-        for event in events:
-            kept.append(event)
-            if isinstance(event, ToolCallEnd):
-                self.finished_calls += 1
-                if self.finished_calls >= self.limit:
-                    self.reached = True
-                    generation.cancel()
-                    break
-        return kept
-
-    def settle(self, result: GenerationResult) -> GenerationResult:
-        if self.reached and result.finish_reason == "cancelled":
-            result.finish_reason = "stop"
-        return result
 
 
 @dataclass
@@ -382,7 +354,7 @@ class App:
                       on_done: Optional[Callable[[GenerationResult], None]]
                       ) -> AsyncIterator[bytes]:
         encoder = api.encoder
-        cap = ToolCallCap(_call_limit(job))
+        cap = ToolCallCap(call_limit(job))
         yield b"".join(api.frame(p) for p in encoder.start())
         try:
             async for batch in generation.updates(self.config.heartbeat_s):
@@ -416,7 +388,7 @@ class App:
 
     async def _complete(self, api: _Api, job: GenerationJob, generation: Generation,
                         request: HttpRequest) -> GenerationResult:
-        cap = ToolCallCap(_call_limit(job))
+        cap = ToolCallCap(call_limit(job))
         result: Optional[GenerationResult] = None
         error: Optional[ApiError] = None
         try:
@@ -468,12 +440,6 @@ class App:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
-
-
-def _call_limit(job: GenerationJob) -> Optional[int]:
-    limits = [limit for limit in (job.max_tool_calls, None if job.parallel_tool_calls else 1)
-              if limit is not None]
-    return min(limits) if limits else None
 
 
 def _not_allowed(method: str, path: str, allowed: tuple[str, ...]) -> ApiError:

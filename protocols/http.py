@@ -2,7 +2,8 @@
 
 No framework: one `_Connection` per socket drives an `h11.Connection` and calls the application
 handler once per request. The handler returns an `HttpResponse` (complete body) or a
-`StreamingResponse` (an async iterator of already-framed chunks, sent with chunked encoding).
+`StreamingResponse` (an async iterator of already-framed chunks, sent with chunked encoding);
+those records are in `protocols/http_messages.py`, the limits in `protocols/connection_limits.py`.
 
 What the layer guarantees (protocols.md section 5):
 - the request head is capped in bytes (431) and must arrive within one deadline from its first
@@ -27,77 +28,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
-from urllib.parse import parse_qsl, unquote
+from typing import Callable, Optional, Sequence
+from urllib.parse import unquote
 
 import h11
 
 from protocols.connection_limits import HttpLimits, body_deadline, slowest_sender
+from protocols.http_messages import (REASONS, SERVER_NAME, ErrorRenderer, Handler, HeadCheck,
+                                     HttpRequest, HttpResponse, StreamingResponse)
 from runtime.log import get_logger
 
 log = get_logger("http")
 
-SERVER_NAME = "infernix"
-REASONS = {
-    100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
-    403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-    413: "Payload Too Large", 415: "Unsupported Media Type", 429: "Too Many Requests",
-    431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    501: "Not Implemented", 503: "Service Unavailable", 529: "Overloaded",
-}
-
-
-@dataclass
-class HttpRequest:
-    """One received request. Header names are lower-case; repeated headers are joined by ", "."""
-
-    method: str
-    path: str
-    query: str
-    headers: dict[str, str]
-    body: bytes
-    http_version: str = "1.1"
-    peer: str = ""
-    received_at: float = field(default_factory=time.monotonic)
-
-    def header(self, name: str, default: str = "") -> str:
-        return self.headers.get(name, default)
-
-    def query_params(self) -> dict[str, str]:
-        return dict(parse_qsl(self.query, keep_blank_values=True))
-
-
-@dataclass
-class HttpResponse:
-    status: int
-    body: bytes = b""
-    content_type: str = "application/json"
-    headers: Sequence[tuple[str, str]] = ()
-
-
-@dataclass
-class StreamingResponse:
-    """A streamed body. Each chunk must be complete on its own (whole SSE events), because the
-    stream may be cut after any chunk. The iterator is closed (`aclose`) however the response
-    ends, so its `finally` blocks release the generation."""
-
-    chunks: AsyncIterator[bytes]
-    status: int = 200
-    content_type: str = "text/event-stream"
-    headers: Sequence[tuple[str, str]] = ()
-
-
-Response = Union[HttpResponse, StreamingResponse]
-Handler = Callable[[HttpRequest], Awaitable[Response]]
-ErrorRenderer = Callable[[str, int, str], HttpResponse]
-"""(request path or "", status, message) -> an error response in the API's own shape."""
-HeadCheck = Callable[[HttpRequest], Optional[HttpResponse]]
-"""Called with a request whose body has not been read yet (`body` is empty): a response to
-send instead of reading the body (then the connection closes), or None to go on. The
-application checks the API key here, so an unauthenticated client never holds a slot while
-its body arrives."""
-
+# The layer's public names: the server, its limits and the records (defined in their own
+# modules) that handlers receive and return.
+__all__ = ["HttpLimits", "HttpRequest", "HttpResponse", "HttpServer", "StreamingResponse"]
 
 class _Fatal(Exception):
     """A request that cannot be answered normally: send this status and close the connection."""

@@ -20,7 +20,8 @@ from runtime.engine.presets import SamplingOverrides
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 VERBOSITIES = ("low", "medium", "high")
 MAX_STOP_STRINGS = 16
-MAX_ARGUMENT_DEPTH = 256  # as deep as a request body may nest (protocols.app.MAX_JSON_DEPTH)
+MAX_ARGUMENT_DEPTH = 256  # deeper tool-call argument text stays a string (the template's
+# tojson is json.dumps, which has no depth limit; answers never echo parsed arguments)
 MAX_STOP_CHARS = 1024
 # Template variables the server sets from the request itself (or names the renderer's own
 # arguments): a client value for them would clash (once a TypeError, a 500).

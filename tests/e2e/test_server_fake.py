@@ -4,9 +4,11 @@ cancellation, concurrency, queue limits, heartbeats, errors, auth, request log, 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import random
+import socket
 import threading
 import time
 
@@ -438,6 +440,34 @@ def test_request_log_lines(fake_server, clients):
     assert record["ttft_s"] is not None and record["queue_wait_s"] is not None
     assert rejected[0]["status"] == 400 and rejected[0]["param"] == "n"
 
+
+def test_a_request_cancelled_before_generation_is_counted_and_logged(fake_server, monkeypatch):
+    """The client leaves while its prompt is still being prepared (rendered and tokenized, off
+    the event loop on the model server): no generation ever exists, and the request must still
+    appear in requests_total and in the request log (issue 23)."""
+    server = fake_server(request_log=True)
+    preparing = threading.Event()
+
+    async def prompt_still_preparing(job, request_id, received_at):
+        preparing.set()
+        await asyncio.sleep(30)  # the disconnect cancels this long before
+
+    monkeypatch.setattr(server.backend, "start", prompt_still_preparing)
+    body = json.dumps({"model": "m", "messages": USER, "stream": True}).encode()
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert preparing.wait(5)
+    cancelled = 'infernix_requests_total{api="chat",outcome="cancelled"} 1'
+    assert wait_until(lambda: cancelled in httpx.get(server.base_url + "/metrics").text)
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert "infernix_requests_running 0" in metrics.splitlines()
+    lines = [json.loads(line) for line in server.log_path.read_text().splitlines()]
+    done = [line for line in lines if line["event"] == "request_done"]
+    assert len(done) == 1, lines
+    assert done[0]["id"].startswith("chatcmpl-") and done[0]["api"] == "chat"
+    assert done[0]["finish_reason"] == "cancelled" and done[0]["completion_tokens"] == 0
+    assert done[0]["prompt_tokens"] is None and done[0]["total_s"] >= 0
 
 def test_unknown_harmless_fields_are_accepted(fake_server, clients):
     server = fake_server()
