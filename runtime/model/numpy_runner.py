@@ -67,6 +67,8 @@ class NumpyRunner:
     dtype: np.float32 (default) or np.float64.
     vision: the vision tower (`--vision`), or None: rows with media are then refused.
     gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
+    vocab_rows: the lm_head rows [start, stop) this runner computes logits for (a tensor-parallel
+        rank, `tp_reference.RankRunner`; logits are then [rows, stop - start]); None: all.
     """
 
     # The engine samples this runner's logits on the host (the sampler is the same code).
@@ -75,7 +77,8 @@ class NumpyRunner:
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], *,
                  num_pages: int, num_slots: int, dtype: Any = np.float32,
                  mtp_weights: Mapping[str, np.ndarray] | None = None,
-                 gdn_prefill_form: str = "chunked", vision: VisionTower | None = None):
+                 gdn_prefill_form: str = "chunked", vision: VisionTower | None = None,
+                 vocab_rows: tuple[int, int] | None = None):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"NumpyRunner computes in float32 or float64, not {self.dtype}")
@@ -92,7 +95,7 @@ class NumpyRunner:
         self.num_pages = int(num_pages)
         self.num_slots = int(num_slots)
         self.gdn_prefill_form = gdn_prefill_form
-        self.text = bind_text(config, weights, self.dtype)
+        self.text = bind_text(config, weights, self.dtype, vocab_rows)
         self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
         self.mtp_layers = len(self.mtp.layers) if self.mtp is not None else 0
         # With MTP loaded: slot -> (first position, final-normed hidden states [n, H]) of the
@@ -400,11 +403,17 @@ class NumpyRunner:
         for index, layer in enumerate(self.text.layers):
             h = ref.rms_norm(x, layer.input_norm, eps)
             if self.config.layer_types[index] == LINEAR_ATTENTION:
-                x = x + self._gdn(layer.mixer, h, self._state_index[index], batch)
+                x = x + self._reduce(self._gdn(layer.mixer, h, self._state_index[index], batch))
             else:
-                x = x + self._attention(layer.mixer, h, self._kv_index[index], batch)
-            x = x + self._mlp(layer, ref.rms_norm(x, layer.post_norm, eps))
+                x = x + self._reduce(self._attention(layer.mixer, h, self._kv_index[index], batch))
+            x = x + self._reduce(self._mlp(layer, ref.rms_norm(x, layer.post_norm, eps)))
         return ref.rms_norm(x, self.text.norm, eps)
+
+    def _reduce(self, partial: np.ndarray) -> np.ndarray:
+        """The all-reduce point after each mixer's and MLP's output projection: a
+        tensor-parallel rank (`tp_reference.RankRunner`) returns the sum of every rank's
+        partial output; a runner holding the whole model already has the sum."""
+        return partial
 
     def _mtp_forward(self, hidden: np.ndarray, tokens: np.ndarray, batch: _Batch, layer: int
                      ) -> np.ndarray:
@@ -419,8 +428,8 @@ class NumpyRunner:
         x = np.concatenate([embedded, normed], axis=-1) @ self.mtp.fc.T
         weights = self.mtp.layers[layer]
         h = ref.rms_norm(x, weights.input_norm, eps)
-        x = x + self._attention(weights.mixer, h, self._mtp_kv_base + layer, batch)
-        x = x + self._mlp(weights, ref.rms_norm(x, weights.post_norm, eps))
+        x = x + self._reduce(self._attention(weights.mixer, h, self._mtp_kv_base + layer, batch))
+        x = x + self._reduce(self._mlp(weights, ref.rms_norm(x, weights.post_norm, eps)))
         return ref.rms_norm(x, self.mtp.norm, eps)
 
     def _gdn(self, w: GdnWeights, x: np.ndarray, index: int, batch: _Batch) -> np.ndarray:

@@ -20,8 +20,9 @@ well-spread 24-bit uniforms; a draw is `(h >> 8) * 2**-24`, in [0, 1).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -212,12 +213,18 @@ def decide(logits_row: np.ndarray, row: RowSampling) -> RowDraw:
     renormalise, inverse CDF at `draw_uniform(seed, draw_index)`."""
     x = masked_scores(logits_row, row)
     ids = top_ids(x, 1 if row.greedy else row.top_k)
+    return decide_candidates(ids, x[ids], row)
+
+
+def decide_candidates(ids: np.ndarray, scores: np.ndarray, row: RowSampling) -> RowDraw:
+    """`decide` from the row's candidates: its top k (1 when greedy) masked, penalised scores
+    and their ids, ordered by (score desc, id asc), -inf dropped."""
     empty = np.zeros(0)
     if ids.shape[0] == 0:
         return RowDraw(DEAD_END, ids, empty, None, np.inf)
     if row.greedy:
         return RowDraw(int(ids[0]), ids, empty, None, np.inf)
-    z = x[ids].astype(np.float64) / row.temperature
+    z = scores.astype(np.float64) / row.temperature
     z -= z[0]
     probs = np.exp(z)
     probs /= probs.sum()
@@ -239,6 +246,42 @@ def decide(logits_row: np.ndarray, row: RowSampling) -> RowDraw:
     margin = min(margin, _distance(cums[:-1], u))  # past the last boundary: clamped to the last
     index = int(np.searchsorted(cums, u, side="right"))
     return RowDraw(int(ids[min(index, ids.shape[0] - 1)]), ids, probs, u, margin)
+
+
+def shard_row(row: RowSampling, start: int, stop: int) -> RowSampling:
+    """`row` as the rank holding vocabulary ids [start, stop) applies it to its logits: the
+    constraint's bits of those ids, the penalties on them, at local ids."""
+    keep = (row.penalty_ids >= start) & (row.penalty_ids < stop)
+    bitmask = None
+    if row.bitmask is not None:
+        bitmask = pack_mask(unpack_mask(row.bitmask, stop)[start:stop])
+    return dataclasses.replace(row, penalty_ids=row.penalty_ids[keep] - start,
+                               penalty_deltas=row.penalty_deltas[keep], bitmask=bitmask)
+
+
+def shard_candidates(logits_shard: np.ndarray, start: int, row: RowSampling
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's candidates for the vocabulary-parallel lm_head: the top k (1 when greedy) of
+    its logits for ids [start, start + len), as global ids and their masked, penalised scores.
+    What the GPU ranks would all-gather (k id/score pairs a row, a few hundred bytes)."""
+    local = shard_row(row, start, start + logits_shard.shape[0])
+    x = masked_scores(logits_shard, local)
+    ids = top_ids(x, 1 if row.greedy else row.top_k)
+    return ids + start, x[ids]
+
+
+def decide_sharded(logits_shards: Sequence[np.ndarray], starts: Sequence[int], row: RowSampling
+                   ) -> RowDraw:
+    """`decide` over logits split by vocabulary (shard r holds ids [starts[r], ...)), equal to
+    `decide` of their concatenation: every score depends on its own logit only (mask, penalty),
+    so a shard's top k is its part of the global order; the global top k lies in the union of the
+    shards' top k, and sorting that union by (score desc, id asc) gives exactly the global
+    candidates, which then decide as `decide` does."""
+    pairs = [shard_candidates(shard, start, row) for shard, start in zip(logits_shards, starts)]
+    ids = np.concatenate([p[0] for p in pairs])
+    scores = np.concatenate([p[1] for p in pairs])
+    order = np.lexsort((ids, -scores))[:1 if row.greedy else row.top_k]
+    return decide_candidates(ids[order], scores[order], row)
 
 
 # The device sampler's per-row parameter blocks: row_i32 [R, ROW_I32] and row_f32 [R, ROW_F32].

@@ -217,17 +217,23 @@ class TextWeights:
     layers: tuple[LayerWeights, ...]
 
 
-def bind_text(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: np.dtype
-              ) -> TextWeights:
+def bind_text(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: np.dtype,
+              vocab_rows: tuple[int, int] | None = None) -> TextWeights:
+    """vocab_rows: the lm_head rows [start, stop) a tensor-parallel rank holds (`sharding`):
+    `lm_head.weight` is then only those rows, and `lm_head_t` holds their columns; for tied
+    embeddings they are read from the (replicated) embedding. None: the whole vocabulary."""
     src = _Source(tensors, dtype, "text weights")
     h, v = cfg.hidden_size, cfg.vocab_size
+    start, stop = (0, v) if vocab_rows is None else vocab_rows
     layers = tuple(_layer(src, f"layers.{i}.", cfg, cfg.layer_types[i], cfg.mlp_types[i])
                    for i in range(cfg.num_hidden_layers))
-    head_name = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    lm_head_t = _transposed(_checked(src, head_name, (v, h)), dtype)
     if cfg.tie_word_embeddings:
-        embed = lm_head_t.T
+        table = _checked(src, "embed_tokens.weight", (v, h))
+        lm_head_t = _transposed(table[start:stop], dtype)
+        # The whole vocabulary: the embedding is a view of the head (no second copy).
+        embed = lm_head_t.T if vocab_rows is None else src.get("embed_tokens.weight", (v, h))
     else:
+        lm_head_t = _transposed(_checked(src, "lm_head.weight", (stop - start, h)), dtype)
         embed = src.get("embed_tokens.weight", (v, h))
     return TextWeights(embed=embed, lm_head_t=lm_head_t,
                        norm=src.get("norm.weight", (h,)), layers=layers)
