@@ -49,14 +49,17 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 
 
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
-                decode_split: int | None = None) -> Any:
+                decode_split: int | None = None, weight_format: str = "bf16") -> Any:
+    """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.gpu.weights import fp8_recipe_format
 
     config = ModelConfig.from_dict(QWEN36_27B)
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
+                                weight_formats=fp8_recipe_format if weight_format == "fp8" else None,
                                 **({"decode_split": decode_split} if decode_split else {}))
 
 
@@ -105,10 +108,11 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
     return (time.perf_counter() - wall0) / steps
 
 
-def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None) -> dict[str, Any]:
+def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
+        weight_format: str = "bf16") -> dict[str, Any]:
     from runtime.model.runner import DecodeItem
 
-    runner = make_runner(max(batches), max(contexts), decode_split=decode_split)
+    runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
+                    help="projection weights: bf16, or fp8 with 128x128 block scales (Qwen's FP8 release)")
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
     ap.add_argument("--spec", choices=("mtp", "ngram"), help="measure speculative decoding instead: "
                     "acceptance on the CPU tiny model (bench/speculative.py); the GPU cost of a round "
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative.render(data))
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-               args.decode_split)
+               args.decode_split, args.format)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

@@ -429,8 +429,11 @@ class ModelSession:
                 if synthetic is not None:
                     logger.warning("--synthetic-weights %d: random weights, the output is noise",
                                    synthetic)
-                    config = ModelConfig.from_dict(artifact.component("text").config)
-                    return module.CudaRunner.synthetic(config, synthetic, **shape)
+                    text = artifact.component("text")
+                    config = ModelConfig.from_dict(text.config)
+                    # The artifact's projection formats (an FP8 model gets random FP8 weights).
+                    return module.CudaRunner.synthetic(config, synthetic, **shape,
+                                                       weight_formats=lambda name: text.entry(name).format)
                 return module.CudaRunner.from_artifact(artifact, progress=progress, **shape)
             except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
                 raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "

@@ -88,12 +88,12 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     names = [j.name for j in jobs]
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
-    assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemm_sm90", "conv1d",
+    assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d",
                         "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
-    assert bw and not {j.family for j in bw} & {"gemv", "gemm_sm90"}
+    assert bw and not {j.family for j in bw} & {"gemv", "gemv_fp8", "gemm_sm90"}
     assert [j.name for j in bk.plan(["sm_90a"], ["rope"], TOOLS)] == [j.name for j in jobs if j.family == "rope"]
 
 
@@ -124,7 +124,7 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
     ("attention.py", {"attention", "attention_prefill"}),
     # A reference helper most families import.
-    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemm_sm90", "conv1d", "gdn", "gdn_chunked",
+    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d", "gdn", "gdn_chunked",
                  "attention", "attention_prefill"}),
 ])
 def test_fingerprint_covers_the_package_modules_a_family_imports(tmp_path, touched, affected):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cute_kernels
-from cute_kernels import bf16, embedding, gemm_sm90, gemv, rmsnorm, rope, silu_mul
+from cute_kernels import bf16, embedding, gemm_sm90, gemv, gemv_fp8, rmsnorm, rope, silu_mul
 from runtime.cuda.expr import names_in
 
 FAMILIES = [importlib.import_module(f"cute_kernels.{f}") for f in cute_kernels.FAMILIES]
@@ -86,3 +86,37 @@ def test_matmul_references_agree():
     exact = gemv.reference(x, w, exact=True)
     np.testing.assert_allclose(gemm_sm90.reference(x, w), exact, rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(gemv.reference(x, w), gemm_sm90.reference(x, w))
+
+
+@pytest.mark.parametrize("m, n, nt, k", [(1, 16, 0, 256), (3, 200, 0, 384), (7, 272, 5, 640), (8, 48, 37, 1152)])
+def test_fp8_gemv_reference_against_dequantize_then_matmul(m, n, nt, k):
+    """gemv_fp8.reference against an independent float64 dequantize-then-matmul (the artifact
+    reader's e4m3 table, block scales expanded by np.kron) at odd sizes: partial 128-row scale
+    blocks (N = 200, 272), tails, negative and zero scales, every code but NaN."""
+    from runtime.artifact import formats
+
+    rng = np.random.default_rng(m * 1000 + n)
+    x = bf16.round_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x00  # e4m3fn has no infinities; 0x7F / 0xFF are NaN
+    scales = rng.uniform(-2e-3, 2e-3, (-(-n // 128), k // 128)).astype(np.float32)
+    scales[-1, 0] = 0.0
+    tail = bf16.round_bf16(rng.standard_normal((nt, k)).astype(np.float32)) if nt else None
+    # float64: an e4m3 value times an fp32 scale needs 28 significand bits (fp8_block_dequantize
+    # rounds it to float32).
+    w = formats.e4m3_to_f32(codes).astype(np.float64) * np.kron(scales.astype(np.float64), np.ones((128, 128)))[:n]
+    want = x.astype(np.float64) @ w.T
+    if nt:
+        want = np.concatenate([want, x.astype(np.float64) @ tail.astype(np.float64).T], axis=1)
+    exact = gemv_fp8.reference(x, codes, scales, tail, exact=True)
+    assert exact.shape == (m, n + nt)
+    np.testing.assert_allclose(exact, want, rtol=1e-12, atol=1e-12)
+    # The kernel's roundings: fp32 sums (K * 2^-24 of the absolute sum, far below bf16's half ulp)
+    # plus one bf16 rounding of the result.
+    same = gemv_fp8.reference(x, codes, scales, tail)
+    assert np.array_equal(same, bf16.round_bf16(same))
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(np.concatenate([w, tail.astype(np.float64)]) if nt else
+                                                      np.abs(w)).T
+    bound = 2.0 ** -8 * np.abs(want) + k * 2.0 ** -23 * magnitude + 1e-30
+    assert np.all(np.abs(same - want) <= bound)
+    assert np.abs(same - want).max() > 0  # the bf16 rounding is really there

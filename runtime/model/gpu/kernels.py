@@ -3,8 +3,8 @@
 `KernelChoice` reads the manifest's compile-time configs and picks, for a `ModelConfig`, the
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
-fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); the weight's format
-is checked by `layers.Forward.linear`, which calls it.
+fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 weights use the
+FP8 GEMV at every row count (`linear_fp8`); `layers.Forward.linear` picks by the weight's format.
 """
 
 from __future__ import annotations
@@ -119,6 +119,18 @@ class KernelChoice:
         raise KernelMissing(
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
+
+    def linear_fp8(self, n: int, nt: int, k: int) -> str:
+        """Key of the `gemv_fp8` variant for an FP8 weight [n, k] with a BF16 tail of nt rows (0: none).
+        It takes up to 8 rows; `layers.Forward.linear` runs more rows (prefill) 8 at a time, since
+        there is no FP8 GEMM yet."""
+        key = _find(self.library, "gemv_fp8", N=n, NT=nt, K=k)
+        if key is None:
+            raise KernelMissing(
+                f"no gemv_fp8 kernel for an fp8 {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
+                + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in cute_kernels/gemv_fp8.py "
+                f"and run `python build_kernels.py --arch {self.library.manifest.arch}`")
+        return key
 
     def required(self) -> list[tuple[str, str]]:
         """(family, key) of every non-linear kernel chosen (loaded, and so checked, at start)."""

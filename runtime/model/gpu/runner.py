@@ -45,7 +45,8 @@ class CudaRunner:
                  synthetic_seed: int | None = None, device: Any = None, library: Any = None,
                  max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
                  cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None,
+                 weight_formats: Callable[[str], str] | None = None):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -70,7 +71,12 @@ class CudaRunner:
         self.kernels = KernelChoice(self.library, c)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
-        self.layout = WeightLayout.plan(c)
+        # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
+        # `weights.fp8_recipe_format` for an FP8 model).
+        self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
+                                        else weight_formats)
+        for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
+            self.kernels.linear_fp8(n, nt, k)
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,

@@ -4,14 +4,17 @@ Linear weights that one GEMM reads together are placed back to back, so the fuse
 without repacking anything: the GDN input projection `[in_proj_qkv | in_proj_z | in_proj_b |
 in_proj_a]` (rows), the attention projection `[q_proj | k_proj | v_proj]` and the MLP's
 `[gate_proj | up_proj]`. Every other tensor is uploaded as stored. Each slot names the format the
-kernels read (`Slot.format`); only BF16 exists so far (FP8 / NVFP4 kernels are separate work), so
-an artifact tensor in any other format is refused by name.
+kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3 codes, then the
+fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`); an
+artifact tensor in any other format is refused by name. A fused projection whose parts differ in
+format is an FP8 slot followed by a BF16 `tail` slot (Qwen's FP8 releases keep the GDN `in_proj_b`
+/ `in_proj_a` in BF16 after the FP8 `in_proj_qkv` / `in_proj_z`; the FP8 GEMV reads both).
 
 Two sources fill the same layout: an artifact component (`upload_artifact`, one host-to-device
 copy per tensor straight from the memory-mapped file) or a seed (`fill_synthetic`: random bf16
 values of the configured shapes generated once on the host in a block and tiled on the device,
-for speed runs of real model sizes without a 50 GB file). `rope_tables` are the constant RoPE
-cos/sin rows the attention prep kernel reads.
+for speed runs of real model sizes without a 50 GB file; FP8 slots get random e4m3 codes and block
+scales). `rope_tables` are the constant RoPE cos/sin rows the attention prep kernel reads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ import numpy as np
 
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 
+FP8 = "fp8_e4m3"
+FP8_BLOCK = 128  # rows and columns per fp8 scale
+
+
+def fp8_recipe_format(name: str) -> str:
+    """The format Qwen's FP8 releases and `tools.convert --recipe fp8` give a projection weight
+    (for `--synthetic-weights` without an FP8 artifact): FP8 except the GDN `in_proj_a` / `in_proj_b`
+    and the lm_head."""
+    return "bf16" if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight")) else FP8
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -33,10 +46,23 @@ class Slot:
     parts: tuple[tuple[str, int], ...]  # (tensor name, rows) in order; rows = 0 for 1-D tensors
     kind: str = "linear"  # "linear" | "norm" (zero-centred) | "plain" (centred on 1) | "vector"
     format: str = "bf16"  # how the kernels read it (`layers.Forward.linear` picks by it)
+    scale_offset: int = 0  # fp8: byte offset of the fp32 block scales [cdiv(N, 128), cdiv(K, 128)]
+
+    @property
+    def data_bytes(self) -> int:
+        return int(np.prod(self.shape)) * (1 if self.format == FP8 else 2)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        n, k = self.shape
+        return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * 2
+        """Bytes from `offset` to the slot's end (codes, then the scales for fp8)."""
+        if self.format != FP8:
+            return self.data_bytes
+        return self.scale_offset - self.offset + int(np.prod(self.scale_shape)) * 4
 
 
 @dataclass
@@ -47,24 +73,53 @@ class WeightLayout:
     total: int = 0
     globals: dict[str, Slot] = field(default_factory=dict)
     layers: list[dict[str, Slot]] = field(default_factory=list)
+    format_of: Callable[[str], str] = field(default=lambda name: "bf16", repr=False)  # see `plan`
 
-    def _take(self, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...], kind: str = "linear") -> Slot:
+    def _take(self, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...], kind: str = "linear",
+              fmt: str = "bf16") -> Slot:
         start = (self.total + 255) // 256 * 256
-        slot = Slot(start, tuple(shape), parts, kind)
+        slot = Slot(start, tuple(shape), parts, kind, fmt)
+        if fmt == FP8:
+            slot = Slot(start, tuple(shape), parts, kind, fmt, scale_offset=(start + slot.data_bytes + 255) // 256 * 256)
         self.total = start + slot.nbytes
         return slot
 
+    def _projection(self, into: dict[str, Slot], role: str, k: int, parts: tuple[tuple[str, int], ...]) -> None:
+        """into[role] = the fused projection of `parts` ([rows, k] each) in its format; a BF16 run of
+        parts after an FP8 run becomes `into[role + "_tail"]`, placed right after it."""
+        formats = [self.format_of(name) for name, _ in parts]
+        for name, fmt in zip([name for name, _ in parts], formats):
+            if fmt not in ("bf16", FP8):
+                raise NotImplementedError(f"tensor {name} is {fmt}; CudaRunner reads bf16 and {FP8} projections only")
+        split = next((i for i, f in enumerate(formats) if f != formats[0]), len(parts))
+        if split < len(parts) and (formats[0] != FP8 or any(f != "bf16" for f in formats[split:])):
+            raise NotImplementedError(
+                f"fused projection {[name for name, _ in parts]} has formats {formats}; CudaRunner reads one format, "
+                "or FP8 parts followed by BF16 ones")
+        head, tail = parts[:split], parts[split:]
+        if formats[0] == FP8:
+            # Each part's scale rows are stacked: every part but the last must fill whole 128-row blocks.
+            for name, rows in head[:-1]:
+                if rows % FP8_BLOCK:
+                    raise NotImplementedError(f"fp8 tensor {name} has {rows} rows, not a multiple of {FP8_BLOCK}: its "
+                                              "scale blocks cannot be stacked with the next part's")
+        into[role] = self._take((sum(r for _, r in head), k), head, fmt=formats[0])
+        if tail:
+            into[role + "_tail"] = self._take((sum(r for _, r in tail), k), tail)
+
     @classmethod
-    def plan(cls, config: ModelConfig) -> "WeightLayout":
+    def plan(cls, config: ModelConfig, format_of: Callable[[str], str] | None = None) -> "WeightLayout":
+        """format_of(tensor name): the stored format of a projection weight (default all bf16); the
+        embedding and every non-projection tensor are bf16 (the upload checks)."""
         c = config
         if c.family != "dense":
             raise NotImplementedError(f"CudaRunner runs dense models only so far (this is {c.family!r})")
-        lay = cls(config)
+        lay = cls(config, **({"format_of": format_of} if format_of else {}))
         h = c.hidden_size
         lay.globals["embed"] = lay._take((c.vocab_size, h), (("embed_tokens.weight", c.vocab_size),))
         lay.globals["norm"] = lay._take((h,), (("norm.weight", 0),), "norm")
         if not c.tie_word_embeddings:
-            lay.globals["lm_head"] = lay._take((c.vocab_size, h), (("lm_head.weight", c.vocab_size),))
+            lay._projection(lay.globals, "lm_head", h, (("lm_head.weight", c.vocab_size),))
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
             s: dict[str, Slot] = {
@@ -76,47 +131,69 @@ class WeightLayout:
                 hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
                 parts = ((q + "in_proj_qkv.weight", c.conv_dim), (q + "in_proj_z.weight", hv * dv),
                          (q + "in_proj_b.weight", hv), (q + "in_proj_a.weight", hv))
-                s["w_in"] = lay._take((sum(r for _, r in parts), h), parts)
+                lay._projection(s, "w_in", h, parts)
                 s["conv"] = lay._take((c.conv_dim, c.linear_conv_kernel_dim), ((q + "conv1d.weight", c.conv_dim),),
                                       "vector")
                 s["a_log"] = lay._take((hv,), ((q + "A_log", 0),), "vector")
                 s["dt_bias"] = lay._take((hv,), ((q + "dt_bias", 0),), "vector")
                 s["gdn_norm"] = lay._take((dv,), ((q + "norm.weight", 0),), "plain")
-                s["out_proj"] = lay._take((h, hv * dv), ((q + "out_proj.weight", h),))
+                lay._projection(s, "out_proj", hv * dv, ((q + "out_proj.weight", h),))
             else:
                 q = p + "self_attn."
                 hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
                 parts = ((q + "q_proj.weight", hq * 2 * d), (q + "k_proj.weight", hkv * d),
                          (q + "v_proj.weight", hkv * d))
-                s["w_qkv"] = lay._take((sum(r for _, r in parts), h), parts)
-                s["o_proj"] = lay._take((h, hq * d), ((q + "o_proj.weight", h),))
+                lay._projection(s, "w_qkv", h, parts)
+                lay._projection(s, "o_proj", hq * d, ((q + "o_proj.weight", h),))
                 s["q_norm"] = lay._take((d,), ((q + "q_norm.weight", 0),), "norm")
                 s["k_norm"] = lay._take((d,), ((q + "k_norm.weight", 0),), "norm")
             m = p + "mlp."
             inter = c.intermediate_size
             assert inter is not None
             parts = ((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter))
-            s["w_gate_up"] = lay._take((2 * inter, h), parts)
-            s["down"] = lay._take((h, inter), ((m + "down_proj.weight", h),))
+            lay._projection(s, "w_gate_up", h, parts)
+            lay._projection(s, "down", inter, ((m + "down_proj.weight", h),))
             lay.layers.append(s)
         return lay
 
     def all_slots(self) -> list[Slot]:
         return list(self.globals.values()) + [s for layer in self.layers for s in layer.values()]
 
+    def fp8_shapes(self) -> set[tuple[int, int, int]]:
+        """(N, NT, K) of every FP8 projection: its rows, its BF16 tail's rows (0 without) and K."""
+        shapes = set()
+        for slots in [self.globals, *self.layers]:
+            for role, slot in slots.items():
+                if slot.format == FP8:
+                    tail = slots.get(role + "_tail")
+                    shapes.add((slot.shape[0], tail.shape[0] if tail else 0, slot.shape[1]))
+        return shapes
+
 
 def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int, stream: Any,
                     progress: Callable[[int, int], None] | None = None) -> None:
-    """Copy every tensor of an artifact component to its place (bf16 as stored, no repacking)."""
+    """Copy every tensor of an artifact component to its place as stored (no repacking): bf16
+    values, or fp8 codes with their block scales after the slot's codes."""
     slots = layout.all_slots()
     done = 0
     for slot in slots:
         offset = base + slot.offset
+        scale_offset = base + slot.scale_offset
         for name, rows in slot.parts:
             entry = component.entry(name)
             if entry.format != slot.format:
                 raise NotImplementedError(f"tensor {name} is {entry.format}; CudaRunner reads {slot.format} "
-                                          "weights only so far")
+                                          "there")
+            if slot.format == FP8:
+                if entry.row_groups != 1:
+                    raise NotImplementedError(f"fp8 tensor {name} has {entry.row_groups} row groups; CudaRunner "
+                                              "reads one scale grid per tensor")
+                scales = np.ascontiguousarray(component.raw(name, "scale"), dtype=np.float32)
+                if scales.shape != (-(-rows // FP8_BLOCK), slot.scale_shape[1]):
+                    raise ValueError(f"tensor {name} has scales {scales.shape}, {rows} x {slot.shape[1]} needs "
+                                     f"{(-(-rows // FP8_BLOCK), slot.scale_shape[1])}")
+                device.memcpy_htod(scale_offset, scales, stream)
+                scale_offset += scales.nbytes
             raw = component.raw(name)
             expect = int(np.prod(slot.shape[1:])) * rows if rows else int(np.prod(slot.shape))
             if raw.size != expect:
@@ -128,35 +205,52 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
             progress(done, layout.total)
 
 
-def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stream: Any) -> None:
-    """Random bf16 weights of the right shapes, without a file.
+def _tile(device: Any, dst: int, src: int, src_bytes: int, nbytes: int, stream: Any) -> None:
+    """Fill nbytes at dst with copies of the src block."""
+    while nbytes > 0:
+        n = min(nbytes, src_bytes)
+        device.memcpy_dtod(dst, src, n, stream)
+        dst += n
+        nbytes -= n
 
-    Linear weights get uniform values of std ~ 1/sqrt(fan_in) (a 16 MiB block drawn once and
-    tiled across the arena: speed does not depend on the values), zero-centred norm weights small
-    values around 0, the gated norm's weight values around 1, A_log / dt_bias / conv taps small.
+
+def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stream: Any) -> None:
+    """Random weights of the right shapes and formats, without a file.
+
+    BF16 linear weights get uniform values of std ~ 1/sqrt(fan_in) (a 16 MiB block drawn once and
+    tiled across the arena: speed does not depend on the values); FP8 ones e4m3 codes of values
+    uniform in [-448, 448] (a 16 MiB block, tiled) and block scales of sqrt(3 / fan_in) / 448 times
+    a factor in [0.5, 1.5] (the same std); zero-centred norm weights small values around 0, the
+    gated norm's weight values around 1, A_log / dt_bias / conv taps small.
     """
-    from runtime.artifact.formats import f32_to_bf16
+    from runtime.artifact.formats import FP8_MAX, f32_to_bf16, f32_to_e4m3
 
     rng = np.random.default_rng(seed)
     block_elems = 8 << 20
     block = rng.uniform(-1.0, 1.0, block_elems).astype(np.float32)
     scratch = device.mem_alloc(block_elems * 2, "synthetic weight block")
+    codes = None  # the device block of fp8 codes, made at the first fp8 slot
     try:
         block_fan_in = 0
         for slot in layout.all_slots():
             count = int(np.prod(slot.shape))
-            if slot.kind == "linear":
+            if slot.format == FP8:
+                if codes is None:
+                    codes = device.mem_alloc(block_elems * 2, "synthetic fp8 code block")
+                    device.memcpy_htod(codes, f32_to_e4m3(np.concatenate([block, block[::-1]]) * np.float32(FP8_MAX)),
+                                       stream)
+                    stream.synchronize()
+                _tile(device, base + slot.offset, codes, block_elems * 2, count, stream)
+                scales = np.sqrt(3.0 / slot.shape[-1]) / FP8_MAX * rng.uniform(0.5, 1.5, slot.scale_shape)
+                device.memcpy_htod(base + slot.scale_offset, scales.astype(np.float32), stream)
+                stream.synchronize()
+            elif slot.kind == "linear":
                 fan_in = slot.shape[-1]
                 if fan_in != block_fan_in:  # uniform on [-a, a] has std a / sqrt(3)
                     device.memcpy_htod(scratch, f32_to_bf16(block * np.float32(np.sqrt(3.0 / fan_in))), stream)
                     stream.synchronize()
                     block_fan_in = fan_in
-                remaining, dst = count * 2, base + slot.offset
-                while remaining > 0:
-                    n = min(remaining, block_elems * 2)
-                    device.memcpy_dtod(dst, scratch, n, stream)
-                    dst += n
-                    remaining -= n
+                _tile(device, base + slot.offset, scratch, block_elems * 2, count * 2, stream)
             else:
                 if slot.kind == "norm":
                     values = rng.normal(0.0, 0.05, count)
@@ -169,6 +263,8 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
         stream.synchronize()
     finally:
         device.mem_free(scratch)
+        if codes is not None:
+            device.mem_free(codes)
 
 
 def rope_tables(config: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,262 @@
+"""Decode GEMV for block-scaled FP8 weights (W8A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8.
+
+W is stored as the artifact keeps it (`fp8_e4m3`, docs/artifact.md): e4m3 codes `w[N, K]` and one
+fp32 multiplier per 128 x 128 block, `scale[cdiv(N, 128), K / 128]`, so `W[n, k] =
+e4m3(w[n, k]) * scale[n // 128, k // 128]`. Decode streams the weights once per step, so FP8
+halves the bytes of the BF16 GEMV (`gemv.py`), whose structure this kernel keeps:
+
+- the weights are the `mma.sync.m16n8k16` M side ("swap AB"): a CTA owns 16 rows, its 8 warps
+  split the K / 128 column blocks among themselves (a warp may get one more or one less when
+  they do not divide evenly; the tiny models' K = 128 leaves 7 warps idle);
+- per block, lane (r, q) = (lane / 4, lane % 4) loads 32 contiguous codes (32 bytes) of rows r and
+  r + 8 (the 4 lanes of a row cover its 128-byte line, which is exactly one scale block) and the
+  same 32 columns of token r's activation (64 bytes);
+- the codes become bf16 in registers (exact: e4m3 has 3 mantissa bits and exponents 2^-9..2^8,
+  all inside bf16) and feed eight MMAs with the K permutation of `gemv.py` (the same for A and
+  B, so each product is an exact dot product while every load stays a 16-byte vector);
+- numerics: the MMAs accumulate the block's unscaled partial sum in fp32 (products of a bf16 and
+  an e4m3 value need 12 significand bits: exact in fp32); that partial times the block's fp32
+  scale is added to the fp32 total (one rounding per block). Scaling each weight instead would
+  round `code * scale` to bf16 (8 bits) and add the weight's own error; scaling the partial is
+  the same cost once per 128 columns. The 8 warps' totals meet in shared memory, are added in a
+  fixed order (deterministic) and rounded once to bf16. `reference(exact=False)` is this order of
+  roundings (per-block fp32 partial, times scale, fp32 sum, bf16).
+
+A variant may carry a BF16 tail (`NT` rows read from `tail[NT, K]`, written after the FP8 rows):
+Qwen's FP8 checkpoints keep the GDN `in_proj_b` / `in_proj_a` in BF16 while `in_proj_qkv` /
+`in_proj_z` are FP8, and the runner reads all four as one projection `[qkv | z | b | a]`. The
+tail's CTAs (a CTA-uniform branch) load bf16 rows and add their partials unscaled. Output rows
+are `N + NT` wide (`out[M, N + NT]`). Tokens past M read token M - 1 again (valid memory); their
+MMA columns are never stored. Rows past a tail CTA's last row read that row again.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "gemv_fp8"
+WARPS = 8  # warps per CTA, splitting K
+ROWS = 16  # weight rows per CTA (the MMA's M)
+BLOCK = 128  # scale block (rows and columns); one warp step covers one block of columns
+MB = 8  # the largest M (one 8-token MMA column group)
+
+# (name, N, NT, K): the FP8 linear layers of Qwen3.6-27B at decode (lm_head stays BF16 in Qwen's
+# FP8 release), then the tiny test model's (tools/make_tiny.py: H 256, GDN 2/4 heads of 32,
+# attention 4/2 heads of 64, MLP 512). gdn_in is [in_proj_qkv | in_proj_z] in FP8 with
+# [in_proj_b | in_proj_a] as the BF16 tail.
+SHAPES = [
+    ("gdn_in", 16384, 96, 5120),
+    ("o_proj", 5120, 0, 6144),  # GDN out_proj and attention o_proj
+    ("attn_qkv", 14336, 0, 5120),  # q (with gate) + k + v
+    ("gate_up", 34816, 0, 5120),
+    ("down", 5120, 0, 17408),
+    ("tiny_gdn_in", 384, 8, 256),
+    ("tiny_gdn_out", 256, 0, 128),
+    ("tiny_attn_qkv", 768, 0, 256),
+    ("tiny_o_proj", 256, 0, 256),
+    ("tiny_gate_up", 1024, 0, 256),
+    ("tiny_down", 256, 0, 512),
+]
+
+
+def _variant(name: str, n: int, nt: int, k: int) -> Variant:
+    if n % ROWS or k % BLOCK:
+        raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {BLOCK}")
+    blocks = k // BLOCK
+    # Blocks each warp's loop keeps in flight (unroll); every warp has blocks // WARPS or one more.
+    unroll = max(1, min(blocks // WARPS, 4))
+    ctas = n // ROWS + -(-nt // ROWS)
+    params = [ptr("x"), ptr("w"), ptr("scale")] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
+    tensors = {"x": tensor("bf16", "M", k), "w": tensor("e4m3", n, k),
+               "scale": tensor("f32", -(-n // BLOCK), blocks), "out": tensor("bf16", "M", n + nt, role="out")}
+    if nt:
+        tensors["tail"] = tensor("bf16", nt, k)
+    return Variant(
+        family=FAMILY,
+        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}",
+        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, "block": BLOCK, "unroll": unroll},
+        params=params,
+        tensors=tensors,
+        sizes=("M",),
+        block=(32 * WARPS, 1, 1),
+        grid=(ctas, 1, 1),
+        requires=("M >= 1", f"M <= {MB}"),
+        arches=HOPPER,
+        note=f"decode x[M<={MB},{k}] @ fp8 W[{n},{k}]^T (128x128 fp32 block scales)"
+             + (f" + bf16 tail [{nt},{k}]" if nt else ""),
+        example_sizes={"M": 1},
+    )
+
+
+def variants() -> list[Variant]:
+    return [_variant(*shape) for shape in SHAPES]
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """e4m3fn codes (uint8) -> float64 values (0x7F / 0xFF are NaN)."""
+    c = np.asarray(codes, dtype=np.uint8).astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    exponent, mantissa = (c >> 3) & 0xF, c & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0))
+    return np.where((c & 0x7F) == 0x7F, np.nan, sign * magnitude)
+
+
+def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, tail: np.ndarray | None = None, *,
+              exact: bool = False) -> np.ndarray:
+    """out[M, N + NT] for bf16-valued x [M, K], e4m3 codes [N, K], fp32 scales [cdiv(N, 128), K / 128]
+    and an optional bf16-valued tail [NT, K].
+
+    exact: float64 of the dequantised weights. Otherwise the kernel's roundings: each 128-column
+    block's partial sum in fp32 (products are exact), times its fp32 scale, summed in fp32 over
+    the blocks, rounded to bf16; the tail's rows in fp32, rounded to bf16."""
+    n, k = codes.shape
+    values = e4m3_values(codes)
+    row_scale = np.repeat(np.asarray(scales, np.float64), BLOCK, axis=0)[:n]  # [N, K / 128]
+    if exact:
+        w = values * np.repeat(row_scale, BLOCK, axis=1)[:, :k]
+        out = x.astype(np.float64) @ w.T
+        if tail is not None:
+            out = np.concatenate([out, x.astype(np.float64) @ tail.astype(np.float64).T], axis=1)
+        return out
+    xb = x.astype(np.float32).reshape(x.shape[0], k // BLOCK, BLOCK)
+    wb = values.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    partial = np.einsum("mbk,nbk->mnb", xb, wb, dtype=np.float32)  # [M, N, blocks]
+    out = (partial * row_scale.astype(np.float32)[None]).sum(axis=-1, dtype=np.float32)
+    if tail is not None:
+        out = np.concatenate([out, x.astype(np.float32) @ tail.astype(np.float32).T], axis=1)
+    return round_bf16(out.astype(np.float32))
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
+    unroll = variant.config["unroll"]
+    ldo = n + nt
+    blocks = k // BLOCK
+    per_warp, extra = blocks // WARPS, blocks % WARPS  # warps < extra take one more block
+    fp8_ctas = n // ROWS
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+
+    def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, into: Any) -> None:
+        # Physical columns 4j..4j+3 of this lane fill the fragment's K slots (2q, 2q+1, 2q+8,
+        # 2q+9) in A and B alike.
+        for j in range(8):  # a plain helper: Python loops unroll while tracing
+            frag_a[0] = a_lo[4 * j]
+            frag_a[1] = a_lo[4 * j + 1]
+            frag_a[4] = a_lo[4 * j + 2]
+            frag_a[5] = a_lo[4 * j + 3]
+            frag_a[2] = a_hi[4 * j]
+            frag_a[3] = a_hi[4 * j + 1]
+            frag_a[6] = a_hi[4 * j + 2]
+            frag_a[7] = a_hi[4 * j + 3]
+            frag_b[0] = b[4 * j]
+            frag_b[1] = b[4 * j + 1]
+            frag_b[2] = b[4 * j + 2]
+            frag_b[3] = b[4 * j + 3]
+            cute.gemm(mma, into, frag_a, frag_b, into)
+
+    def fp8_block(mma: Any, frag_a: Any, frag_b: Any, acc: Any, block_acc: Any, w_lo: Any, w_hi: Any,
+                  x_row: Any, s_row: Any, c: Any) -> None:
+        """One 128-column block of the CTA's FP8 rows: its unscaled partial, then acc += partial * scale."""
+        col = c * BLOCK
+        a_lo = cute.make_tensor(w_lo + col, cute.make_layout((32,))).load().to(bf16)
+        a_hi = cute.make_tensor(w_hi + col, cute.make_layout((32,))).load().to(bf16)
+        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
+        block_acc.fill(0.0)
+        mma_block(mma, frag_a, frag_b, a_lo, a_hi, b, block_acc)
+        s = cute.make_tensor(s_row + c, cute.make_layout(1))[0]
+        for i in range(4):
+            acc[i] = acc[i] + block_acc[i] * s
+
+    def bf16_block(mma: Any, frag_a: Any, frag_b: Any, acc: Any, t_lo: Any, t_hi: Any, x_row: Any, c: Any) -> None:
+        """One 128-column block of the CTA's BF16 tail rows, added to acc unscaled."""
+        col = c * BLOCK
+        a_lo = cute.make_tensor(t_lo + col, cute.make_layout((32,))).load()
+        a_hi = cute.make_tensor(t_hi + col, cute.make_layout((32,))).load()
+        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
+        mma_block(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+
+    @cute.kernel
+    def kernel(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, tail: Any, out: cute.Pointer,
+               m: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        r = lane // 4
+        q = lane % 4
+        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+        frag_a = mma.make_fragment_A(mma.partition_shape_A((16, 16)))
+        frag_b = mma.make_fragment_B(mma.partition_shape_B((8, 16)))
+        acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+        acc.fill(0.0)
+        block_acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+        first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first column block
+        x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
+        row0 = bid * ROWS
+        count = ROWS
+        if bid < fp8_ctas:
+            w_lo = w + cutlass.Int64(row0 + r) * k + q * 32
+            w_hi = w + cutlass.Int64(row0 + r + 8) * k + q * 32
+            # The CTA's 16 rows lie in one 128-row scale block (128 % 16 == 0).
+            s_row = scale + (row0 // BLOCK) * blocks
+            for c in cutlass.range(first, first + per_warp, unroll=unroll):
+                fp8_block(mma, frag_a, frag_b, acc, block_acc, w_lo, w_hi, x_row, s_row, c)
+            if cutlass.const_expr(extra > 0):
+                if warp < extra:
+                    fp8_block(mma, frag_a, frag_b, acc, block_acc, w_lo, w_hi, x_row, s_row, first + per_warp)
+        if cutlass.const_expr(nt > 0):
+            if bid >= fp8_ctas:
+                t0 = (bid - fp8_ctas) * ROWS
+                count = cutlass.min(nt - t0, ROWS)
+                t_lo = tail + cutlass.Int64(t0 + cutlass.min(r, count - 1)) * k + q * 32
+                t_hi = tail + cutlass.Int64(t0 + cutlass.min(r + 8, count - 1)) * k + q * 32
+                for c in cutlass.range(first, first + per_warp, unroll=unroll):
+                    bf16_block(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, c)
+                if cutlass.const_expr(extra > 0):
+                    if warp < extra:
+                        bf16_block(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
+                row0 = n + t0
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(
+            f32, cute.make_layout((ROWS, MB, WARPS), stride=(1, ROWS, ROWS * MB)), byte_alignment=16
+        )
+        # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
+        partial[r, 2 * q, warp] = acc[0]
+        partial[r, 2 * q + 1, warp] = acc[1]
+        partial[r + 8, 2 * q, warp] = acc[2]
+        partial[r + 8, 2 * q + 1, warp] = acc[3]
+        cute.arch.sync_threads()
+        if tid < ROWS * MB:
+            row = tid % ROWS
+            token = tid // ROWS
+            if token < m and row < count:
+                total = f32(0.0)
+                for i in cutlass.range_constexpr(WARPS):
+                    total = total + partial[row, token, i]
+                dst = cute.make_tensor(out + cutlass.Int64(token) * ldo + row0 + row, cute.make_layout(1))
+                dst[0] = total.to(bf16)
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")
+
+    if nt:
+        @cute.jit
+        def launch(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, tail: cute.Pointer, out: cute.Pointer,
+                   m: cutlass.Int32, stream: Any):
+            kernel(x, w, scale, tail, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
+                                                     stream=stream)
+    else:
+        @cute.jit
+        def launch(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+                   stream: Any):
+            kernel(x, w, scale, None, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
+                                                     stream=stream)
+
+    return launch, _dsl.example_args(variant)

@@ -1,0 +1,175 @@
+"""`CudaRunner` on an FP8 artifact, on the null device: the FP8 projections are uploaded as stored
+(codes + block scales), bound to the `gemv_fp8` kernels with their scale pointers, prefill runs the
+GEMV 8 rows at a time, and synthetic FP8 weights fill codes and scales. Kernels do not run here;
+`tests/gpu/test_cuda_runner_fp8.py` checks values. Needs the built kernels and skips without them.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.model.runner import DecodeItem, PrefillChunk
+
+REPO = Path(__file__).resolve().parents[2]
+FP8 = "fp8_e4m3"
+
+
+def _open(make):
+    from runtime.cuda.manifest import ManifestError
+
+    if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
+        pytest.skip("kernels not built")
+    try:
+        return make()
+    except ManifestError as exc:
+        pytest.skip(f"kernels not built: {exc}")
+    except Exception as exc:  # a stale or partial build
+        if type(exc).__name__ in ("KernelMissing", "KernelStale"):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(tmp_path_factory):
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny_fp8")
+    hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-fp8.infernix", convert.Recipe("fp8"), name="tiny-fp8")
+
+
+@pytest.fixture(scope="module")
+def runner(fp8_artifact):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    r = _open(lambda: CudaRunner.from_artifact(fp8_artifact, num_pages=16, num_slots=2,
+                                               device=NullDevice(total_memory=2 << 30), prefill_chunk=64))
+    yield r
+    r.close()
+
+
+def _fp8_launches(launches):
+    """(key, [x, w, scale, (tail,) out], M) of every gemv_fp8 launch, in order."""
+    out = []
+    for rec in launches:
+        if rec.function.startswith("infx_gemv_fp8_"):
+            key = rec.function[len("infx_gemv_fp8_"):].split("_kernel")[0]
+            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
+            out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
+    return out
+
+
+def test_fp8_projections_are_uploaded_as_stored(runner, fp8_artifact):
+    from runtime.artifact import open_artifact
+
+    text = open_artifact(fp8_artifact).component("text")
+    lay, dev, base = runner.layout, runner.device, runner.storage.weights_base
+    gdn = lay.layers[0]
+    assert gdn["w_in"].format == FP8 and gdn["w_in"].shape == (384, 256)  # in_proj_qkv | in_proj_z
+    assert gdn["w_in_tail"].format == "bf16" and gdn["w_in_tail"].shape == (8, 256)  # in_proj_b | in_proj_a
+    assert lay.layers[3]["w_qkv"].format == FP8 and lay.globals["embed"].format == "bf16"
+    slot = gdn["w_in"]
+    codes = dev.memcpy_dtoh(np.empty(slot.shape, np.uint8), base + slot.offset)
+    scales = dev.memcpy_dtoh(np.empty(slot.scale_shape, np.float32), base + slot.scale_offset)
+    qkv, z = "layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.in_proj_z.weight"
+    np.testing.assert_array_equal(codes, np.concatenate([text.raw(qkv), text.raw(z)]))
+    np.testing.assert_array_equal(scales, np.concatenate([text.raw(qkv, "scale"), text.raw(z, "scale")]))
+    assert scales.shape == (3, 2) and np.all(scales > 0)
+    tail = dev.memcpy_dtoh(np.empty(gdn["w_in_tail"].shape, np.uint16), base + gdn["w_in_tail"].offset)
+    np.testing.assert_array_equal(tail[:4], text.raw("layers.0.linear_attn.in_proj_b.weight"))
+    assert runner.layout.fp8_shapes() == {(384, 8, 256), (256, 0, 128), (768, 0, 256), (256, 0, 256),
+                                          (1024, 0, 256), (256, 0, 512)}
+
+
+def test_decode_binds_the_fp8_gemv_with_scales_and_tail(runner):
+    dev = runner.device
+    n = len(dev.launches)
+    runner.decode([DecodeItem(slot=0, token_id=5, pos=0, page_table=[0]),
+                   DecodeItem(slot=1, token_id=7, pos=0, page_table=[1])])
+    launches = _fp8_launches(dev.launches[n:])
+    base, buf = runner.storage.weights_base, runner.storage.buf
+    # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
+    assert len(launches) == 16 and all(m == 2 for _, _, m in launches)
+    gdn = runner.layout.layers[0]
+    key, ptrs, _ = launches[0]
+    assert key == "tiny_gdn_in_n384_t8_k256_m8"
+    assert ptrs == [buf["h"], base + gdn["w_in"].offset, base + gdn["w_in"].scale_offset,
+                    base + gdn["w_in_tail"].offset, buf["proj"]]
+    key, ptrs, _ = launches[1]
+    assert key == "tiny_gdn_out_n256_k128_m8"
+    assert ptrs == [buf["gdn_out"], base + gdn["out_proj"].offset, base + gdn["out_proj"].scale_offset, buf["delta"]]
+    assert {k for k, _, _ in launches} == {"tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8",
+                                           "tiny_attn_qkv_n768_k256_m8", "tiny_o_proj_n256_k256_m8",
+                                           "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
+
+
+def test_prefill_runs_the_fp8_gemv_eight_rows_at_a_time(runner):
+    dev = runner.device
+    n = len(dev.launches)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 21)), start_pos=0, page_table=[0]))
+    launches = _fp8_launches(dev.launches[n:])
+    gate_up = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gate_up")]
+    assert len(gate_up) == 4 * 3  # 4 layers x cdiv(20, 8) pieces
+    h, proj = runner.storage.buf["h"], runner.storage.buf["proj"]
+    assert [m for _, m in gate_up[:3]] == [8, 8, 4]
+    assert [p[0] - h for p, _ in gate_up[:3]] == [0, 8 * 256 * 2, 16 * 256 * 2]  # x rows
+    assert [p[3] - proj for p, _ in gate_up[:3]] == [0, 8 * 1024 * 2, 16 * 1024 * 2]  # out rows
+    gdn_in = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gdn_in")]
+    assert [p[4] - proj for p, _ in gdn_in[:3]] == [0, 8 * 392 * 2, 16 * 392 * 2]  # rows N + NT = 392 wide
+
+
+def test_a_missing_fp8_shape_names_it_and_the_build_command(runner):
+    from runtime.cuda.errors import KernelMissing
+
+    with pytest.raises(KernelMissing, match=r"fp8 4096x256 weight.*gemv_fp8\.py.*build_kernels\.py --arch sm_90a"):
+        runner.kernels.linear_fp8(4096, 0, 256)
+    with pytest.raises(KernelMissing, match="with a 16-row bf16 tail"):
+        runner.kernels.linear_fp8(384, 16, 256)
+
+
+def test_mixed_formats_other_than_an_fp8_head_and_bf16_tail_are_refused():
+    from runtime.model.config import ModelConfig
+    from runtime.model.gpu.weights import WeightLayout, fp8_recipe_format
+    from tools.make_tiny import tiny_text_config
+
+    ids = {"<|endoftext|>": 0, "<|image_pad|>": 1, "<|video_pad|>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4}
+    config = ModelConfig.from_dict(tiny_text_config("dense", 512, ids, tie=False)["text_config"])
+    bf16_q = lambda name: "bf16" if name.endswith("q_proj.weight") else fp8_recipe_format(name)  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"q_proj.*'bf16', 'fp8_e4m3', 'fp8_e4m3'"):
+        WeightLayout.plan(config, bf16_q)
+    # All four GDN input parts in FP8: in_proj_b's 4 rows leave a partial scale block mid-matrix.
+    with pytest.raises(NotImplementedError, match="in_proj_b.weight has 4 rows, not a multiple of 128"):
+        WeightLayout.plan(config, lambda name: FP8)
+    with pytest.raises(NotImplementedError, match="nvfp4"):
+        WeightLayout.plan(config, lambda name: "nvfp4")
+
+
+def test_synthetic_fp8_weights_fill_codes_and_scales(runner):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.gpu.weights import fp8_recipe_format
+
+    syn = _open(lambda: CudaRunner.synthetic(runner.config, 3, num_pages=4, num_slots=1, max_batch=1,
+                                             device=NullDevice(total_memory=1 << 30), prefill_chunk=64,
+                                             weight_formats=fp8_recipe_format))
+    try:
+        assert syn.layout.fp8_shapes() == runner.layout.fp8_shapes()
+        slot = syn.layout.layers[1]["w_gate_up"]
+        base = syn.storage.weights_base
+        codes = syn.device.memcpy_dtoh(np.empty(slot.shape, np.uint8), base + slot.offset)
+        scales = syn.device.memcpy_dtoh(np.empty(slot.scale_shape, np.float32), base + slot.scale_offset)
+        assert not np.isin(codes & 0x7F, [0x7F]).any()  # no NaN codes
+        assert len(np.unique(codes)) > 200  # spread over the e4m3 range
+        bound = np.sqrt(3.0 / 256) / 448
+        assert np.all(scales >= 0.5 * bound) and np.all(scales <= 1.5 * bound) and scales.std() > 0
+        n = len(syn.device.launches)
+        syn.decode([DecodeItem(slot=0, token_id=1, pos=0, page_table=[0])])
+        assert len(_fp8_launches(syn.device.launches[n:])) == 16
+    finally:
+        syn.close()
