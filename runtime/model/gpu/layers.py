@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.model.config import LINEAR_ATTENTION
-from runtime.model.gpu.weights import Slot
+from runtime.model.gpu.collective import AllReduce, Collective
+from runtime.model.gpu.weights import FP8, Slot
+
+FP8_ROWS = 8  # rows one gemv_fp8 launch takes (its MB)
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,14 @@ class Forward:
     """The model's launches: `bind(shape)` for the forward pass of a step shape, `lm_head` for the
     head over a block of rows. Built once per runner; binding happens once per shape."""
 
-    def __init__(self, config: Any, kernels: Any, library: Any, storage: Any, layout: Any, phys_slots: int):
+    def __init__(self, config: Any, kernels: Any, library: Any, storage: Any, layout: Any, phys_slots: int,
+                 collective: Collective | None = None):
         self.config, self.kernels, self.library = config, kernels, library
         self.storage, self.layout = storage, layout
         self.phys_slots = phys_slots
+        # A tensor-parallel rank's communicator (`config` and `layout` are then the rank's
+        # shard); None on one GPU, where `all_reduce` launches nothing.
+        self.collective = collective
 
     def bind(self, shape: StepShape) -> list:
         """The launches of one step shape, embedding to final norm (hidden rows in `buf["h"]`)."""
@@ -78,14 +85,34 @@ class Forward:
     def launch(self, out: list, family: str, key: str, bufs: dict, sizes: dict) -> None:
         out.append(self.library.kernel(family, key).bind(bufs, sizes))
 
+    def all_reduce(self, out: list, rows: int) -> None:
+        """Sum the ranks' partial delta rows (the output of a row-parallel projection) in place,
+        before `add_norm` adds them to the residual. Nothing on one GPU."""
+        if self.collective is not None:
+            out.append(AllReduce(self.collective, self.storage.buf["delta"], rows * self.config.hidden_size,
+                                 "bf16"))
+
     def w(self, slot: Slot) -> int:
         return self.storage.weights_base + slot.offset
 
-    def linear(self, out: list, x: int, weight: Slot, y: int, rows: int) -> None:
+    def linear(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None = None) -> None:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
-        shape (the GEMV for a few rows, the GEMM otherwise). BF16 is the only format so far; a
-        quantized format adds its kernels (and binds its scales) here."""
-        if weight.format != "bf16":
+        shape: BF16, the GEMV for a few rows, the GEMM otherwise; FP8, the FP8 GEMV with the
+        block scales bound, and `tail` (a BF16 slot after the FP8 rows; y is then N + NT wide)
+        computed by the same launch. There is no FP8 GEMM yet, so FP8 prefill rows run through
+        the GEMV 8 at a time: the same numbers as decode, the weights read once per 8 rows."""
+        if weight.format == FP8:
+            n, k = weight.shape
+            nt = tail.shape[0] if tail else 0
+            key = self.kernels.linear_fp8(n, nt, k)
+            bufs = {"w": self.w(weight), "scale": self.storage.weights_base + weight.scale_offset}
+            if tail:
+                bufs["tail"] = self.w(tail)
+            for r0 in range(0, rows, FP8_ROWS):
+                self.launch(out, "gemv_fp8", key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
+                            {"M": min(FP8_ROWS, rows - r0)})
+            return
+        if tail is not None or weight.format != "bf16":
             raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "
                                       "CudaRunner runs bf16 weights only so far")
         n, k = weight.shape
@@ -118,7 +145,7 @@ class Forward:
         """The n-th Gated DeltaNet mixer: projection, causal conv, delta rule, gated norm, out."""
         k, st, buf = self.kernels, self.storage, self.storage.buf
         m, nseq, t, prefill, slots = shape.m, shape.nseq, shape.t, shape.prefill, self.phys_slots
-        self.linear(out, buf["h"], layer["w_in"], buf["proj"], m)
+        self.linear(out, buf["h"], layer["w_in"], buf["proj"], m, layer.get("w_in_tail"))
         # Prefill reads the old windows from a scratch copy (the step copies them there: the conv
         # kernel's writers and readers differ when a piece is longer than one thread's tokens).
         win_in = buf["win_scratch"] + n * st.win_slot_bytes if prefill else st.windows[n]
@@ -144,6 +171,7 @@ class Forward:
                                             "out": buf["gdn_out"]},
                         {"B": nseq, "T": t, "NS": slots})
         self.linear(out, buf["gdn_out"], layer["out_proj"], buf["delta"], m)
+        self.all_reduce(out, m)
 
     def attention(self, out: list, shape: StepShape, n: int, layer: dict[str, Slot]) -> None:
         """The n-th gated attention mixer: projection, q/k norm + RoPE + KV write, attention over
@@ -173,6 +201,7 @@ class Forward:
                                                       "out": buf["attn_out"]},
                         {"M": m, "S": shape.splits, "split": shape.split})
         self.linear(out, buf["attn_out"], layer["o_proj"], buf["delta"], m)
+        self.all_reduce(out, m)
 
     def dense_mlp(self, out: list, shape: StepShape, layer: dict[str, Slot]) -> None:
         """h -> delta through gate/up, SiLU(gate) * up, down."""
@@ -180,3 +209,4 @@ class Forward:
         self.linear(out, buf["h"], layer["w_gate_up"], buf["proj"], shape.m)
         self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": shape.m})
         self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m)
+        self.all_reduce(out, shape.m)
