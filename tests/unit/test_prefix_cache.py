@@ -177,3 +177,28 @@ def test_admission_waits_for_room_for_the_whole_prompt_instead_of_thrashing():
     s.finish("a")
     batch = s.schedule()
     assert batch.admitted == ("b",)
+
+
+def test_the_server_has_the_cache_and_the_cli_does_not():
+    from runtime.config import parse_settings
+    from runtime.session import prefix_cache_settings
+
+    class Log:
+        def info(self, *args):
+            self.said = args
+
+    serve = prefix_cache_settings(parse_settings("serve", ["m.infernix"]), "cpu", Log())
+    assert serve == {"prefix_cache": True, "snapshot_slots": 8, "host_cache_bytes": 1024 << 20,
+                     "snapshot_interval": 2048, "cache_file": None, "cache_save_s": 0.0}
+    off = prefix_cache_settings(parse_settings("serve", [
+        "m.infernix", "--no-prefix-cache", "--prefix-cache-file", "c.npz",
+        "--prefix-cache-save-mins", "5"]), "cpu", Log())
+    assert off["prefix_cache"] is False and off["cache_file"] == "c.npz"
+    assert off["cache_save_s"] == 300.0
+    cli = prefix_cache_settings(parse_settings("cli", ["m.infernix", "--prompt", "hi"]), "cpu",
+                                Log())
+    assert cli["prefix_cache"] is False and cli["snapshot_slots"] == 0
+    assert cli["host_cache_bytes"] == 0 and cli["cache_file"] is None
+    log = Log()
+    cuda = prefix_cache_settings(parse_settings("serve", ["m.infernix"]), "cuda", log)
+    assert cuda["prefix_cache"] is False and "off on --device cuda" in log.said[0]
