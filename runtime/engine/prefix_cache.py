@@ -117,9 +117,6 @@ class PrefixCache:
     def entries(self) -> Iterable[Snapshot]:
         return self._entries.values()
 
-    def has_private(self, owner: str) -> bool:
-        return f"pause:{owner}" in self._entries
-
     @property
     def device_snapshots(self) -> int:
         return sum(1 for e in self._entries.values() if e.slot is not None)
