@@ -658,6 +658,7 @@ class Engine:
                 "prefix_cache_block_evictions_total": self.scheduler.pages.evictions,
                 "prefix_cache_host_to_device_bytes_total": traffic.host_to_device_bytes,
                 "prefix_cache_device_to_host_bytes_total": traffic.device_to_host_bytes,
+                "prefix_cache_slot_copies_total": traffic.device_copies,
                 "prefix_cache_cached_pages": self.scheduler.pages.num_cached,
                 "prefix_cache_device_snapshots": cache.cache.device_snapshots,
                 "prefix_cache_host_bytes": cache.cache.host_used}
