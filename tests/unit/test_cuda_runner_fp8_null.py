@@ -7,30 +7,16 @@ GEMV 8 rows at a time, and synthetic FP8 weights fill codes and scales. Kernels 
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from runtime.model.runner import DecodeItem, PrefillChunk
 
-REPO = Path(__file__).resolve().parents[2]
+from null_cuda import built_or_skip
 FP8 = "fp8_e4m3"
 
 
-def _open(make):
-    from runtime.cuda.manifest import ManifestError
-
-    if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
-        pytest.skip("kernels not built")
-    try:
-        return make()
-    except ManifestError as exc:
-        pytest.skip(f"kernels not built: {exc}")
-    except Exception as exc:  # a stale or partial build
-        if type(exc).__name__ in ("KernelMissing", "KernelStale"):
-            pytest.skip(str(exc))
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +34,7 @@ def runner(fp8_artifact):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    r = _open(lambda: CudaRunner.from_artifact(fp8_artifact, num_pages=16, num_slots=2,
+    r = built_or_skip(lambda: CudaRunner.from_artifact(fp8_artifact, num_pages=16, num_slots=2,
                                                device=NullDevice(total_memory=2 << 30), prefill_chunk=64))
     yield r
     r.close()
@@ -155,7 +141,7 @@ def test_synthetic_fp8_weights_fill_codes_and_scales(runner):
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format
 
-    syn = _open(lambda: CudaRunner.synthetic(runner.config, 3, num_pages=4, num_slots=1, max_batch=1,
+    syn = built_or_skip(lambda: CudaRunner.synthetic(runner.config, 3, num_pages=4, num_slots=1, max_batch=1,
                                              device=NullDevice(total_memory=1 << 30), prefill_chunk=64,
                                              weight_formats=fp8_recipe_format))
     try:

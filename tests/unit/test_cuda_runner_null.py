@@ -7,36 +7,25 @@ kernels (`python build_kernels.py`) and skips without them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from runtime.model.runner import DecodeItem, PrefillChunk
 
-REPO = Path(__file__).resolve().parents[2]
+from null_cuda import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    from runtime.cuda.manifest import ManifestError
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
     from tools.make_tiny import make_tiny
 
-    if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
-        pytest.skip("kernels not built")
     path = tmp_path_factory.mktemp("tiny") / "tiny.infernix"
     make_tiny(path, family="dense", seed=0, vocab="small")
     device = NullDevice(total_memory=2 << 30)
-    try:
-        r = CudaRunner.from_artifact(path, num_pages=16, num_slots=4, device=device, prefill_chunk=64)
-    except ManifestError as exc:
-        pytest.skip(f"kernels not built: {exc}")
-    except Exception as exc:  # a stale or partial build
-        if type(exc).__name__ in ("KernelMissing", "KernelStale"):
-            pytest.skip(str(exc))
-        raise
+    r = built_or_skip(lambda: CudaRunner.from_artifact(path, num_pages=16, num_slots=4, device=device,
+                                                       prefill_chunk=64))
     yield r
     r.close()
 

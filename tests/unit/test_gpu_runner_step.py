@@ -17,7 +17,6 @@ Needs the built kernels (`python build_kernels.py`) and skips without them.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,27 +24,17 @@ import pytest
 from runtime.model.runner import DecodeItem, PrefillChunk, StepRow
 
 from gpu_trace import FIXTURE, SCENARIO, trace, traced_runner, tiny_model
-
-REPO = Path(__file__).resolve().parents[2]
+from null_cuda import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from runtime.cuda.manifest import ManifestError
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    if not (REPO / "build" / "kernels" / "sm_90a" / "manifest.json").exists():
-        pytest.skip("kernels not built")
     path = tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.infernix")
-    try:
-        CudaRunner.from_artifact(path, num_pages=4, num_slots=1, device=NullDevice(total_memory=2 << 30)).close()
-    except ManifestError as exc:
-        pytest.skip(f"kernels not built: {exc}")
-    except Exception as exc:  # a stale or partial build
-        if type(exc).__name__ in ("KernelMissing", "KernelStale"):
-            pytest.skip(str(exc))
-        raise
+    built_or_skip(lambda: CudaRunner.from_artifact(path, num_pages=4, num_slots=1,
+                                                   device=NullDevice(total_memory=2 << 30))).close()
     return path
 
 
