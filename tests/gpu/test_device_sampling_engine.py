@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from .engine_runs import run_engine
 from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
 
 pytestmark = pytest.mark.gpu
@@ -65,31 +66,9 @@ def _requests(vocab):
 
 
 def _run(runner, device_sampling, requests=None, stagger=0):
-    """Tokens of each request; with `stagger`, request i is submitted once request i - 1 has
-    `stagger` tokens (sequences join and leave a running decode batch)."""
-    from runtime.engine.engine_loop import Engine, EngineConfig
-
-    engine = Engine(runner, EngineConfig(num_lanes=8, max_context=512, prefill_chunk=128,
-                                         device_sampling=device_sampling),
-                    on_thread_start=runner.device.make_current).start()
-    try:
-        streams, tokens = [], []
-
-        def pull(i):
-            tokens[i].extend(streams[i].get(timeout=60).token_ids)
-
-        for request in requests or _requests(runner.vocab_size):
-            if stagger and streams:
-                while len(tokens[-1]) < stagger and not streams[-1].done:
-                    pull(len(streams) - 1)
-            streams.append(engine.submit(request))
-            tokens.append([])
-        for i, stream in enumerate(streams):
-            while not stream.done:
-                pull(i)
-        return tokens
-    finally:
-        engine.shutdown()
+    """Tokens of each request (`engine_runs.run_engine`)."""
+    return run_engine(runner, requests or _requests(runner.vocab_size), stagger=stagger, num_lanes=8,
+                      max_context=512, prefill_chunk=128, device_sampling=device_sampling)[0]
 
 
 def test_device_sampling_equals_host_sampling(tiny_path, device, library):  # noqa: F811

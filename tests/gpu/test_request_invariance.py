@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from .engine_runs import run_engine
+
 pytestmark = pytest.mark.gpu
 
 PREFILL_CHUNK = 256
@@ -48,31 +50,8 @@ def _requests(vocab):
 
 
 def _run(runner, requests, *, lanes=8, stagger=0, num_pages=None):
-    """Token ids of each request through one engine; with `stagger`, request i is submitted once
-    request i - 1 has produced `stagger` tokens."""
-    from runtime.engine.engine_loop import Engine, EngineConfig
-
-    engine = Engine(runner, EngineConfig(num_lanes=lanes, max_context=2048, prefill_chunk=PREFILL_CHUNK,
-                                         num_pages=num_pages),
-                    on_thread_start=runner.device.make_current).start()
-    try:
-        streams, tokens = [], []
-
-        def pull(i):
-            tokens[i].extend(streams[i].get(timeout=120).token_ids)
-
-        for request in requests:
-            if stagger and streams:
-                while len(tokens[-1]) < stagger and not streams[-1].done:
-                    pull(len(streams) - 1)
-            streams.append(engine.submit(request))
-            tokens.append([])
-        for i, stream in enumerate(streams):
-            while not stream.done:
-                pull(i)
-        return tokens, dict(engine.counters)
-    finally:
-        engine.shutdown()
+    return run_engine(runner, requests, stagger=stagger, num_lanes=lanes, max_context=2048,
+                      prefill_chunk=PREFILL_CHUNK, num_pages=num_pages)
 
 
 def _alone(runner, requests):
