@@ -8,95 +8,38 @@ Other threads talk to it only through two thread-safe channels:
   hands increments to the asyncio loop with `call_soon_threadsafe`. Sinks run on the engine
   thread and must not block.
 
-A step: `Scheduler.schedule()` -> runner calls (`reset_slot` + `prefill` per chunk, one batched
-`decode`) -> per request `LiveRequest.step(logits)` (sampling, thinking controls, finish
-decision) -> `Scheduler.update()` -> outputs. A runner with `samples_on_device` (the CUDA
-runner, when its sampling kernels were built) samples decode rows itself (`decode_sampled`)
-from `RowSampling` inputs the engine builds, the same decision the host sampler makes, and only
-ids come back (`LiveRequest.step_sampled`); so does the token after a prompt chunk
-(`prefill_sampled`). Rows asking for logprobs keep the logits path.
-Output-constraint masks of the step's sampled rows depend only on tokens already committed, so
-a worker thread computes them while the runner works (llguidance and the runners release the
-GIL) instead of after the logits arrive; the device path asks for them once the forward pass
-is queued.
+A step: `Scheduler.schedule()` -> the prefix cache's queued copies (`EngineCache.apply_ops`) ->
+the runner calls (`StepExecutor.run` in `engine_step.py`: `reset_slot` + `prefill` per chunk,
+batched `decode` or speculative rounds, device or host sampling) -> per request
+`LiveRequest.step(logits)` or `step_sampled(id)` (sampling, thinking controls, finish decision)
+-> `Scheduler.update()` -> outputs.
 
 Failure isolation: an exception while sampling, in a constraint, or in a sink ends only that
-request (finish reason `error`). A failed prefill chunk ends its one request. A failed batched
-decode says nothing about which row is at fault, so every member is paused, rebuilt by replaying
-its committed tokens, and decoded alone until a step succeeds: a row that fails alone ends with
-`error`, the others continue. Anything that breaks the loop itself ends every request with
-`error` and marks the engine unavailable (`Engine.error`); later submits are rejected.
+request (finish reason `error`); a failed runner call ends or rebuilds the rows it computed
+(`engine_step.py`). Anything that breaks the loop itself ends every request with `error` and
+marks the engine unavailable (`Engine.error`); later submits are rejected.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import numpy as np
-
 from runtime.engine.api import EngineOutput, EngineRequest, FinishReason, RequestRejected
-from runtime.engine.cache_file import load_cache_file, save_cache_file
-from runtime.engine.cache_ops import Traffic, apply_ops
-from runtime.engine.prefix_cache import PrefixCacheConfig
+from runtime.engine.engine_cache import EngineCache, prefix_cache_config
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.engine_step import StepCompute, StepExecutor
 from runtime.engine.request_state import LiveRequest, OutputSink
 from runtime.engine.sampler import DeadEndError
-from runtime.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from runtime.engine.speculative import SlotLayout, Speculation, SpeculativeConfig
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.scheduler_records import ScheduledBatch, SchedulerConfig
+from runtime.engine.speculative import SlotLayout, Speculation
 from runtime.engine.thinking import budget_room_error
 from runtime.model.runner import ModelRunner
-from runtime.model.sampling import RowSampling
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine capacities (fixed at startup).
-
-    num_lanes: sequences resident at once, 1..8 (`--max-concurrency`; the CLI uses 1).
-    max_context: most tokens (prompt + output) of one sequence.
-    prefill_chunk: most prompt tokens computed per chunk.
-    max_waiting: requests that may wait for a lane; with the running ones this bounds the
-        requests in flight (`submit` rejects more with `queue_full`).
-    max_batched_tokens: step token budget (None: prefill_chunk + num_lanes).
-    num_pages: KV pages to use (None: all the runner has).
-    service_turn_tokens: under KV contention, new tokens a sequence produces before it gives
-        way to one blocked by pages (bounded service turns, see the scheduler).
-    device_sampling: let a runner that can (`samples_on_device`) sample decode rows on its device
-        (False: always return logits and sample on the host; benches compare the two).
-    speculative: draft proposals verified per round (`runtime.engine.speculative`); decode rows
-        then go through `ModelRunner.step` with host sampling, and the runner needs the state
-        slots of `SlotLayout.for_config(num_lanes, speculative)`.
-    prefix_cache: match prompts against cached prefixes (`runtime.engine.prefix_cache`).
-    snapshot_slots: runner slots after those (its spare slots) the cache keeps snapshots in.
-    host_cache_bytes: host memory for demoted snapshots and blocks and for paused requests.
-        With any of these three, preemption keeps a paused request's state instead of
-        replaying it (where there is room); with none, there is no cache at all (the CLI).
-    snapshot_interval: long prompts are snapshotted (and chunks end) at multiples of it.
-    cache_file / cache_fingerprint: the file tier (`runtime.engine.cache_file`), read at
-        construction and written at shutdown; cache_save_s: also written this often (0: not).
-    """
-
-    num_lanes: int = 1
-    max_context: int = 2048
-    prefill_chunk: int = 1024
-    max_waiting: int = 16
-    max_batched_tokens: Optional[int] = None
-    num_pages: Optional[int] = None
-    service_turn_tokens: int = 128
-    device_sampling: bool = True
-    speculative: SpeculativeConfig = SpeculativeConfig()
-    prefix_cache: bool = False
-    snapshot_slots: int = 0
-    host_cache_bytes: int = 0
-    snapshot_interval: int = 0
-    cache_file: Optional[str] = None
-    cache_fingerprint: str = ""
-    cache_save_s: float = 0.0
 
 
 class RequestStream:
@@ -152,15 +95,8 @@ class Engine:
             max_waiting=config.max_waiting, service_turn_tokens=config.service_turn_tokens,
             snapshot_interval=config.snapshot_interval,
             prefix_cache=prefix_cache_config(runner, config)))
-        self.cache_traffic = Traffic()
-        self._saved_at = time.monotonic()
-        if config.cache_file is not None and self.scheduler.cache is not None:
-            warn = logger.warning if logger is not None else (lambda message: None)
-            restored = load_cache_file(config.cache_file, config.cache_fingerprint,
-                                       self.scheduler.cache.cache, warn)
-            if logger is not None and restored:
-                logger.info("prefix cache: %d snapshots restored from %s", restored,
-                            config.cache_file)
+        # The prefix cache's file tier is read here, before the thread starts.
+        self.cache = EngineCache(runner, config, self.scheduler, logger)
         self._logger = logger
         self._on_thread_start = on_thread_start
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -171,16 +107,13 @@ class Engine:
         self._accepting = False
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
-        self._stopping = False
-        # One worker: masks of one step are computed in order, and never while the engine
-        # thread commits a token to the same constraint (it waits for the mask first).
-        self._mask_worker = ThreadPoolExecutor(max_workers=1,
-                                               thread_name_prefix="infernix-masks")
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "replayed_tokens": 0, "preemptions": 0, "finished": 0,
                          "errors": 0, "decode_batches": 0,
                          # speculative rounds (decode units with drafts), drafts verified, kept
                          "spec_rounds": 0, "spec_drafted_tokens": 0, "spec_accepted_tokens": 0}
+        self.steps = StepExecutor(runner, self.scheduler, self.speculation, self._live,
+                                  self.counters, config.device_sampling, self._failed, logger)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -200,7 +133,7 @@ class Engine:
         self._commands.put(("stop",))
         self._thread.join(timeout)
         self._thread = None
-        self._mask_worker.shutdown(wait=False, cancel_futures=True)
+        self.steps.close()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -274,14 +207,14 @@ class Engine:
                 self._on_thread_start()
             while True:
                 if self.config.cache_save_s:
-                    self._save_cache(periodic=True)
+                    self.cache.save(periodic=True)
                 if not self._drain_commands(block=not self.scheduler.has_work()):
                     break
                 if self.speculation is not None:
                     batch = self.scheduler.schedule(self.speculation.draft_room(self._live))
                 else:
                     batch = self.scheduler.schedule()
-                self._apply_cache_ops()
+                self.cache.apply_ops()
                 self._after_schedule(batch)
                 if not batch.is_empty:
                     self._execute(batch)
@@ -297,7 +230,7 @@ class Engine:
             return
         for live in list(self._live.values()):
             self._end(live, FinishReason.CANCELLED)
-        self._save_cache(periodic=False)
+        self.cache.save(periodic=False)
         self._close_commands(FinishReason.CANCELLED, None)
 
     def _close_commands(self, reason: FinishReason, error: Optional[str]) -> None:
@@ -343,11 +276,6 @@ class Engine:
         if self.speculation is not None:
             self.speculation.add(request.request_id, request.prompt_ids)
 
-    @staticmethod
-    def _with_media(unit, live: LiveRequest):
-        """A chunk or decode item with its request's media (the runner needs all of them)."""
-        return dataclasses.replace(unit, media=live.request.media) if live.request.media else unit
-
     def _after_schedule(self, batch: ScheduledBatch) -> None:
         now = time.perf_counter()
         for request_id in batch.admitted:
@@ -368,94 +296,14 @@ class Engine:
             if live is not None:
                 self._end(live, reason, in_scheduler=False)
 
-    def _start_masks(self, batch: ScheduledBatch) -> dict[str, Future]:
-        """Submit the constraint masks of every row this step samples to the mask worker."""
-        sampled = [w.request_id for w in batch.prefills if w.samples]
-        sampled += [w.request_id for w in batch.decodes]
-        futures = {}
-        for request_id in sampled:
-            constraint = self._live[request_id].request.constraint
-            if constraint is not None:
-                futures[request_id] = self._mask_worker.submit(constraint.allowed_bitmask_u32,
-                                                               self.runner.vocab_size)
-        return futures
-
     def _execute(self, batch: ScheduledBatch) -> None:
-        runner = self.runner
-        masks = self._start_masks(batch)
-        rows: dict[str, np.ndarray] = {}
-        sampled: dict[str, int] = {}
-        sampling_errors: dict[str, Exception] = {}
-        for work in batch.prefills:
-            live = self._live[work.request_id]
-            try:
-                if self.speculation is not None:
-                    self.speculation.catch_up(work.request_id, work.slot, work.start_pos,
-                                              work.page_table)
-                if work.reset_slot:
-                    runner.reset_slot(work.slot)
-                if work.samples and self._samples_on_device([work]):
-                    sampled[work.request_id] = int(runner.prefill_sampled(
-                        self._with_media(work.chunk(), live), lambda work=work: self._row_sampling([work], masks, sampling_errors))[0])
-                else:
-                    logits = runner.prefill(self._with_media(work.chunk(), live))
-                    if work.samples:
-                        rows[work.request_id] = logits[-1]
-            except Exception as exc:  # noqa: BLE001 - isolate this request
-                self._failed(live, "prefill", exc)
-                continue
-            self.counters["prefill_tokens"] += work.num_tokens
-            live.prefilled_tokens += work.num_tokens
-            if work.replay:
-                self.counters["replayed_tokens"] += work.num_tokens
-        # Rows under suspicion (their batch failed before) decode alone until one step works.
-        # Rows that need their logits on the host (logprobs) decode apart from the rest when the
-        # runner samples on its device: a row's forward pass does not depend on its batch, but
-        # its sampling would (host float64 vs device fp32 decide alike except within rounding
-        # of a threshold), so a request's draws never depend on whether a neighbour asks for
-        # logprobs (request invariance).
-        steady = [w for w in batch.decodes if not self._live[w.request_id].suspect]
-        device_capable = self.config.device_sampling and self.runner.samples_on_device
-        host = [w for w in steady if self._live[w.request_id].request.logprobs] if device_capable else []
-        groups = [[w for w in steady if w not in host], host]
-        groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
-        rounds: dict = {}
-        for group in groups:
-            if not group:
-                continue
-            if self.speculation is not None:
-                try:
-                    rounds.update(self.speculation.run(group, self._live, masks))
-                except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
-                    self._decode_failed(group, exc)
-                    continue
-                for work in group:
-                    self._live[work.request_id].suspect = False
-                self.counters["decode_tokens"] += len(group)
-                self.counters["decode_batches"] += 1
-                continue
-            items = [self._with_media(work.item(), self._live[work.request_id]) for work in group]
-            on_device = self._samples_on_device(group)
-            try:
-                if on_device:
-                    ids = runner.decode_sampled(
-                        items, lambda group=group: self._row_sampling(group, masks, sampling_errors),
-                        lookahead=self._same_decode_next(batch, groups))
-                else:
-                    logits = runner.decode(items)
-            except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
-                self._decode_failed(group, exc)
-                continue
-            for index, work in enumerate(group):
-                if on_device:
-                    sampled[work.request_id] = int(ids[index])
-                else:
-                    rows[work.request_id] = logits[index]
-                self._live[work.request_id].suspect = False
-            self.counters["decode_tokens"] += len(group)
-            self.counters["decode_batches"] += 1
-        self.counters["steps"] += 1
+        """Run the step's runner calls, then commit what they produced."""
+        self._commit(batch, self.steps.run(batch))
 
+    def _commit(self, batch: ScheduledBatch, computed: StepCompute) -> None:
+        """Sample the host rows, take the sampled ids and speculative rounds, hand the
+        committed tokens to the scheduler, and publish each request's increment."""
+        rows, sampled, masks = computed.logits, computed.sampled, computed.masks
         new_tokens: dict[str, tuple[int, ...]] = {}
         endings = []
         for request_id in [*rows, *sampled]:
@@ -463,8 +311,8 @@ class Engine:
             if live is None:
                 continue
             try:
-                if request_id in sampling_errors:
-                    raise sampling_errors[request_id]
+                if request_id in computed.sampling_errors:
+                    raise computed.sampling_errors[request_id]
                 if request_id in sampled:
                     result = live.step_sampled(sampled[request_id])
                 else:
@@ -475,9 +323,8 @@ class Engine:
             new_tokens[request_id] = result.token_ids
             endings.append((live, result))
         accepted = {}
-        for request_id, outcome in rounds.items():
+        for request_id, outcome in computed.rounds.items():
             live = self._live[request_id]
-            self._count_round(live, outcome)
             if outcome.error is not None:
                 self._end(live, FinishReason.ERROR, token_ids=outcome.result.token_ids,
                           inserted=outcome.result.inserted,
@@ -487,7 +334,7 @@ class Engine:
             new_tokens[request_id] = outcome.result.token_ids
             endings.append((live, outcome.result))
         self.scheduler.update(batch, new_tokens, accepted)
-        self._apply_cache_ops()
+        self.cache.apply_ops()
         if self.speculation is not None:
             self.speculation.after_update(batch, new_tokens, accepted)
         for record_id in list(self._live):
@@ -500,90 +347,6 @@ class Engine:
                           inserted=result.inserted, logprobs=result.logprobs)
             else:
                 self._publish(live, live.progress_output(result))
-
-    def _save_cache(self, periodic: bool) -> None:
-        """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
-        write. A failed write is logged; the cache keeps serving."""
-        cache = self.scheduler.cache
-        if self.config.cache_file is None or cache is None:
-            return
-        if periodic and not (self.config.cache_save_s
-                             and time.monotonic() - self._saved_at >= self.config.cache_save_s):
-            return
-        self._saved_at = time.monotonic()
-        try:
-            size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
-                                   cache.cache, self.runner)
-        except OSError as exc:
-            if self._logger is not None:
-                self._logger.warning("prefix cache file %s not written: %s",
-                                     self.config.cache_file, exc)
-            return
-        if self._logger is not None:
-            self._logger.info("prefix cache written to %s (%.1f MiB)", self.config.cache_file,
-                              size / (1 << 20))
-
-    def _apply_cache_ops(self) -> None:
-        """Run the prefix cache's queued copies (`runtime.engine.cache_ops`), in order."""
-        if self.scheduler.cache is not None:
-            apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.cache_traffic)
-
-    def _count_round(self, live: LiveRequest, outcome) -> None:
-        if outcome.drafted:
-            live.spec_rounds += 1
-            live.drafted_tokens += outcome.drafted
-            live.accepted_tokens += outcome.accepted
-            self.counters["spec_rounds"] += 1
-            self.counters["spec_drafted_tokens"] += outcome.drafted
-            self.counters["spec_accepted_tokens"] += outcome.accepted
-
-    def _samples_on_device(self, group: list) -> bool:
-        """Whether the runner samples these rows itself (only ids come back): it can, the engine
-        allows it, and no row asks for logprobs (those need the logits on the host)."""
-        return (self.config.device_sampling and self.runner.samples_on_device
-                and not any(self._live[w.request_id].request.logprobs for w in group))
-
-    def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
-        """Whether the next step will most likely decode exactly this step's rows again (then the
-        runner may compute it ahead): a pure decode step of one group, nobody waiting for a lane,
-        and no row at its output or context limit after this token."""
-        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting:
-            return False
-        return all(self._live[work.request_id].limit_reason(extra=1) is None for work in batch.decodes)
-
-    def _row_sampling(self, group: list, masks: dict[str, Future],
-                      errors: dict[str, Exception]) -> list[RowSampling]:
-        """The group's device-sampling inputs. The runner calls this once the forward pass is
-        queued, so waiting for the constraint masks here overlaps the GPU. A row whose mask
-        failed samples unconstrained and greedy; its request then ends with the error."""
-        vocab = self.runner.vocab_size
-        out = []
-        for work in group:
-            live = self._live[work.request_id]
-            try:
-                future = masks.get(work.request_id)
-                out.append(live.sampler.row_sampling(vocab, future.result() if future else None))
-            except Exception as exc:  # noqa: BLE001 - this request's constraint failed
-                errors[work.request_id] = exc
-                out.append(RowSampling(greedy=True))
-        return out
-
-    def _decode_failed(self, group: list, exc: Exception) -> None:
-        """A decode call failed. Alone, its row is the culprit: end it. In a batch, nobody knows
-        which row broke it, and any row's state may be half-written: pause every member so it
-        is rebuilt by replaying its committed tokens, and decode it alone next time."""
-        if len(group) == 1:
-            live = self._live[group[0].request_id]
-            self._failed(live, "decode", exc)
-            return
-        if self._logger is not None:
-            self._logger.warning("batched decode of %d rows failed (%s); replaying them",
-                                 len(group), exc)
-        for work in group:
-            live = self._live[work.request_id]
-            live.suspect = True
-            self.scheduler.preempt(work.request_id)
-            live.preemptions += 1
 
     # --- outputs ----------------------------------------------------------------------------
 
@@ -619,7 +382,7 @@ class Engine:
         if in_scheduler:
             # A failed call may have left its lane half-written: no snapshot of it.
             self.scheduler.finish(live.request_id, keep_state=reason is not FinishReason.ERROR)
-            self._apply_cache_ops()
+            self.cache.apply_ops()
         if self.speculation is not None:
             self.speculation.remove(live.request_id)
         self._live.pop(live.request_id, None)
@@ -645,34 +408,6 @@ class Engine:
             "kv_pages_free": scheduler.pages.num_free,
             "lanes": scheduler.config.num_lanes,
             **dict(self.counters),
-            **self._cache_snapshot(),
+            **self.cache.metrics(),
         }
 
-    def _cache_snapshot(self) -> dict:
-        cache = self.scheduler.cache
-        if cache is None:
-            return {}
-        traffic = self.cache_traffic
-        # Counters end in _total (they only grow), the rest are gauges (/metrics names).
-        return {**{f"prefix_cache_{k}_total": v for k, v in cache.cache.stats.items()},
-                "prefix_cache_block_evictions_total": self.scheduler.pages.evictions,
-                "prefix_cache_host_to_device_bytes_total": traffic.host_to_device_bytes,
-                "prefix_cache_device_to_host_bytes_total": traffic.device_to_host_bytes,
-                "prefix_cache_slot_copies_total": traffic.device_copies,
-                "prefix_cache_cached_pages": self.scheduler.pages.num_cached,
-                "prefix_cache_device_snapshots": cache.cache.device_snapshots,
-                "prefix_cache_host_bytes": cache.cache.host_used}
-
-
-def prefix_cache_config(runner: ModelRunner, config: EngineConfig) -> Optional[PrefixCacheConfig]:
-    """The prefix cache's capacities, or None when the config asks for no cache at all."""
-    if not (config.prefix_cache or config.snapshot_slots or config.host_cache_bytes):
-        return None
-    first = SlotLayout.for_config(config.num_lanes, config.speculative).first_spare
-    if first + config.snapshot_slots > runner.num_slots:
-        raise ValueError(f"the runner has {runner.num_slots} state slots; lanes and speculative "
-                         f"snapshots take {first}, {config.snapshot_slots} snapshot slots asked")
-    return PrefixCacheConfig(reuse=config.prefix_cache,
-                             snapshot_slots=tuple(range(first, first + config.snapshot_slots)),
-                             host_bytes=config.host_cache_bytes, slot_nbytes=runner.slot_nbytes,
-                             page_nbytes=runner.page_nbytes)

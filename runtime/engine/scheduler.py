@@ -13,21 +13,17 @@ Rules, in the order `schedule()` applies them:
    is free and the pool has the pages of its whole prompt and a first output token on top of
    what the running sequences need to finish theirs (a pool that cannot hold a request for a
    useful turn does not take it in, so nobody pauses for it at once); a blocked head is never
-   overtaken. A preempted sequence goes
-   back to the front of the queue (ahead of fresh requests) and resumes only when its whole
-   replay fits.
+   overtaken. A preempted sequence goes back to the front of the queue (ahead of fresh
+   requests) and resumes only when its whole replay fits.
    Bounded service turns under KV pressure: when the head is blocked by pages (not by lanes),
    running sequences that have produced `service_turn_tokens` new tokens since they were last
    admitted give way: enough of them are paused (longest-served first) for the head's whole
    sequence to fit, and they queue behind the other paused sequences. Sequences in contention
    therefore take turns (each turn: the replay that recovers its state, then a bounded amount of
    new output) instead of the oldest holding the pool until it finishes.
-2. Every running sequence with one pending token decodes this step. Prefill chunks share the
-   rest of the step's token budget in rotation: the sequence served longest ago goes first, so
-   chunk boundaries are turns and a long prompt cannot silence a short one, nor stop other
-   sequences from decoding. Chunks lie on an absolute grid (each ends at the next multiple of
-   `prefill_chunk` or at the end of the input) and are never cut to fit the budget: one that
-   does not fit waits for the next step, so a sequence's chunks never depend on its neighbours.
+2. Every running sequence with one pending token decodes this step; prefill chunks share the
+   rest of the step's token budget in rotation, on an absolute grid, never cut to fit
+   (`step_plan.py`, which holds the rule in full).
 3. Pages are taken per unit in arrival order (oldest first). When the pool runs dry the
    youngest running sequence is preempted: its pages and lane are freed and it will replay its
    committed tokens (no token is resampled or republished; the engine keeps its sampler state).
@@ -42,193 +38,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
 from runtime.engine.api import FinishReason, RequestRejected
 from runtime.engine.kv_blocks import BlockManager, pages_for
 from runtime.engine.kv_pages import StateSlots
-from runtime.engine.prefix_cache import PrefixCacheConfig
-from runtime.engine.sequence_cache import SequenceCache, is_stop, next_stop
-from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Capacities fixed at startup.
-
-    num_lanes: sequences resident at once (1..8); each holds one state slot.
-    num_pages: KV pages in the shared pool (64 tokens each).
-    max_context: most tokens (prompt + output) of one sequence.
-    prefill_chunk: most tokens of one prefill chunk.
-    max_batched_tokens: most tokens computed in one step (decode items count one each);
-        None = prefill_chunk + num_lanes (the least allowed: a whole chunk always fits beside
-        the other lanes' decode rows).
-    max_waiting: bound of the admission queue (requests not yet holding a lane, preempted ones
-        excluded: they were admitted once and must come back).
-    service_turn_tokens: new output tokens a sequence may produce, under KV contention, before
-        it gives way to a sequence blocked by pages (bounded service turns).
-    snapshot_interval: prefill chunks also end at multiples of this (0 = not), and there the
-        prefix cache snapshots long prompts; the same with the cache on or off, so a request's
-        chunks never depend on the cache.
-    prefix_cache: the prefix cache's capacities (None: no cache, preemption replays).
-    """
-
-    num_lanes: int
-    num_pages: int
-    max_context: int
-    prefill_chunk: int = 1024
-    max_batched_tokens: Optional[int] = None
-    max_waiting: int = 16
-    service_turn_tokens: int = 128
-    snapshot_interval: int = 0
-    prefix_cache: Optional[PrefixCacheConfig] = None
-
-    def __post_init__(self):
-        if not 1 <= self.num_lanes <= 8:
-            raise ValueError(f"num_lanes must be in 1..8, got {self.num_lanes}")
-        if self.num_pages < 1 or self.max_context < 2 or self.prefill_chunk < 1:
-            raise ValueError(f"invalid scheduler capacities: {self}")
-        if self.max_batched_tokens is not None \
-                and self.max_batched_tokens < self.prefill_chunk + self.num_lanes:
-            # Chunks are never cut to the budget (`Scheduler._next_chunk`): a whole one must fit
-            # beside a decode row of every other lane.
-            raise ValueError("max_batched_tokens must be at least prefill_chunk + num_lanes")
-        if self.max_waiting < 0 or self.service_turn_tokens < 1:
-            raise ValueError("max_waiting must be >= 0 and service_turn_tokens >= 1")
-
-    @property
-    def token_budget(self) -> int:
-        if self.max_batched_tokens is not None:
-            return self.max_batched_tokens
-        return self.prefill_chunk + self.num_lanes
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"    # queued, never run
-    RUNNING = "running"    # holds a lane and pages
-    PAUSED = "paused"      # preempted: queued again, will replay its committed tokens
-
-
-@dataclass
-class SequenceRecord:
-    """The scheduler's view of one request (mutable; owned by the scheduler)."""
-
-    request_id: str
-    ticket: int                       # arrival order; smaller = older
-    prompt_len: int
-    token_ids: list[int]              # prompt + committed output
-    status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0             # tokens whose KV / state the model holds
-    page_table: list[int] = field(default_factory=list)
-    slot: Optional[int] = None
-    last_prefill_step: int = -1       # for prefill rotation
-    high_water: int = 0               # most tokens ever computed (replay accounting)
-    preemptions: int = 0
-    replayed_tokens: int = 0
-    turn_start_output: int = 0        # num_output when its current service turn began
-    turn_start_step: int = 0
-    snapshot_positions: tuple[int, ...] = ()   # the request's snapshot hints (chunk ends)
-    cacheable: bool = True      # False (a prompt with media): never matched, published or kept
-    block_digests: list[bytes] = field(default_factory=list)  # hashes of its full blocks
-    cached_tokens: Optional[int] = None   # prompt tokens its first admission resumed past
-    resume_path: str = "cold"         # how it last started: cold, prefix, snapshot or replay
-
-    @property
-    def turn_output(self) -> int:
-        """New tokens produced in the current service turn."""
-        return self.num_output - self.turn_start_output
-
-    @property
-    def pending(self) -> int:
-        """Committed tokens not computed yet (>= 1 for a running sequence)."""
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-
-@dataclass(frozen=True)
-class PrefillWork:
-    """A chunk of one sequence: tokens `start_pos .. start_pos + len(token_ids) - 1`.
-
-    reset_slot: the sequence starts from position 0 in a (re)acquired lane; the runner must
-        `reset_slot(slot)` first.
-    samples: the chunk reaches the last committed token, so its last logits give the next token.
-    replay: the chunk recomputes tokens computed before a preemption.
-    """
-
-    request_id: str
-    slot: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-    page_table: tuple[int, ...]
-    reset_slot: bool
-    samples: bool
-    replay: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def chunk(self) -> PrefillChunk:
-        return PrefillChunk(slot=self.slot, token_ids=self.token_ids, start_pos=self.start_pos,
-                            page_table=self.page_table, all_logits=False)
-
-
-@dataclass(frozen=True)
-class DecodeWork:
-    """One sequence's last committed token at position `pos`; always samples the next one.
-
-    draft_room: draft tokens this unit may verify beside it (speculative decoding,
-        `runtime.engine.speculative`): the page table covers positions pos .. pos + draft_room.
-    """
-
-    request_id: str
-    slot: int
-    token_id: int
-    pos: int
-    page_table: tuple[int, ...]
-    draft_room: int = 0
-
-    def item(self) -> DecodeItem:
-        return DecodeItem(slot=self.slot, token_id=self.token_id, pos=self.pos,
-                          page_table=self.page_table)
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """What one engine step computes.
-
-    decodes: one-token items, batched in one runner call.
-    prefills: chunks, one runner call each, in this order.
-    preempted: sequences paused this step (they replay later; their output is kept).
-    admitted: sequences that took a lane this step (fresh or resumed).
-    failed: (request_id, reason) for sequences ended by the scheduler itself: CONTEXT when a
-        sequence cannot get pages even alone. They are already removed.
-    """
-
-    step: int
-    decodes: tuple[DecodeWork, ...] = ()
-    prefills: tuple[PrefillWork, ...] = ()
-    preempted: tuple[str, ...] = ()
-    admitted: tuple[str, ...] = ()
-    failed: tuple[tuple[str, FinishReason], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(p.num_tokens for p in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-    def sampling_requests(self) -> list[str]:
-        """Requests whose next token is sampled from this step's logits."""
-        return [d.request_id for d in self.decodes] + [
-            p.request_id for p in self.prefills if p.samples]
+from runtime.engine.scheduler_records import (DecodeWork, PrefillWork, ScheduledBatch,
+                                              SchedulerConfig, SeqStatus, SequenceRecord)
+from runtime.engine.sequence_cache import SequenceCache
+from runtime.engine.step_plan import next_unit_pages, plan_tokens
+from runtime.model.runner import PAGE_SIZE
 
 
 class Scheduler:
@@ -353,20 +172,7 @@ class Scheduler:
         preempted: list[str] = list(self._rotated)
 
         # Plan: every one-pending sequence decodes; chunks share the rest of the budget.
-        plan: dict[str, int] = {}
-        assert all(s.pending > 0 for s in self._running), "a running sequence has no input"
-        decoding = [s for s in self._running if s.pending == 1 and s.num_computed > 0]
-        for seq in decoding:
-            plan[seq.request_id] = 1
-        budget = self.config.token_budget - len(decoding)
-        prefilling = sorted((s for s in self._running if s.request_id not in plan),
-                            key=lambda s: (s.last_prefill_step, s.ticket))
-        for seq in prefilling:
-            count = self._next_chunk(seq)
-            if count > budget:
-                continue                  # the whole chunk next step, never a budget-sized one
-            plan[seq.request_id] = count
-            budget -= count
+        plan = plan_tokens(self._running, self.config)
 
         # Allocate pages oldest first, preempting the youngest on shortage.
         decodes: list[DecodeWork] = []
@@ -454,20 +260,7 @@ class Scheduler:
                 raise AssertionError(f"{request_id} got tokens but did not sample this step")
             seq.token_ids.extend(tokens)
         if self.cache is not None:
-            self._after_step(batch)
-
-    def _after_step(self, batch: ScheduledBatch) -> None:
-        """Publish what the step completed; snapshot prompt chunks that end at a stop."""
-        for work in (*batch.decodes, *batch.prefills):
-            seq = self._seqs.get(work.request_id)
-            if seq is not None and seq.status is SeqStatus.RUNNING:
-                self.cache.publish(seq)
-        for work in batch.prefills:
-            seq = self._seqs.get(work.request_id)
-            end = work.start_pos + work.num_tokens
-            if seq is not None and seq.status is SeqStatus.RUNNING and not work.replay \
-                    and is_stop(seq, end, self.cache.interval):
-                self.cache.capture(seq, end)
+            self.cache.after_step(batch, self._seqs)
 
     # --- internals --------------------------------------------------------------------------
 
@@ -488,29 +281,12 @@ class Scheduler:
         seq.page_table.extend(self.pages.allocate(need, seq.request_id))
         return dataclasses.replace(work, page_table=tuple(seq.page_table), draft_room=room)
 
-    def _next_chunk(self, seq: SequenceRecord) -> int:
-        """Tokens of the sequence's next prefill chunk. The chunk grid is absolute: a chunk ends
-        at the next multiple of `prefill_chunk` or at the end of the input, so how a sequence is
-        cut into chunks depends on its own positions only, never on what else runs this step.
-        That keeps its arithmetic request-invariant (the runner's GDN chunk walk and its GEMM /
-        GEMV choice see the same pieces alone or batched) and lets a cached prefix resume on the
-        same grid a cold run uses (docs/architecture.md, request invariance)."""
-        grid = self.config.prefill_chunk
-        count = min(seq.pending, grid - seq.num_computed % grid)
-        # Snapshot stops (hints, multiples of snapshot_interval) are chunk ends too.
-        stop = next_stop(seq, seq.num_computed, self.config.snapshot_interval)
-        return count if stop is None else min(count, stop - seq.num_computed)
-
     def _prompt_room(self, seq: SequenceRecord) -> int:
         """Pages a running sequence still needs to finish what it holds (its prompt or replay)
         and one more token: admission keeps them free, so an admitted sequence is never
         paused for a newcomer before its first turn."""
-        return max(self._next_unit_pages(seq),
+        return max(next_unit_pages(seq, self.config),
                    pages_for(len(seq.token_ids) + 1) - len(seq.page_table))
-
-    def _next_unit_pages(self, seq: SequenceRecord) -> int:
-        count = 1 if seq.pending == 1 and seq.num_computed > 0 else self._next_chunk(seq)
-        return max(0, pages_for(seq.num_computed + count) - len(seq.page_table))
 
     def _admit(self, failed: list[tuple[str, FinishReason]]) -> list[str]:
         admitted = []
@@ -554,14 +330,8 @@ class Scheduler:
         """Where an admitted sequence starts: the deepest snapshot the cache has for it (the
         match is redone: pausing turn-expired sequences may have moved cache entries), else
         position 0 (cold, or a replay of a paused sequence)."""
-        entry = self.cache.match(seq) if self.cache is not None else None
-        if entry is not None and self.cache.cache.resume_cost(entry) <= self.pages.num_free:
-            self.cache.resume(seq, entry)
+        if self.cache is not None and self.cache.start(seq, was_paused, self.pages.num_free):
             return
-        if self.cache is not None:
-            self.cache.cache.drop_private(seq.request_id)
-            if not was_paused and self.cache.cache.config.reuse:
-                self.cache.cache.stats["misses"] += 1
         seq.resume_path = "replay" if was_paused else "cold"
         if seq.cached_tokens is None:
             seq.cached_tokens = 0
@@ -583,12 +353,12 @@ class Scheduler:
         free = self.pages.num_free
         for seq in expired:
             staying = [s for s in self._running if s not in victims]
-            if need + sum(self._next_unit_pages(s) for s in staying) <= free:
+            if need + sum(next_unit_pages(s, self.config) for s in staying) <= free:
                 break
             victims.append(seq)
             free += self._freed_by(seq)
         staying = [s for s in self._running if s not in victims]
-        if need + sum(self._next_unit_pages(s) for s in staying) > free:
+        if need + sum(next_unit_pages(s, self.config) for s in staying) > free:
             return False                     # even all expired turns would not make room
         for seq in victims:
             self._preempt(seq, rotation=True)

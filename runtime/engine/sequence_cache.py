@@ -1,37 +1,35 @@
 """What the scheduler does with the prefix cache for one sequence, in one place.
 
-The scheduler calls these at five points of a sequence's life:
+The scheduler calls these at four points of a sequence's life:
 
-- admission (`match` + `resume`): a fresh prompt resumes from the deepest cached snapshot of a
-  prefix, a paused sequence from its own pause point; the sequence's page table starts with the
-  mapped blocks and `num_computed` at the snapshot's position;
-- after each step (`publish`): every block the sequence has now computed in full is published
-  under its chain hash, so later prompts can map it;
-- at snapshot stops (`capture`): the state after a prompt chunk that ends at the prompt's end, a
-  `snapshot_positions` hint or a multiple of `snapshot_interval` is kept;
+- admission (`match` + `resume_need`, then `start`): a fresh prompt resumes from the deepest
+  cached snapshot of a prefix, a paused sequence from its own pause point; the sequence's page
+  table starts with the mapped blocks and `num_computed` at the snapshot's position;
+- after each step (`after_step`): every block the sequence has now computed in full is
+  published under its chain hash (`publish`), so later prompts can map it; and at snapshot
+  stops the state after a prompt chunk that ends at the prompt's end, a `snapshot_positions`
+  hint or a multiple of `snapshot_interval` is kept (`capture`);
 - at the end (`finish`): the state after the last computed token (the last sampled token is
   never computed) is kept, so the next turn of a conversation resumes there;
 - when preempted (`pause`): its state and partial block are kept as a private resume point,
   so it resumes without recomputation (replay only when there is no room).
 
-Stop positions are a function of the request alone (`snapshot_stops`), and the scheduler ends
-prefill chunks on them whether the cache is on or off, so a request is cut into the same chunks
-cold, warm, alone or beside others.
+Stop positions are a function of the request alone (`next_stop`, `is_stop`), and the scheduler
+ends prefill chunks on them whether the cache is on or off, so a request is cut into the same
+chunks cold, warm, alone or beside others.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Mapping, Optional
 
 from runtime.engine.kv_blocks import BlockManager, chain_hash, pages_for
 from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig, Snapshot
+from runtime.engine.scheduler_records import ScheduledBatch, SeqStatus, SequenceRecord
 from runtime.model.runner import PAGE_SIZE
 
-if TYPE_CHECKING:
-    from runtime.engine.scheduler import SequenceRecord
 
-
-def next_stop(seq: "SequenceRecord", position: int, interval: int) -> Optional[int]:
+def next_stop(seq: SequenceRecord, position: int, interval: int) -> Optional[int]:
     """The first snapshot stop after `position` inside the prompt (hints and multiples of
     `interval`, 0 = none), or None. The prompt's end is a chunk end anyway."""
     stops = [p for p in seq.snapshot_positions if position < p < seq.prompt_len]
@@ -42,7 +40,7 @@ def next_stop(seq: "SequenceRecord", position: int, interval: int) -> Optional[i
     return min(stops) if stops else None
 
 
-def is_stop(seq: "SequenceRecord", position: int, interval: int) -> bool:
+def is_stop(seq: SequenceRecord, position: int, interval: int) -> bool:
     """Whether the state after `position` prompt tokens is worth a snapshot."""
     return position == seq.prompt_len or position in seq.snapshot_positions or (
         interval > 0 and position % interval == 0 and position < seq.prompt_len)
@@ -56,18 +54,18 @@ class SequenceCache:
         self.blocks = blocks
         self.interval = interval
 
-    def match(self, seq: "SequenceRecord") -> Optional[Snapshot]:
+    def match(self, seq: SequenceRecord) -> Optional[Snapshot]:
         if not seq.cacheable:
             return None
         return self.cache.match(seq.token_ids, seq.request_id)
 
-    def resume_need(self, seq: "SequenceRecord", entry: Snapshot) -> int:
+    def resume_need(self, seq: SequenceRecord, entry: Snapshot) -> int:
         """Pages a resume takes from the pool, room for its pending tokens and one more
         included (admission must not take in a sequence it would have to pause at once)."""
         return self.cache.resume_cost(entry) + max(
             0, pages_for(len(seq.token_ids) + 1) - pages_for(entry.position))
 
-    def resume(self, seq: "SequenceRecord", entry: Snapshot) -> None:
+    def resume(self, seq: SequenceRecord, entry: Snapshot) -> None:
         """Start `seq` (holding a lane, no pages) at `entry`."""
         first = seq.cached_tokens is None
         seq.resume_path = "snapshot" if entry.owner is not None else "prefix"
@@ -77,7 +75,35 @@ class SequenceCache:
         if first:
             seq.cached_tokens = entry.position
 
-    def publish(self, seq: "SequenceRecord") -> None:
+    def start(self, seq: SequenceRecord, was_paused: bool, free_pages: int) -> bool:
+        """Resume an admitted `seq` at the deepest snapshot the cache has for it when its
+        pages fit in `free_pages` (the match is redone: pausing turn-expired sequences may
+        have moved cache entries). False when it starts at position 0 instead: its private
+        resume point is dropped, and a fresh prompt counts as a miss."""
+        entry = self.match(seq)
+        if entry is not None and self.cache.resume_cost(entry) <= free_pages:
+            self.resume(seq, entry)
+            return True
+        self.cache.drop_private(seq.request_id)
+        if not was_paused and self.cache.config.reuse:
+            self.cache.stats["misses"] += 1
+        return False
+
+    def after_step(self, batch: ScheduledBatch, seqs: Mapping[str, SequenceRecord]) -> None:
+        """Publish what the step completed; snapshot prompt chunks that end at a stop.
+        seqs: the scheduler's records (sequences finished since the schedule are gone)."""
+        for work in (*batch.decodes, *batch.prefills):
+            seq = seqs.get(work.request_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                self.publish(seq)
+        for work in batch.prefills:
+            seq = seqs.get(work.request_id)
+            end = work.start_pos + work.num_tokens
+            if seq is not None and seq.status is SeqStatus.RUNNING and not work.replay \
+                    and is_stop(seq, end, self.interval):
+                self.capture(seq, end)
+
+    def publish(self, seq: SequenceRecord) -> None:
         """Publish the blocks `seq` has computed in full since the last call."""
         if not seq.cacheable:
             return
@@ -91,13 +117,13 @@ class SequenceCache:
             # one stays private to `seq` (its KV is its own computation: request invariance).
             self.blocks.publish(seq.page_table[index], digest)
 
-    def capture(self, seq: "SequenceRecord", position: int) -> None:
+    def capture(self, seq: SequenceRecord, position: int) -> None:
         if self.cache.config.reuse and seq.cacheable:
             self._republish(seq, position)
             self.cache.capture(seq.token_ids, position, seq.block_digests, seq.page_table,
                                seq.slot)
 
-    def _republish(self, seq: "SequenceRecord", position: int) -> None:
+    def _republish(self, seq: SequenceRecord, position: int) -> None:
         """Make every block a snapshot at `position` needs findable again: a block whose
         canonical page was evicted while `seq` kept its own copy is published from that copy
         (a snapshot never depends on content that no page or host copy holds)."""
@@ -105,13 +131,13 @@ class SequenceCache:
             if self.blocks.lookup(digest) is None:
                 self.blocks.publish(seq.page_table[index], digest)
 
-    def finish(self, seq: "SequenceRecord", keep_state: bool) -> None:
+    def finish(self, seq: SequenceRecord, keep_state: bool) -> None:
         """A running sequence ends: keep its endpoint (when its state is sound)."""
         if keep_state and seq.num_computed > 0:
             self.publish(seq)
             self.capture(seq, seq.num_computed)
 
-    def pause(self, seq: "SequenceRecord") -> bool:
+    def pause(self, seq: SequenceRecord) -> bool:
         """Keep a preempted sequence's state; False when it must replay instead."""
         if seq.num_computed == 0 or not seq.cacheable:
             return False

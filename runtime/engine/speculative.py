@@ -44,7 +44,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from runtime.engine.request_state import LiveRequest, StepResult
-from runtime.engine.scheduler import DecodeWork, ScheduledBatch
+from runtime.engine.scheduler_records import DecodeWork, ScheduledBatch
 from runtime.model.runner import ModelRunner, MtpRow, StepRow
 
 MAX_MTP_DRAFTS = 5        # Qwen3.5/3.6 MTP heads: 1..5 drafts per round (seed 000)

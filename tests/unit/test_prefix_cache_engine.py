@@ -251,7 +251,7 @@ def test_blocks_evicted_to_the_host_tier_come_back_for_a_resume(make_runner):
         run(engine, "b", other, 4)
         ids, final = run(engine, "c", follow, 4)
         stats = dict(engine.scheduler.cache.cache.stats)
-        traffic = engine.cache_traffic
+        traffic = engine.cache.traffic
     with Engine(make_runner(), config()) as cold:
         assert ids == run(cold, "c", follow, 4)[0]
     assert final.cached_prompt_tokens == 300 and final.stats.resume_path == "prefix"

@@ -1,0 +1,100 @@
+"""The engine thread's side of the prefix cache: its capacities from `EngineConfig`, the file
+tier (`runtime.engine.cache_file`: read at construction, written at shutdown and every
+`cache_save_s`), the storage operations it queues (`runtime.engine.cache_ops`: run on the
+runner, in order) and its /metrics numbers.
+
+The scheduler owns the cache's bookkeeping (`Scheduler.cache`, a `SequenceCache`); the engine
+reaches the runner side of it only through `EngineCache`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from runtime.engine.cache_file import load_cache_file, save_cache_file
+from runtime.engine.cache_ops import Traffic, apply_ops
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.prefix_cache import PrefixCacheConfig
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.speculative import SlotLayout
+from runtime.model.runner import ModelRunner
+
+
+def prefix_cache_config(runner: ModelRunner, config: EngineConfig) -> Optional[PrefixCacheConfig]:
+    """The prefix cache's capacities, or None when the config asks for no cache at all."""
+    if not (config.prefix_cache or config.snapshot_slots or config.host_cache_bytes):
+        return None
+    first = SlotLayout.for_config(config.num_lanes, config.speculative).first_spare
+    if first + config.snapshot_slots > runner.num_slots:
+        raise ValueError(f"the runner has {runner.num_slots} state slots; lanes and speculative "
+                         f"snapshots take {first}, {config.snapshot_slots} snapshot slots asked")
+    return PrefixCacheConfig(reuse=config.prefix_cache,
+                             snapshot_slots=tuple(range(first, first + config.snapshot_slots)),
+                             host_bytes=config.host_cache_bytes, slot_nbytes=runner.slot_nbytes,
+                             page_nbytes=runner.page_nbytes)
+
+
+class EngineCache:
+    """The prefix cache's storage work on the engine thread; each call does nothing when the
+    scheduler has no cache."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, scheduler: Scheduler,
+                 logger=None):
+        self.runner = runner
+        self.config = config
+        self.scheduler = scheduler
+        self.traffic = Traffic()
+        self._logger = logger
+        self._saved_at = time.monotonic()
+        if config.cache_file is not None and scheduler.cache is not None:
+            warn = logger.warning if logger is not None else (lambda message: None)
+            restored = load_cache_file(config.cache_file, config.cache_fingerprint,
+                                       scheduler.cache.cache, warn)
+            if logger is not None and restored:
+                logger.info("prefix cache: %d snapshots restored from %s", restored,
+                            config.cache_file)
+
+    def apply_ops(self) -> None:
+        """Run the prefix cache's queued copies (`runtime.engine.cache_ops`), in order."""
+        if self.scheduler.cache is not None:
+            apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.traffic)
+
+    def save(self, periodic: bool) -> None:
+        """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
+        write. A failed write is logged; the cache keeps serving."""
+        cache = self.scheduler.cache
+        if self.config.cache_file is None or cache is None:
+            return
+        if periodic and not (self.config.cache_save_s
+                             and time.monotonic() - self._saved_at >= self.config.cache_save_s):
+            return
+        self._saved_at = time.monotonic()
+        try:
+            size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
+                                   cache.cache, self.runner)
+        except OSError as exc:
+            if self._logger is not None:
+                self._logger.warning("prefix cache file %s not written: %s",
+                                     self.config.cache_file, exc)
+            return
+        if self._logger is not None:
+            self._logger.info("prefix cache written to %s (%.1f MiB)", self.config.cache_file,
+                              size / (1 << 20))
+
+    def metrics(self) -> dict:
+        """The cache's part of `Engine.snapshot()` (empty without a cache)."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return {}
+        pages = self.scheduler.pages
+        traffic = self.traffic
+        # Counters end in _total (they only grow), the rest are gauges (/metrics names).
+        return {**{f"prefix_cache_{k}_total": v for k, v in cache.cache.stats.items()},
+                "prefix_cache_block_evictions_total": pages.evictions,
+                "prefix_cache_host_to_device_bytes_total": traffic.host_to_device_bytes,
+                "prefix_cache_device_to_host_bytes_total": traffic.device_to_host_bytes,
+                "prefix_cache_slot_copies_total": traffic.device_copies,
+                "prefix_cache_cached_pages": pages.num_cached,
+                "prefix_cache_device_snapshots": cache.cache.device_snapshots,
+                "prefix_cache_host_bytes": cache.cache.host_used}
