@@ -1,7 +1,9 @@
 """`NumpyRunner`: the exact NumPy forward pass behind the `ModelRunner` protocol.
 
 It is the oracle for the CUDA kernels and the `--device cpu` backend for tiny models. The maths
-lives in `reference_layers`; this module owns storage and the batch layout:
+lives in `reference_layers`, the batch layout (page tables to KV rows, masks, RoPE angles) in
+`numpy_batch`, the MTP drafting loop and its kept hidden states in `numpy_mtp`; this module owns
+storage, the host copies, the step contract and the forward pass:
 
 - recurrent states `[linear layers, slots, Hv, dk, dv]` and conv windows
   `[linear layers, slots, Kc-1, conv_dim]` (the last Kc-1 pre-conv `[q|k|v]` inputs);
@@ -21,14 +23,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from runtime.model import mrope
 from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, Media, MtpRow, PrefillChunk,
+from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_start_pos
+from runtime.model.numpy_mtp import MtpDrafter
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
                                   StepRow, checked_page_table, checked_rows, checked_tokens)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
-from runtime.model.weights import (AttentionWeights, GdnWeights, LayerWeights, MoeWeights,
-                                   bind_mtp, bind_text)
+from runtime.model.weights import (AttentionWeights, ComponentTensors, GdnWeights, LayerWeights,
+                                   MoeWeights, bind_mtp, bind_text)
 
 
 @dataclass(frozen=True)
@@ -42,20 +45,6 @@ class StepOutput:
 
     logits: np.ndarray
     hidden: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Where B sequences of T new tokens each read and write state (T = 1 for decode)."""
-
-    slots: np.ndarray        # [B] state slots
-    positions: np.ndarray    # [B, T] token positions
-    write_rows: np.ndarray   # [B, T] flat KV row (page * PAGE_SIZE + offset) of each new token
-    read_rows: np.ndarray    # [B, S] flat KV rows of positions 0..S-1 (padding rows are masked)
-    visible: np.ndarray      # [B, T, S] causal mask
-    cos: np.ndarray          # [B, T, rotary_dim/2]
-    sin: np.ndarray
-    media: tuple[Media, ...] = ()   # [B] each row's sequence media (empty tuples: text only)
 
 
 class NumpyRunner:
@@ -98,12 +87,16 @@ class NumpyRunner:
         self.text = bind_text(config, weights, self.dtype, vocab_rows)
         self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
         self.mtp_layers = len(self.mtp.layers) if self.mtp is not None else 0
-        # With MTP loaded: slot -> (first position, final-normed hidden states [n, H]) of the
-        # slot's latest prefill / decode / step row, read by `mtp_draft` (the protocol's rule).
-        self._kept_hidden: dict[int, tuple[int, np.ndarray]] = {}
+        # With MTP loaded: each slot's latest row's hidden states, read by `mtp_draft`.
+        self.drafter = (MtpDrafter(self.mtp_prefill, self.mtp_decode, vocab_size=self.vocab_size,
+                                   num_pages=self.num_pages)
+                        if self.mtp is not None else None)
         if vision is not None and config.mrope_section is None:
             raise ValueError("a vision tower needs a text config with MRoPE (mrope_section)")
         self.vision = MediaEmbedder(vision) if vision is not None else None
+        self.layout = BatchLayout(
+            config, num_pages=self.num_pages, num_slots=self.num_slots, dtype=self.dtype,
+            spatial_merge_size=vision.config.spatial_merge_size if vision is not None else None)
 
         # Compact state indices: the n-th linear layer owns recurrent/conv state n, the n-th
         # attention layer owns KV array n; MTP layers follow the main attention layers.
@@ -143,14 +136,14 @@ class NumpyRunner:
         try:
             text = artifact.component("text")
             config = ModelConfig.from_dict(text.config)
-            mtp_weights = _ComponentTensors(artifact.component("mtp")) if mtp else None
+            mtp_weights = ComponentTensors(artifact.component("mtp")) if mtp else None
             tower = None
             if vision:
                 component = artifact.component("vision")
                 tower = VisionTower(VisionConfig.from_dict(component.config),
-                                    _ComponentTensors(component), dtype)
+                                    ComponentTensors(component), dtype)
             # The runner keeps its own arrays (dequantized copies), so the file can close.
-            return cls(config, _ComponentTensors(text), num_pages=num_pages,
+            return cls(config, ComponentTensors(text), num_pages=num_pages,
                        num_slots=num_slots, dtype=dtype, mtp_weights=mtp_weights,
                        gdn_prefill_form=gdn_prefill_form, vision=tower)
         finally:
@@ -160,13 +153,13 @@ class NumpyRunner:
     # --- ModelRunner protocol -----------------------------------------------------------------
 
     def reset_slot(self, slot: int) -> None:
-        self._check_slot(slot)
+        check_slot(slot, self.num_slots)
         self.recurrent_states[:, slot] = 0
         self.conv_states[:, slot] = 0
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self._check_slot(src)
-        self._check_slot(dst)
+        check_slot(src, self.num_slots)
+        check_slot(dst, self.num_slots)
         self.recurrent_states[:, dst] = self.recurrent_states[:, src]
         self.conv_states[:, dst] = self.conv_states[:, src]
 
@@ -179,11 +172,11 @@ class NumpyRunner:
         return self.key_pages[:, 0].nbytes + self.value_pages[:, 0].nbytes
 
     def save_slot(self, slot: int) -> HostArrays:
-        self._check_slot(slot)
+        check_slot(slot, self.num_slots)
         return (self.recurrent_states[:, slot].copy(), self.conv_states[:, slot].copy())
 
     def load_slot(self, slot: int, state: HostArrays) -> None:
-        self._check_slot(slot)
+        check_slot(slot, self.num_slots)
         recurrent, conv = state
         if recurrent.shape != self.recurrent_states[:, slot].shape \
                 or conv.shape != self.conv_states[:, slot].shape:
@@ -246,9 +239,7 @@ class NumpyRunner:
         checked_rows(rows, self.num_slots)
         for row in rows:
             tokens = checked_tokens(row.token_ids, self.vocab_size)
-            if isinstance(row.start_pos, bool) or not isinstance(row.start_pos, (int, np.integer)) \
-                    or row.start_pos < 0:
-                raise ValueError(f"start_pos must be a non-negative integer, got {row.start_pos!r}")
+            check_start_pos(row.start_pos)
             checked_page_table(row.page_table, int(row.start_pos) + len(tokens), self.num_pages)
         outputs: dict[int, StepOutput] = {}
         decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1 and row.snapshots is None]
@@ -282,44 +273,14 @@ class NumpyRunner:
 
     def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
         """The protocol's MTP call: per row, `mtp_prefill` over the catch-up positions, then
-        `mtp_decode` chained on the head's own output for drafts 2..k. Rows are checked
-        (slots kept, positions, draft counts) before any KV row is written."""
-        if self.mtp is None:
+        `mtp_decode` chained on the head's own output for drafts 2..k (`MtpDrafter.draft`)."""
+        if self.drafter is None:
             raise ValueError("this runner was built without MTP weights")
-        kept = []
-        for row in rows:
-            tokens = checked_tokens(row.token_ids, self.vocab_size)
-            if int(row.slot) not in self._kept_hidden:
-                raise ValueError(f"slot {row.slot} has no kept hidden states to draft from")
-            start, hidden = self._kept_hidden[int(row.slot)]
-            if start != row.start_pos or len(tokens) > len(hidden):
-                raise ValueError(f"MTP row at {row.start_pos} with {len(tokens)} tokens does not "
-                                 f"match slot {row.slot}'s kept positions {start}.."
-                                 f"{start + len(hidden) - 1}")
-            if row.num_drafts < 0:
-                raise ValueError(f"num_drafts must be >= 0, got {row.num_drafts}")
-            checked_page_table(row.page_table, start + len(tokens) + max(row.num_drafts - 1, 0),
-                               self.num_pages)
-            kept.append(hidden[:len(tokens)])
-        drafts = []
-        for row, hidden in zip(rows, kept):
-            out = self.mtp_prefill(hidden, row.token_ids, int(row.start_pos), row.page_table)
-            row_drafts: list[int] = []
-            position = int(row.start_pos) + len(row.token_ids)
-            logits, mtp_hidden = out.logits[-1:], out.hidden[-1:]
-            while len(row_drafts) < row.num_drafts:
-                if row_drafts:
-                    step = self.mtp_decode([DecodeItem(row.slot, row_drafts[-1], position,
-                                                       row.page_table)], mtp_hidden)
-                    logits, mtp_hidden = step.logits, step.hidden
-                    position += 1
-                row_drafts.append(int(np.argmax(logits[0])))
-            drafts.append(row_drafts)
-        return drafts
+        return self.drafter.draft(rows)
 
     def _keep_hidden(self, slot: int, start_pos: int, hidden: np.ndarray) -> None:
-        if self.mtp is not None:
-            self._kept_hidden[int(slot)] = (int(start_pos), hidden)
+        if self.drafter is not None:
+            self.drafter.keep(slot, start_pos, hidden)
 
     def _verify(self, row: StepRow) -> tuple[np.ndarray, np.ndarray]:
         """A verification row as one decode step per token: the state after token i lands in
@@ -340,15 +301,15 @@ class NumpyRunner:
 
     def prefill_with_hidden(self, chunk: PrefillChunk) -> StepOutput:
         tokens = checked_tokens(chunk.token_ids, self.vocab_size)
-        self._check_slot(chunk.slot)
-        batch = self._prefill_batch(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table,
+        check_slot(chunk.slot, self.num_slots)
+        batch = self.layout.prefill(chunk.slot, len(tokens), chunk.start_pos, chunk.page_table,
                                     chunk.media)
         hidden = self._forward(tokens[None], batch)[0]
         rows = hidden if chunk.all_logits else hidden[-1:]
         return StepOutput(logits=self._logits(rows), hidden=hidden)
 
     def decode_with_hidden(self, items: Sequence[DecodeItem]) -> StepOutput:
-        batch = self._decode_batch(items)
+        batch = self.layout.decode(items)
         tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
         hidden = self._forward(tokens[:, None], batch)[:, 0]
         return StepOutput(logits=self._logits(hidden), hidden=hidden)
@@ -366,7 +327,7 @@ class NumpyRunner:
         """
         tokens = checked_tokens(token_ids, self.vocab_size)
         hidden = self._check_mtp_hidden(hidden, len(tokens))
-        batch = self._prefill_batch(None, len(tokens), start_pos, page_table)
+        batch = self.layout.prefill(None, len(tokens), start_pos, page_table)
         out = self._mtp_forward(hidden[None], tokens[None], batch, layer)[0]
         return StepOutput(logits=self._logits(out), hidden=out)
 
@@ -374,11 +335,18 @@ class NumpyRunner:
                    ) -> StepOutput:
         """Batched one-position MTP step: item.pos is t, item.token_id is the token at t+1,
         hidden[b] the hidden state at t. Returns logits [B, V] for t+2 and MTP hidden [B, H]."""
-        batch = self._decode_batch(items, check_slots=False)
+        batch = self.layout.decode(items, check_slots=False)
         tokens = checked_tokens([item.token_id for item in items], self.vocab_size)
         hidden = self._check_mtp_hidden(hidden, len(items))
         out = self._mtp_forward(hidden[:, None], tokens[:, None], batch, layer)[:, 0]
         return StepOutput(logits=self._logits(out), hidden=out)
+
+    def _check_mtp_hidden(self, hidden: np.ndarray, rows: int) -> np.ndarray:
+        hidden = np.asarray(hidden, dtype=self.dtype)
+        if hidden.shape != (rows, self.config.hidden_size):
+            raise ValueError(f"MTP hidden states must be [{rows}, {self.config.hidden_size}], "
+                             f"got {list(hidden.shape)}")
+        return hidden
 
     # --- the forward pass ---------------------------------------------------------------------
 
@@ -394,7 +362,7 @@ class NumpyRunner:
         rows = [row @ self.text.lm_head_t for row in hidden]
         return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
-    def _forward(self, tokens: np.ndarray, batch: _Batch) -> np.ndarray:
+    def _forward(self, tokens: np.ndarray, batch: Batch) -> np.ndarray:
         """Tokens [B, T] -> final-normed hidden states [B, T, H]; updates all states."""
         eps = self.config.rms_norm_eps
         x = self.text.embed[tokens]
@@ -415,7 +383,7 @@ class NumpyRunner:
         partial output; a runner holding the whole model already has the sum."""
         return partial
 
-    def _mtp_forward(self, hidden: np.ndarray, tokens: np.ndarray, batch: _Batch, layer: int
+    def _mtp_forward(self, hidden: np.ndarray, tokens: np.ndarray, batch: Batch, layer: int
                      ) -> np.ndarray:
         if self.mtp is None:
             raise ValueError("this runner was built without MTP weights")
@@ -432,7 +400,7 @@ class NumpyRunner:
         x = x + self._reduce(self._mlp(weights, ref.rms_norm(x, weights.post_norm, eps)))
         return ref.rms_norm(x, self.mtp.norm, eps)
 
-    def _gdn(self, w: GdnWeights, x: np.ndarray, index: int, batch: _Batch) -> np.ndarray:
+    def _gdn(self, w: GdnWeights, x: np.ndarray, index: int, batch: Batch) -> np.ndarray:
         c = self.config
         batch_size, steps, _ = x.shape
         hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
@@ -467,7 +435,7 @@ class NumpyRunner:
         out = ref.gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
         return out.reshape(batch_size, steps, hv * dv) @ w.out_proj.T
 
-    def _attention(self, w: AttentionWeights, x: np.ndarray, index: int, batch: _Batch
+    def _attention(self, w: AttentionWeights, x: np.ndarray, index: int, batch: Batch
                    ) -> np.ndarray:
         c = self.config
         batch_size, steps, _ = x.shape
@@ -500,102 +468,6 @@ class NumpyRunner:
                       renormalize=c.norm_topk_prob)
         return out.reshape(x.shape)
 
-    # --- batch layout and checks --------------------------------------------------------------
-
-    def _prefill_batch(self, slot: int | None, steps: int, start_pos: int,
-                       page_table: Sequence[int], media: Media = ()) -> _Batch:
-        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) \
-                or start_pos < 0:
-            raise ValueError(f"start_pos must be a non-negative integer, got {start_pos!r}")
-        end = int(start_pos) + steps
-        pages = checked_page_table(page_table, end, self.num_pages)
-        key_positions = np.arange(end)
-        positions = start_pos + np.arange(steps)
-        rows = pages[key_positions // PAGE_SIZE] * PAGE_SIZE + key_positions % PAGE_SIZE
-        return self._batch(np.array([0 if slot is None else slot]), positions[None],
-                           rows[None], rows[None, start_pos:],
-                           key_positions[None, None, :] <= positions[None, :, None], (media,))
-
-    def _decode_batch(self, items: Sequence[DecodeItem], check_slots: bool = True) -> _Batch:
-        if len(items) == 0:
-            raise ValueError("decode needs at least one item")
-        slots = np.array([item.slot for item in items], dtype=np.int64)
-        if check_slots:
-            for slot in slots:
-                self._check_slot(int(slot))
-            if len(set(slots.tolist())) != len(slots):
-                raise ValueError(f"decode items must use distinct slots, got {slots.tolist()}")
-        positions = []
-        for item in items:
-            if isinstance(item.pos, bool) or not isinstance(item.pos, (int, np.integer)) \
-                    or item.pos < 0:
-                raise ValueError(f"decode position must be a non-negative integer, "
-                                 f"got {item.pos!r}")
-            positions.append(int(item.pos))
-        positions = np.array(positions, dtype=np.int64)
-        length = int(positions.max()) + 1
-        key_positions = np.arange(length)
-        rows = np.zeros((len(items), length), dtype=np.int64)
-        for b, item in enumerate(items):
-            pages = checked_page_table(item.page_table, positions[b] + 1, self.num_pages)
-            visible_positions = key_positions[:positions[b] + 1]
-            rows[b, :positions[b] + 1] = (pages[visible_positions // PAGE_SIZE] * PAGE_SIZE
-                                          + visible_positions % PAGE_SIZE)
-        write_rows = rows[np.arange(len(items)), positions][:, None]
-        visible = (key_positions[None, :] <= positions[:, None])[:, None, :]
-        return self._batch(slots, positions[:, None], rows, write_rows, visible,
-                           tuple(item.media for item in items))
-
-    def _batch(self, slots, positions, read_rows, write_rows, visible,
-               media: tuple[Media, ...] = ()) -> _Batch:
-        c = self.config
-        if any(media):
-            if self.vision is None:
-                raise ValueError("media given but this runner has no vision tower (--vision)")
-            merge = self.vision.tower.config.spatial_merge_size
-            positions3 = np.stack([mrope.mrope_positions(positions[b], media[b], merge)
-                                   for b in range(len(positions))], axis=1)      # [3, B, T]
-            cos, sin = mrope.mrope_cos_sin(positions3, c.rotary_dim, c.rope_theta,
-                                           c.mrope_section, self.dtype)
-        else:
-            cos, sin = ref.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, self.dtype)
-        return _Batch(slots=slots, positions=positions, write_rows=write_rows,
-                      read_rows=read_rows, visible=visible, cos=cos, sin=sin, media=media)
-
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) \
-                or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot!r} out of range (num_slots = {self.num_slots})")
-
-    def _check_mtp_hidden(self, hidden: np.ndarray, rows: int) -> np.ndarray:
-        hidden = np.asarray(hidden, dtype=self.dtype)
-        if hidden.shape != (rows, self.config.hidden_size):
-            raise ValueError(f"MTP hidden states must be [{rows}, {self.config.hidden_size}], "
-                             f"got {list(hidden.shape)}")
-        return hidden
-
 
 def _wants_more_than_last(row: StepRow) -> bool:
     return row.logit_offsets() not in ((), (row.num_tokens - 1,))
-
-
-class _ComponentTensors(Mapping[str, np.ndarray]):
-    """A read-only mapping over an artifact component: tensors dequantized on access."""
-
-    def __init__(self, component: Any):
-        self._component = component
-        self._names = tuple(component.tensor_names())
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
-            raise KeyError(name)
-        return self._component.f32(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)

@@ -15,7 +15,7 @@ Accepted alternatives (so hand-built dicts and other converters work too):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
@@ -267,3 +267,26 @@ def _transposed(array: np.ndarray, dtype: np.dtype, block: int = 2048) -> np.nda
     for start in range(0, array.shape[0], block):
         out[:, start:start + block] = array[start:start + block].T
     return out
+
+
+class ComponentTensors(Mapping[str, np.ndarray]):
+    """A read-only mapping over an artifact component, for `bind_text` / `bind_mtp`: tensors
+    dequantized to float32 on access (`component.f32(name)`)."""
+
+    def __init__(self, component: Any):
+        self._component = component
+        self._names = tuple(component.tensor_names())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._component.f32(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

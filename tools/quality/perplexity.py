@@ -197,10 +197,10 @@ def make_runner(device: str, artifact: Any, *, context: int, prefill_chunk: int,
     if device == "cpu":
         from runtime.model.numpy_runner import NumpyRunner
 
-        # float32, like the engine's CPU backend (runtime/session.py).
+        # float32, like the engine's CPU backend (runtime/session/backend.py).
         return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=1,
                                          dtype=np.float32)
-    # The CUDA runner is built as runtime/session.py builds it (same module, same shape
+    # The CUDA runner is built as runtime/session/backend.py builds it (same module, same shape
     # arguments); imported here so the CPU path never loads cuda-python.
     from runtime.config import ConfigError
     from runtime.session import CUDA_RUNNER_MODULE, choose_device

@@ -1,27 +1,15 @@
-"""A ready model session: the one place that turns settings into a loaded model behind a
-running engine, shared by `infernix` (the CLI) and `infernix-serve`.
+"""`ModelSession`: a loaded model, its text layer and a running engine (the package docstring
+shows the calls), and the prompt side of a request: rendering a chat to token ids with its
+media, the model's sampling presets, the thinking controls, constraints and `EngineRequest`s.
 
-    session = ModelSession.open(settings)            # CliSettings or ServeSettings
-    prompt = session.render(messages, tools=tools)   # -> RenderedPrompt (ids, thinking open?)
-    request = session.build_request(prompt, max_new_tokens=..., ...)
-    stream = session.engine.submit(request)          # EngineOutput increments
-    session.close()
-
-`open` loads the artifact, picks the runner (`--device cpu`: the NumPy reference; `cuda`: the
-CUDA runner, an error until it exists; `auto`: cuda when a GPU and the CUDA runner are there,
-else cpu), loads the tokenizer and the chat template (the artifact's or `--chat-template`),
-sizes the KV pool (`--kv-capacity`, by default `--max-context` times the lanes) and starts the
-engine. `--demo` without a model path generates a tiny real-vocabulary model once (cached under
-$INFERNIX_CACHE or ~/.cache/infernix) and runs it on the CPU.
+`ModelSession.open` loads in order: the model file and device (`model_files`), the artifact,
+the tokenizer and the chat template (the artifact's or `--chat-template`), the engine settings
+(`engine_settings`: KV pool, prefix cache, speculative decoding, vision), the runner
+(`backend`), then starts the engine.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import importlib
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,22 +20,22 @@ import numpy as np
 from runtime.config import ConfigError
 from runtime.engine.api import EngineRequest, SamplingParams, ThinkingControl
 from runtime.engine.engine_loop import Engine, EngineConfig
-from runtime.engine.kv_pages import pages_for
 from runtime.engine.presets import SamplingOverrides, model_presets, resolve_sampling
-from runtime.engine.speculative import SlotLayout, SpeculativeConfig
 from runtime.engine.thinking import WORD_CONTINUES, WORD_SEPARATOR, WORD_STARTS
-from runtime.log import Progress, get_logger
+from runtime.log import get_logger
 from runtime.media.sources import SourceLimits
-from runtime.model.config import ModelConfig
 from runtime.model.runner import PAGE_SIZE
+from runtime.session.backend import make_runner
+from runtime.session.engine_settings import (cache_fingerprint, kv_pool_pages,
+                                             prefix_cache_settings, runner_slots,
+                                             speculative_settings, vision_settings)
+from runtime.session.model_files import model_and_device
 from runtime.text.parser import prompt_ends_in_reasoning
 
 # Qwen's canonical early-close guidance and `</think>`, inserted when the thinking budget runs
 # out. The blank line after `</think>` is left to the model (and to a constraint's separator).
 THINKING_CLOSE_TEXT = ("\n\nConsidering the limited time by the user, I have to give the "
                        "solution based on the thinking directly now.\n</think>")
-DEMO_SEED = 0
-CUDA_RUNNER_MODULE = "runtime.model.gpu.runner"
 
 
 @dataclass(frozen=True)
@@ -61,176 +49,6 @@ class RenderedPrompt:
     ids: tuple[int, ...]
     thinking: bool
     media: tuple = ()      # `MediaSpan`s of the prompt's images (pads already expanded)
-
-
-def cache_dir() -> Path:
-    """$INFERNIX_CACHE, or ~/.cache/infernix."""
-    root = os.environ.get("INFERNIX_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "infernix"
-
-
-def demo_model_path(logger=None) -> Path:
-    """The cached tiny demo model (real Qwen vocabulary, random weights); built on first use,
-    which takes seconds: `logger` (when given) says so, with the build's phases."""
-    path = cache_dir() / f"demo-tiny-dense-real-seed{DEMO_SEED}.infernix"
-    if path.exists():
-        return path
-    from tools.make_tiny import make_tiny    # build-time tool; only the demo needs it
-
-    def phase(text: str) -> None:
-        if logger is not None:
-            logger.info("demo: %s", text)
-
-    phase(f"first run: building the demo model once (about 10 s), cached as {path}")
-    started = time.perf_counter()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.stem + f".partial-{os.getpid()}.infernix")
-    hf_dir = path.parent / f"{path.stem}.partial-{os.getpid()}-hf"
-    try:
-        make_tiny(partial, family="dense", vocab="real", seed=DEMO_SEED, hf_dir=hf_dir,
-                  log=None, on_phase=phase)
-        partial.replace(path)                # atomic: concurrent first runs stay consistent
-        phase(f"demo model built ({time.perf_counter() - started:.1f} s)")
-    finally:
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        partial.unlink(missing_ok=True)
-    return path
-
-
-def _directory_given(path: Path) -> str:
-    """What to say when the model path is a directory (a model is one `.infernix` file)."""
-    if (path / "config.json").is_file():
-        return (f"model {str(path)!r} is a Hugging Face checkpoint directory; convert it "
-                f"first: python -m tools.convert {path} OUT.infernix (then run with "
-                "OUT.infernix)")
-    return f"model {str(path)!r} is a directory, not a .infernix file"
-
-
-def gpu_present() -> bool:
-    """A CUDA driver that reports at least one device (checked through ctypes only)."""
-    name = ctypes.util.find_library("cuda")
-    if name is None:
-        return False
-    try:
-        driver = ctypes.CDLL(name)
-        if driver.cuInit(0) != 0:
-            return False
-        count = ctypes.c_int(0)
-        return driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
-    except OSError:
-        return False
-
-
-def choose_device(setting: str) -> str:
-    """"cpu" or "cuda" from `--device` (cpu | cuda | N | auto)."""
-    if setting == "cpu":
-        return "cpu"
-    if setting == "cuda" or setting.isdigit():
-        if not gpu_present():
-            raise ConfigError(f"--device {setting}: no CUDA GPU is visible here; use "
-                              "--device cpu (NumPy reference backend, tiny models)")
-        return "cuda"
-    if setting != "auto":
-        raise ConfigError(f"--device: {setting!r} is not cpu, cuda, a device index or auto")
-    return "cuda" if gpu_present() else "cpu"
-
-
-class _WeightProgress:
-    """Weight upload progress (bytes): one transient line on a terminal, coarse plain lines
-    when stderr is redirected (runtime.log.Progress)."""
-
-    def __init__(self):
-        self._progress: Optional[Progress] = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self._progress is None:
-            self._progress = Progress("materializing weights", total, unit="B")
-        self._progress.advance(done - self._progress.done)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-
-
-def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
-    """The prefix cache's `EngineConfig` fields from the server's options. The CLI (one
-    request) has no cache options and no cache; on cuda the cache waits for the CUDA runner's
-    host-copy methods (`ModelRunner.save_slot` and the rest), so it is off there too."""
-    off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
-           "snapshot_interval": 0, "cache_file": None}
-    if not hasattr(settings, "no_prefix_cache"):
-        return off
-    if device == "cuda":
-        logger.info("prefix cache: off on --device cuda (the CUDA runner has no host copies "
-                    "of slots and pages yet)")
-        return off
-    interval = settings.snapshot_interval
-    if interval % PAGE_SIZE:
-        raise ConfigError(f"--snapshot-interval: {interval} is not a multiple of {PAGE_SIZE}")
-    return {"prefix_cache": not settings.no_prefix_cache,
-            "snapshot_slots": settings.device_snapshot_slots,
-            "host_cache_bytes": settings.host_context_mib << 20,
-            "snapshot_interval": interval,
-            "cache_file": settings.prefix_cache_file,    # fingerprinted once the runner exists
-            "cache_save_s": settings.prefix_cache_save_mins * 60.0}
-
-
-def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: str) -> str:
-    """What a prefix-cache file's arrays depend on: the model and the exact artifact file,
-    the runner (its class; its compute dtype shows in the sizes), the KV format and the state
-    and page sizes."""
-    stat = model_path.stat()
-    return (f"model={model_name};artifact={model_path.name}:{stat.st_size}:{stat.st_mtime_ns};"
-            f"runner={type(runner).__name__};kv={kv_dtype};"
-            f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
-
-
-def vision_settings(settings: Any, device: str, artifact: Any,
-                    speculative: SpeculativeConfig) -> Optional[tuple[Any, Any]]:
-    """(VisionConfig, ImageRules) for --vision, None without it; refuses what cannot run."""
-    if not settings.vision:
-        return None
-    from runtime.media.image import ImageRules
-    from runtime.model.vision_reference import VisionConfig
-
-    if "vision" not in artifact.all_component_names:
-        raise ConfigError("--vision: this model has no vision component (convert a checkpoint "
-                          "with model.visual.* tensors)")
-    if device != "cpu":
-        raise ConfigError("--vision runs on the CPU backend only so far (--device cpu); the "
-                          "GPU vision tower is not built yet")
-    if speculative.mtp or speculative.ngram_draft_tokens:
-        raise ConfigError("--vision with speculative decoding is not supported yet")
-    config = artifact.component("vision").config
-    tower = VisionConfig.from_dict(config)
-    processor = config.get("image_processor") or {}
-    defaults = ImageRules()
-    rules = ImageRules(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
-                       merge_size=tower.spatial_merge_size,
-                       min_pixels=int(processor.get("min_pixels") or defaults.min_pixels),
-                       max_pixels=int(processor.get("max_pixels") or defaults.max_pixels),
-                       mean=tuple(processor.get("mean") or defaults.mean),
-                       std=tuple(processor.get("std") or defaults.std))
-    return tower, rules.capped(settings.vision_max_merged)
-
-
-def speculative_settings(settings: Any, device: str, artifact: Any) -> SpeculativeConfig:
-    """`--spec`, `--draft-tokens` and `--ngram-*` as the engine's config; combinations that
-    cannot work are ConfigErrors, never ignored."""
-    if settings.draft_tokens is not None and settings.spec != "mtp":
-        raise ConfigError("--draft-tokens sets the MTP drafts per round: it needs --spec mtp")
-    config = SpeculativeConfig(method=settings.spec, draft_tokens=settings.draft_tokens or 3,
-                               ngram_draft_tokens=settings.ngram_draft_tokens,
-                               ngram_min_match=settings.ngram_min_match)
-    if not config.enabled:
-        return config
-    if device == "cuda":
-        raise ConfigError("--spec / --ngram-draft-tokens: speculative decoding runs on --device "
-                          "cpu so far (the CUDA runner does not verify draft rows yet)")
-    if config.mtp and "mtp" not in artifact.all_component_names:
-        raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
-                          "checkpoint with its mtp.* weights, or use --spec off)")
-    return config
 
 
 TURN_SNAPSHOTS = 4
@@ -301,41 +119,13 @@ class ModelSession:
         and text layers raise their own errors when loading fails."""
         logger = log or get_logger("session")
         started = time.perf_counter()
-        model = settings.model
-        if getattr(settings, "demo", False):
-            if model is not None:
-                raise ConfigError("--demo runs a generated tiny model; give no model path")
-            if settings.device not in ("auto", "cpu"):
-                # The GPU kernels are compiled for real model shapes and the 512-token test
-                # model; the demo's (real vocabulary, hidden size 256) is not among them.
-                logger.warning("--demo runs on the CPU, not --device %s: no GPU kernels are "
-                               "built for the demo model's shapes; give a converted model "
-                               "(python -m tools.convert) to run on the GPU", settings.device)
-            logger.info("demo: tiny random-weight model with the real Qwen vocabulary, CPU")
-            model_path = demo_model_path(logger)
-            device = "cpu"
-        else:
-            if model is None:
-                raise ConfigError("no model given: pass MODEL (a .infernix file), set `model` "
-                                  "in --config, or use --demo")
-            model_path = Path(model)
-            if not model_path.exists():
-                raise ConfigError(f"model {model!r} does not exist")
-            if model_path.is_dir():
-                raise ConfigError(_directory_given(model_path))
-            device = choose_device(settings.device)
+        model_path, device = model_and_device(settings, logger)
         if settings.prefill_chunk % PAGE_SIZE:
             raise ConfigError(f"--prefill-chunk: {settings.prefill_chunk} is not a multiple "
                               f"of {PAGE_SIZE}")
         num_lanes = getattr(settings, "max_concurrency", 1)
         max_context = settings.max_context
-        capacity = settings.kv_capacity
-        if capacity is None or capacity == "auto":
-            if capacity == "auto" and device == "cpu":
-                logger.info("--kv-capacity auto: the CPU backend sizes the pool from "
-                            "--max-context")
-            capacity = max_context * num_lanes
-        num_pages = pages_for(capacity)
+        num_pages = kv_pool_pages(settings, device, num_lanes, logger)
 
         from runtime.artifact import open_artifact
         from runtime.text.chat import load_chat_template
@@ -372,12 +162,9 @@ class ModelSession:
         cache = prefix_cache_settings(settings, device, logger)
         speculative = speculative_settings(settings, device, artifact)
         vision = vision_settings(settings, device, artifact, speculative)
-        # Slots: the lanes and their verification snapshots, then the prefix cache's.
-        reserved = SlotLayout.for_config(num_lanes, speculative).reserved
-        runner = cls._make_runner(device, artifact, num_pages,
-                                  reserved + cache["snapshot_slots"], prefill_chunk,
-                                  settings, logger, mtp=speculative.mtp,
-                                  vision=vision is not None)
+        runner = make_runner(device, artifact, num_pages,
+                             runner_slots(num_lanes, speculative, cache), prefill_chunk,
+                             settings, logger, mtp=speculative.mtp, vision=vision is not None)
         phase_done(f"weights loaded ({type(runner).__name__})")
         if cache["cache_file"] is not None:
             cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,
@@ -402,53 +189,6 @@ class ModelSession:
                     num_pages * PAGE_SIZE, num_pages, num_lanes, "" if num_lanes == 1 else "s",
                     chat_template.origin, session.presets.name, seconds)
         return session
-
-    @staticmethod
-    def _make_runner(device: str, artifact: Any, num_pages: int, num_slots: int,
-                     prefill_chunk: int, settings: Any, logger, mtp: bool = False,
-                     vision: bool = False) -> Any:
-        """num_slots: the lanes and their verification snapshots, then the prefix cache's
-        snapshot slots. mtp: load the MTP head (CPU backend; `speculative_settings` refuses
-        speculative decoding on cuda)."""
-        synthetic = getattr(settings, "synthetic_weights", None)
-        if synthetic is not None and device != "cuda":
-            raise ConfigError(f"--synthetic-weights fills weights on the GPU; the {device} backend "
-                              "reads them from the model (use --device cuda)")
-        if device == "cuda":
-            if settings.device.isdigit() and settings.device != "0":
-                raise ConfigError(f"--device {settings.device}: the CUDA runner drives device 0 "
-                                  "only so far")
-            module = importlib.import_module(CUDA_RUNNER_MODULE)
-            progress = _WeightProgress()
-            num_lanes = getattr(settings, "max_concurrency", 1)
-            shape = {"num_pages": num_pages, "num_slots": num_slots,
-                     "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
-                     "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
-                     "cuda_graphs": not settings.no_cuda_graph}
-            try:
-                if synthetic is not None:
-                    logger.warning("--synthetic-weights %d: random weights, the output is noise",
-                                   synthetic)
-                    text = artifact.component("text")
-                    config = ModelConfig.from_dict(text.config)
-                    # The artifact's projection formats (an FP8 model gets random FP8 weights).
-                    return module.CudaRunner.synthetic(config, synthetic, **shape,
-                                                       weight_formats=lambda name: text.entry(name).format)
-                return module.CudaRunner.from_artifact(artifact, progress=progress, **shape)
-            except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
-                raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "
-                                  "reference") from None
-            finally:
-                progress.close()
-        from runtime.model.numpy_runner import NumpyRunner
-
-        if settings.kv_dtype != "bf16":
-            raise ConfigError(f"--kv-dtype {settings.kv_dtype}: the CPU backend keeps KV in "
-                              "float32 and accepts only the default bf16")
-        logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
-                     "--no-cuda-graph has no effect)")
-        return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,
-                                         dtype=np.float32, mtp=mtp, vision=vision)
 
     def device_memory_bytes(self) -> Optional[int]:
         """Device memory the runner reserved at startup (None on the CPU backend)."""

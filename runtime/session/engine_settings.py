@@ -1,0 +1,115 @@
+"""Settings translated into what the engine and the runner are built with, refusing what
+cannot work: the KV pool size, the prefix cache's `EngineConfig` fields, speculative decoding
+(`SpeculativeConfig`), the state slots the runner allocates, and `--vision` (the tower's config
+and the image rules; it rules out speculative decoding). Every refusal is a `ConfigError`
+naming the option, never a setting silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from runtime.config import ConfigError
+from runtime.engine.kv_pages import pages_for
+from runtime.engine.speculative import SlotLayout, SpeculativeConfig
+from runtime.model.runner import PAGE_SIZE
+
+
+def kv_pool_pages(settings: Any, device: str, num_lanes: int, logger) -> int:
+    """KV pages for `--kv-capacity` tokens, by default (and, on the CPU, for `auto`)
+    `--max-context` times the lanes."""
+    capacity = settings.kv_capacity
+    if capacity is None or capacity == "auto":
+        if capacity == "auto" and device == "cpu":
+            logger.info("--kv-capacity auto: the CPU backend sizes the pool from "
+                        "--max-context")
+        capacity = settings.max_context * num_lanes
+    return pages_for(capacity)
+
+
+def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
+    """The prefix cache's `EngineConfig` fields from the server's options. The CLI (one
+    request) has no cache options and no cache; on cuda the cache waits for the CUDA runner's
+    host-copy methods (`ModelRunner.save_slot` and the rest), so it is off there too."""
+    off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
+           "snapshot_interval": 0, "cache_file": None}
+    if not hasattr(settings, "no_prefix_cache"):
+        return off
+    if device == "cuda":
+        logger.info("prefix cache: off on --device cuda (the CUDA runner has no host copies "
+                    "of slots and pages yet)")
+        return off
+    interval = settings.snapshot_interval
+    if interval % PAGE_SIZE:
+        raise ConfigError(f"--snapshot-interval: {interval} is not a multiple of {PAGE_SIZE}")
+    return {"prefix_cache": not settings.no_prefix_cache,
+            "snapshot_slots": settings.device_snapshot_slots,
+            "host_cache_bytes": settings.host_context_mib << 20,
+            "snapshot_interval": interval,
+            "cache_file": settings.prefix_cache_file,    # fingerprinted once the runner exists
+            "cache_save_s": settings.prefix_cache_save_mins * 60.0}
+
+
+def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: str) -> str:
+    """What a prefix-cache file's arrays depend on: the model and the exact artifact file,
+    the runner (its class; its compute dtype shows in the sizes), the KV format and the state
+    and page sizes."""
+    stat = model_path.stat()
+    return (f"model={model_name};artifact={model_path.name}:{stat.st_size}:{stat.st_mtime_ns};"
+            f"runner={type(runner).__name__};kv={kv_dtype};"
+            f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
+
+
+def vision_settings(settings: Any, device: str, artifact: Any,
+                    speculative: SpeculativeConfig) -> Optional[tuple[Any, Any]]:
+    """(VisionConfig, ImageRules) for --vision, None without it; refuses what cannot run."""
+    if not settings.vision:
+        return None
+    from runtime.media.image import ImageRules
+    from runtime.model.vision_reference import VisionConfig
+
+    if "vision" not in artifact.all_component_names:
+        raise ConfigError("--vision: this model has no vision component (convert a checkpoint "
+                          "with model.visual.* tensors)")
+    if device != "cpu":
+        raise ConfigError("--vision runs on the CPU backend only so far (--device cpu); the "
+                          "GPU vision tower is not built yet")
+    if speculative.mtp or speculative.ngram_draft_tokens:
+        raise ConfigError("--vision with speculative decoding is not supported yet")
+    config = artifact.component("vision").config
+    tower = VisionConfig.from_dict(config)
+    processor = config.get("image_processor") or {}
+    defaults = ImageRules()
+    rules = ImageRules(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
+                       merge_size=tower.spatial_merge_size,
+                       min_pixels=int(processor.get("min_pixels") or defaults.min_pixels),
+                       max_pixels=int(processor.get("max_pixels") or defaults.max_pixels),
+                       mean=tuple(processor.get("mean") or defaults.mean),
+                       std=tuple(processor.get("std") or defaults.std))
+    return tower, rules.capped(settings.vision_max_merged)
+
+
+def speculative_settings(settings: Any, device: str, artifact: Any) -> SpeculativeConfig:
+    """`--spec`, `--draft-tokens` and `--ngram-*` as the engine's config; combinations that
+    cannot work are ConfigErrors, never ignored."""
+    if settings.draft_tokens is not None and settings.spec != "mtp":
+        raise ConfigError("--draft-tokens sets the MTP drafts per round: it needs --spec mtp")
+    config = SpeculativeConfig(method=settings.spec, draft_tokens=settings.draft_tokens or 3,
+                               ngram_draft_tokens=settings.ngram_draft_tokens,
+                               ngram_min_match=settings.ngram_min_match)
+    if not config.enabled:
+        return config
+    if device == "cuda":
+        raise ConfigError("--spec / --ngram-draft-tokens: speculative decoding runs on --device "
+                          "cpu so far (the CUDA runner does not verify draft rows yet)")
+    if config.mtp and "mtp" not in artifact.all_component_names:
+        raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
+                          "checkpoint with its mtp.* weights, or use --spec off)")
+    return config
+
+
+def runner_slots(num_lanes: int, speculative: SpeculativeConfig, cache: dict) -> int:
+    """State slots the runner allocates: the lanes and their verification snapshots, then the
+    prefix cache's snapshot slots (`cache`: the `prefix_cache_settings` fields)."""
+    return SlotLayout.for_config(num_lanes, speculative).reserved + cache["snapshot_slots"]
