@@ -28,7 +28,7 @@ from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_start_pos
 from runtime.model.numpy_mtp import MtpDrafter
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
-                                  StepRow, checked_page_table, checked_rows, checked_tokens)
+                                  StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
 from runtime.model.weights import (AttentionWeights, ComponentTensors, GdnWeights, LayerWeights,
                                    MoeWeights, bind_mtp, bind_text)
@@ -87,6 +87,7 @@ class NumpyRunner:
         self.text = bind_text(config, weights, self.dtype, vocab_rows)
         self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
         self.mtp_layers = len(self.mtp.layers) if self.mtp is not None else 0
+        self.device_bytes = 0  # host arrays only
         # With MTP loaded: each slot's latest row's hidden states, read by `mtp_draft`.
         self.drafter = (MtpDrafter(self.mtp_prefill, self.mtp_decode, vocab_size=self.vocab_size,
                                    num_pages=self.num_pages)
@@ -185,22 +186,16 @@ class NumpyRunner:
         self.conv_states[:, slot] = conv
 
     def read_pages(self, pages: Sequence[int]) -> HostArrays:
-        ids = self._checked_pages(pages)
+        ids = checked_pages(pages, self.num_pages)
         return (self.key_pages[:, ids].copy(), self.value_pages[:, ids].copy())
 
     def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
-        ids = self._checked_pages(pages)
+        ids = checked_pages(pages, self.num_pages)
         keys, values = data
         if keys.shape != self.key_pages[:, ids].shape or values.shape != keys.shape:
             raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
         self.key_pages[:, ids] = keys
         self.value_pages[:, ids] = values
-
-    def _checked_pages(self, pages: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if np.any(ids < 0) or np.any(ids >= self.num_pages):
-            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.tolist()}")
-        return ids
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         out = self.prefill_with_hidden(chunk)

@@ -216,6 +216,14 @@ def checked_page_table(page_table: Sequence[int], end: int, num_pages: int) -> n
     return pages
 
 
+def checked_pages(pages: Sequence[int], num_pages: int) -> np.ndarray:
+    """Page ids as int64 for a host copy (`read_pages`, `write_pages`), refusing bad ids."""
+    ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+    if np.any(ids < 0) or np.any(ids >= num_pages):
+        raise ValueError(f"page ids must be in [0, {num_pages}), got {ids.tolist()}")
+    return ids
+
+
 class ModelRunner(Protocol):
     """What the engine needs from a model backend.
 
@@ -224,6 +232,7 @@ class ModelRunner(Protocol):
     samples_on_device: the runner can sample rows itself (`prefill_sampled`, `decode_sampled`:
         only ids come back); False means the engine samples the logits on the host and must not
         call those two.
+    device_bytes: device memory the runner reserved at construction (0 on the CPU backend).
     mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
         loaded, every `prefill`, `decode` and `step` keeps each row's final-normed hidden states
         per lane slot until the slot's next computation (`MtpRow`).
@@ -235,6 +244,7 @@ class ModelRunner(Protocol):
     samples_on_device: bool
     slot_nbytes: int
     page_nbytes: int
+    device_bytes: int
     mtp_layers: int
 
     def reset_slot(self, slot: int) -> None:

@@ -37,8 +37,8 @@ def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
     if not hasattr(settings, "no_prefix_cache"):
         return off
     if device == "cuda":
-        logger.info("prefix cache: off on --device cuda (the CUDA runner has no host copies "
-                    "of slots and pages yet)")
+        logger.info("prefix cache: off on --device cuda until a GPU run shows cache-on outputs "
+                    "equal cache-off (the CUDA runner's host copies have run on the null device only)")
         return off
     interval = settings.snapshot_interval
     if interval % PAGE_SIZE:
@@ -49,6 +49,24 @@ def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
             "snapshot_interval": interval,
             "cache_file": settings.prefix_cache_file,    # fingerprinted once the runner exists
             "cache_save_s": settings.prefix_cache_save_mins * 60.0}
+
+
+def route_summary(device: str, cache: dict) -> str:
+    """The startup line naming the route and what it keeps request-invariant (a request's
+    tokens independent of what runs beside it; docs/architecture.md, "Request invariance")."""
+    if device == "cuda":
+        return ("route: CUDA kernels; request-invariant across batching and joins/leaves by "
+                "design (absolute prefill chunk grid, batch-invariant decode kernels; checked by "
+                "tests/gpu/test_request_invariance.py); a request preempted under KV pressure "
+                "replays its output by prefill, which rounds differently")
+    kept = "resumes from its saved state" if cache["prefix_cache"] or cache["host_cache_bytes"] \
+        else "replays (rounding may differ)"
+    line = ("route: NumPy reference; request-invariant across batching and joins/leaves; a request "
+            f"preempted under KV pressure {kept}")
+    if cache["prefix_cache"]:
+        line += ("; prefix-cache resumes on a request's own chunk grid are exact, others equal up "
+                 "to rounding (docs/prefix_cache.md)")
+    return line
 
 
 def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: str) -> str:

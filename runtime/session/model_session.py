@@ -26,7 +26,7 @@ from runtime.log import get_logger
 from runtime.media.sources import SourceLimits
 from runtime.model.runner import PAGE_SIZE
 from runtime.session.backend import make_runner
-from runtime.session.engine_settings import (cache_fingerprint, kv_pool_pages,
+from runtime.session.engine_settings import (cache_fingerprint, kv_pool_pages, route_summary,
                                              prefix_cache_settings, runner_slots,
                                              speculative_settings, vision_settings)
 from runtime.session.model_files import model_and_device
@@ -188,14 +188,12 @@ class ModelSession:
                     "template %s, presets %s (%.1f s)", model_name, device, max_context,
                     num_pages * PAGE_SIZE, num_pages, num_lanes, "" if num_lanes == 1 else "s",
                     chat_template.origin, session.presets.name, seconds)
+        logger.info(route_summary(device, cache))
         return session
 
     def device_memory_bytes(self) -> Optional[int]:
         """Device memory the runner reserved at startup (None on the CPU backend)."""
-        arenas = getattr(self.runner, "arenas", None)
-        if arenas is None:
-            return None
-        return sum(arena.capacity for arena in arenas.arenas.values())
+        return self.runner.device_bytes or None
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -173,3 +173,10 @@ def test_host_copies_of_slots_and_pages_round_trip(runner):
 def test_bad_host_copies_are_refused(runner, call, message):
     with pytest.raises(ValueError, match=message):
         call(runner)
+
+
+def test_device_bytes_are_the_reserved_arenas(runner):
+    arenas = runner.storage.arenas.arenas
+    assert set(arenas) == {"weights", "kv_pages", "state_slots", "workspace"}
+    assert runner.device_bytes == sum(a.capacity for a in arenas.values())
+    assert runner.device_bytes > runner.layout.total  # the weights and more

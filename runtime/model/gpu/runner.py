@@ -29,7 +29,7 @@ from runtime.model.gpu.step import Steps
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
-                                  checked_page_table, checked_rows, checked_tokens)
+                                  checked_page_table, checked_pages, checked_rows, checked_tokens)
 from runtime.model.sampling import RowSampling
 
 
@@ -143,6 +143,10 @@ class CudaRunner:
     # ------------------------------------------------------------------ host copies
 
     @property
+    def device_bytes(self) -> int:
+        return sum(arena.capacity for arena in self.storage.arenas.arenas.values())
+
+    @property
     def slot_nbytes(self) -> int:
         st = self.storage
         return len(st.states) * (st.state_slot_bytes + st.win_slot_bytes)
@@ -179,7 +183,7 @@ class CudaRunner:
     def read_pages(self, pages: Sequence[int]) -> HostArrays:
         """K and V rows of `pages` as raw bytes [attention layers, pages, page bytes]; runs of
         consecutive page ids go in one copy per layer."""
-        ids = self._checked_pages(pages)
+        ids = checked_pages(pages, self.num_pages)
         st = self.storage
         keys = np.empty((len(st.k_pages), len(ids), st.page_bytes), np.uint8)
         values = np.empty_like(keys)
@@ -191,7 +195,7 @@ class CudaRunner:
         return keys, values
 
     def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
-        ids = self._checked_pages(pages)
+        ids = checked_pages(pages, self.num_pages)
         st = self.storage
         keys, values = data
         if keys.shape != (len(st.k_pages), len(ids), st.page_bytes) or values.shape != keys.shape:
@@ -201,12 +205,6 @@ class CudaRunner:
             for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
                 self.device.memcpy_htod(k + int(ids[lo]) * st.page_bytes, keys[n, lo:hi], self.stream)
                 self.device.memcpy_htod(v + int(ids[lo]) * st.page_bytes, values[n, lo:hi], self.stream)
-
-    def _checked_pages(self, pages: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if np.any(ids < 0) or np.any(ids >= self.num_pages):
-            raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.tolist()}")
-        return ids
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
