@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chi2
 
 from runtime.engine.api import (EngineRequest, FinishReason, SamplingParams, ThinkingControl)
 from runtime.engine.engine_loop import Engine, EngineConfig
@@ -150,7 +149,8 @@ def test_sampled_rounds_keep_the_target_distribution():
     assert 0 < counters["spec_accepted_tokens"] < counters["spec_drafted_tokens"]
     expected_counts = joint * len(results)
     statistic = float(((observed - expected_counts) ** 2 / expected_counts).sum())
-    assert statistic < chi2.ppf(0.999, df=24), (statistic, observed, expected_counts)
+    # 51.18: the 0.999 quantile of chi-square with 24 degrees of freedom (scipy is not a dependency).
+    assert statistic < 51.18, (statistic, observed, expected_counts)
 
 
 class _OnlyEven:
