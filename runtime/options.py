@@ -233,6 +233,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("prefix-cache-save-mins", int, 0, "also write --prefix-cache-file every N minutes "
            "(0 = only at shutdown)", commands=SERVE_ONLY, group="prefix cache", minimum=0,
            maximum=10080),
+    Option("ssd-context-gib", int, 0, "disk tier: keep up to N GiB of the snapshots and KV "
+           "blocks the host tier gives up in --ssd-context-dir (0 = off)", commands=SERVE_ONLY,
+           group="prefix cache", minimum=0, maximum=1 << 16),
+    Option("ssd-context-dir", str, None, "directory of the disk tier's files (needed with "
+           "--ssd-context-gib; the *.ixc files in it are removed at start)",
+           commands=SERVE_ONLY, group="prefix cache", metavar="DIR"),
+    Option("ssd-context-gib-per-hour", int, 8, "disk tier write budget: at most N GiB written "
+           "in any hour (SSD wear); a write beyond it is dropped", commands=SERVE_ONLY,
+           group="prefix cache", minimum=1, maximum=1 << 12),
     Option("request-log", str, None, "append one JSON line per finished request to FILE",
            commands=SERVE_ONLY, group="logging", metavar="FILE"),
 )

@@ -12,7 +12,7 @@ slot is always read by an earlier record before a later one overwrites it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from runtime.model.runner import HostArrays, ModelRunner
 
@@ -58,7 +58,28 @@ class LoadPages:
     pages: tuple[int, ...]
 
 
-CacheOp = Union[CopySlot, SaveSlot, LoadSlot, SavePages, LoadPages]
+@dataclass(frozen=True)
+class SpillSnapshot:
+    """A shared snapshot the host tier gives up, for the disk tier (`runtime.engine.disk_tier`):
+    where its state and its chain's blocks are at this point of the queue (a slot and pages
+    that later records may reuse are read before they run). blocks: per chain block, its page
+    id or its host copy (the disk tier reads those it has no file of yet)."""
+
+    name: str
+    position: int
+    chain: tuple[bytes, ...]
+    tail: tuple[int, ...]
+    hits: int
+    slot: Optional[int]
+    state: Optional[HostCopy]
+    tail_copy: Optional[HostCopy]
+    blocks: tuple[Union[int, HostCopy], ...]
+
+
+CacheOp = Union[CopySlot, SaveSlot, LoadSlot, SavePages, LoadPages, SpillSnapshot]
+
+# The disk tier's writer: runs a `SpillSnapshot`, returns the bytes it read from the device.
+Spill = Callable[[ModelRunner, SpillSnapshot], int]
 
 
 @dataclass
@@ -70,8 +91,10 @@ class Traffic:
     device_copies: int = 0
 
 
-def apply_ops(runner: ModelRunner, ops: Sequence[CacheOp], traffic: Traffic) -> None:
-    """Run the records on the runner, in order."""
+def apply_ops(runner: ModelRunner, ops: Sequence[CacheOp], traffic: Traffic,
+              spill: Optional[Spill] = None) -> None:
+    """Run the records on the runner, in order (`SpillSnapshot`s through `spill`: the prefix
+    cache queues them only when it has a disk tier)."""
     for op in ops:
         if isinstance(op, CopySlot):
             runner.copy_slot(op.src, op.dst)
@@ -88,6 +111,8 @@ def apply_ops(runner: ModelRunner, ops: Sequence[CacheOp], traffic: Traffic) -> 
         elif isinstance(op, LoadPages):
             runner.write_pages(op.pages, _data(op.source))
             traffic.host_to_device_bytes += op.source.nbytes
+        elif isinstance(op, SpillSnapshot) and spill is not None:
+            traffic.device_to_host_bytes += spill(runner, op)
         else:
             raise TypeError(f"unknown cache operation {op!r}")
 

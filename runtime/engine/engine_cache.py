@@ -1,7 +1,9 @@
 """The engine thread's side of the prefix cache: its capacities from `EngineConfig`, the file
 tier (`runtime.engine.cache_file`: read at construction, written at shutdown and every
-`cache_save_s`), the storage operations it queues (`runtime.engine.cache_ops`: run on the
-runner, in order) and its /metrics numbers.
+`cache_save_s`, only when the cache changed), the disk tier (`runtime.engine.disk_tier`:
+attached to the cache here, its writes run with the queued operations), the storage
+operations it queues (`runtime.engine.cache_ops`: run on the runner, in order) and its
+/metrics numbers.
 
 The scheduler owns the cache's bookkeeping (`Scheduler.cache`, a `SequenceCache`); the engine
 reaches the runner side of it only through `EngineCache`.
@@ -14,6 +16,7 @@ from typing import Optional
 
 from runtime.engine.cache_file import load_cache_file, save_cache_file
 from runtime.engine.cache_ops import Traffic, apply_ops
+from runtime.engine.disk_tier import DiskTier, DiskTierConfig
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.prefix_cache import PrefixCacheConfig
 from runtime.engine.scheduler import Scheduler
@@ -47,22 +50,46 @@ class EngineCache:
         self.traffic = Traffic()
         self._logger = logger
         self._saved_at = time.monotonic()
+        self._saved_changes = 0
+        self.disk: Optional[DiskTier] = None
+        warn = logger.warning if logger is not None else (lambda message: None)
+        if config.ssd_bytes and scheduler.cache is not None:
+            self.disk = DiskTier(DiskTierConfig(
+                directory=config.ssd_dir, cap_bytes=config.ssd_bytes,
+                write_bytes_per_hour=config.ssd_write_bytes_per_hour,
+                fingerprint=config.cache_fingerprint, slot_nbytes=runner.slot_nbytes,
+                page_nbytes=runner.page_nbytes), warn)
+            scheduler.cache.cache.disk = self.disk
+            if logger is not None:
+                logger.info("prefix cache disk tier: %s, %.1f GiB, %d earlier files removed",
+                            config.ssd_dir, config.ssd_bytes / (1 << 30),
+                            self.disk.removed_at_start)
         if config.cache_file is not None and scheduler.cache is not None:
-            warn = logger.warning if logger is not None else (lambda message: None)
             restored = load_cache_file(config.cache_file, config.cache_fingerprint,
                                        scheduler.cache.cache, warn)
             if logger is not None and restored:
                 logger.info("prefix cache: %d snapshots restored from %s", restored,
                             config.cache_file)
+            self._saved_changes = scheduler.cache.cache.changes    # the file holds these
 
     def apply_ops(self) -> None:
         """Run the prefix cache's queued copies (`runtime.engine.cache_ops`), in order."""
         if self.scheduler.cache is not None:
-            apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.traffic)
+            apply_ops(self.runner, self.scheduler.cache.cache.take_ops(), self.traffic,
+                      self.disk.spill if self.disk is not None else None)
+
+    def save_due_in(self) -> Optional[float]:
+        """Seconds until the periodic file-tier save is due (None: there is none), so that an
+        idle engine thread wakes for it instead of waiting for its next request."""
+        if self.config.cache_file is None or self.scheduler.cache is None \
+                or not self.config.cache_save_s:
+            return None
+        return max(0.0, self._saved_at + self.config.cache_save_s - time.monotonic())
 
     def save(self, periodic: bool) -> None:
         """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
-        write. A failed write is logged; the cache keeps serving."""
+        write and the cache's entries changed since (an idle engine rewrites nothing). A failed
+        write is logged; the cache keeps serving."""
         cache = self.scheduler.cache
         if self.config.cache_file is None or cache is None:
             return
@@ -70,6 +97,9 @@ class EngineCache:
                              and time.monotonic() - self._saved_at >= self.config.cache_save_s):
             return
         self._saved_at = time.monotonic()
+        if periodic and cache.cache.changes == self._saved_changes:
+            return
+        self._saved_changes = cache.cache.changes
         try:
             size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
                                    cache.cache, self.runner)
@@ -90,7 +120,7 @@ class EngineCache:
         pages = self.scheduler.pages
         traffic = self.traffic
         # Counters end in _total (they only grow), the rest are gauges (/metrics names).
-        return {**{f"prefix_cache_{k}_total": v for k, v in cache.cache.stats.items()},
+        numbers = {**{f"prefix_cache_{k}_total": v for k, v in cache.cache.stats.items()},
                 "prefix_cache_block_evictions_total": pages.evictions,
                 "prefix_cache_host_to_device_bytes_total": traffic.host_to_device_bytes,
                 "prefix_cache_device_to_host_bytes_total": traffic.device_to_host_bytes,
@@ -98,3 +128,8 @@ class EngineCache:
                 "prefix_cache_cached_pages": pages.num_cached,
                 "prefix_cache_device_snapshots": cache.cache.device_snapshots,
                 "prefix_cache_host_bytes": cache.cache.host_used}
+        if self.disk is not None:
+            # ssd_{bytes_written,bytes_read,hits,read_failures,writes_dropped,evictions}_total
+            numbers.update({f"prefix_cache_{k}_total": v for k, v in self.disk.stats.items()})
+            numbers["prefix_cache_ssd_bytes"] = self.disk.used
+        return numbers

@@ -38,6 +38,8 @@ class EngineConfig:
     snapshot_interval: long prompts are snapshotted (and chunks end) at multiples of it.
     cache_file / cache_fingerprint: the file tier (`runtime.engine.cache_file`), read at
         construction and written at shutdown; cache_save_s: also written this often (0: not).
+    ssd_bytes / ssd_dir / ssd_write_bytes_per_hour: the disk tier (`runtime.engine.disk_tier`;
+        0 bytes: none), its directory and its write budget; its files carry cache_fingerprint.
     """
 
     num_lanes: int = 1
@@ -56,3 +58,6 @@ class EngineConfig:
     cache_file: Optional[str] = None
     cache_fingerprint: str = ""
     cache_save_s: float = 0.0
+    ssd_bytes: int = 0
+    ssd_dir: Optional[str] = None
+    ssd_write_bytes_per_hour: int = 8 << 30

@@ -2,7 +2,7 @@
 
 Other threads talk to it only through two thread-safe channels:
 - commands in (`submit`, `cancel`, `shutdown`), a `queue.SimpleQueue` the loop drains before
-  every step (and blocks on when idle);
+  every step (and blocks on when idle, until the periodic prefix-cache save is due at most);
 - outputs out: each request's `EngineOutput` increments go to its sink, by default a
   `RequestStream` (a blocking iterator over a queue); the server passes its own sink that
   hands increments to the asyncio loop with `call_soon_threadsafe`. Sinks run on the engine
@@ -208,7 +208,8 @@ class Engine:
             while True:
                 if self.config.cache_save_s:
                     self.cache.save(periodic=True)
-                if not self._drain_commands(block=not self.scheduler.has_work()):
+                if not self._drain_commands(block=not self.scheduler.has_work(),
+                                            timeout=self.cache.save_due_in()):
                     break
                 if self.speculation is not None:
                     batch = self.scheduler.schedule(self.speculation.draft_room(self._live))
@@ -246,11 +247,12 @@ class Engine:
                 live = LiveRequest(command[1], command[2], self.config.max_context)
                 self._end(live, reason, in_scheduler=False, error=error)
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
+    def _drain_commands(self, block: bool, timeout: Optional[float]) -> bool:
+        """Apply queued commands; False when asked to stop. timeout: when blocking, wait no
+        longer than this (the loop then runs an empty round: the periodic save is due)."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False

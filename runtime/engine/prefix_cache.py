@@ -23,6 +23,10 @@ so old entries age out. Host memory goes first to dead blocks (no snapshot needs
 by priority; a snapshot whose blocks are gone is dropped with them. Pages in use are never
 evicted (the block manager only evicts pages without users).
 
+With a disk tier (`runtime.engine.disk_tier`, attached as `disk` by the engine side), a shared
+snapshot evicted from memory is queued for disk with its blocks (`SpillSnapshot`), and `match`
+also looks there: a deeper snapshot on disk is read into the host tier and matched from there.
+
 All of this is bookkeeping: every copy is queued as a `cache_ops` record for the engine thread.
 """
 
@@ -30,12 +34,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from runtime.engine.cache_ops import (CacheOp, CopySlot, HostCopy, LoadPages, LoadSlot, SavePages,
-                                      SaveSlot)
+                                      SaveSlot, SpillSnapshot)
 from runtime.engine.kv_blocks import BlockManager, block_hashes, chain_hash
 from runtime.model.runner import PAGE_SIZE
+
+if TYPE_CHECKING:
+    from runtime.engine.disk_tier import DiskTier
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ class PrefixCache:
         self._pinned: Optional[Snapshot] = None    # the entry a resume is mapping right now
         self._ops: list[CacheOp] = []
         self.host_used = 0
+        self.disk: Optional["DiskTier"] = None
+        self.changes = 0       # entries added or dropped so far (the file tier saves on change)
         self.stats = {"hits": 0, "misses": 0, "hit_tokens": 0, "snapshots": 0,
                       "snapshot_evictions": 0, "block_demotions": 0, "block_promotions": 0,
                       "pauses_saved": 0}
@@ -132,6 +141,30 @@ class PrefixCache:
         if not self.config.reuse:
             return None
         digests = block_hashes(token_ids[:limit])
+        best = self._match_memory(token_ids, digests, limit)
+        if self.disk is None:
+            return best
+        found = self.disk.match(token_ids, digests, limit, best.position if best else 0)
+        while found is not None:
+            data = self.disk.read(found, self._in_memory)
+            if data is not None:
+                state, tail_copy, blocks = data
+                # A resume needs it now: it may push any cached entry out of the host tier
+                # (lowest worth first; those go to disk in turn), never a pause point.
+                if self.restore_entry(found.position, found.chain, found.tail, state, tail_copy,
+                                      blocks, hits=found.hits, room_priority=math.inf):
+                    self.disk.hit(found)
+                    return self._entries[found.name]
+                # No host room even so (pause points hold it); making room may have evicted
+                # `best`: match again.
+                return self._match_memory(token_ids, digests, limit)
+            # Unreadable: it left the disk index (one warning); the next deepest on disk.
+            found = self.disk.match(token_ids, digests, limit, best.position if best else 0)
+        return best
+
+    def _match_memory(self, token_ids: Sequence[int], digests: Sequence[bytes],
+                      limit: int) -> Optional[Snapshot]:
+        """The deepest shared snapshot in memory (device or host) of a prefix."""
         for depth in range(len(digests), -1, -1):
             anchor = digests[depth - 1] if depth else None
             start = depth * PAGE_SIZE
@@ -270,19 +303,26 @@ class PrefixCache:
 
     def restore_entry(self, position: int, chain: tuple[bytes, ...], tail: tuple[int, ...],
                       state: HostCopy, tail_copy: Optional[HostCopy],
-                      blocks: dict[bytes, HostCopy]) -> bool:
-        """Add a snapshot read from the file, state and blocks in host memory (blocks already
-        cached here are shared). False when the host budget has no room for it."""
+                      blocks: dict[bytes, HostCopy], hits: int = 0,
+                      room_priority: Optional[float] = None) -> bool:
+        """Add a snapshot read from the file or the disk tier, state and blocks in host memory
+        (blocks `blocks` lacks must be cached here: they are shared). False when the host
+        budget has no room for it. room_priority: what it may evict for room (default: its
+        own priority, i.e. entries worth less)."""
         name = snapshot_key(chain, tail)
         if name in self._entries:
             return False
         entry = Snapshot(name=name, position=position, chain=chain, tail=tail, state=state,
-                         tail_copy=tail_copy)
+                         tail_copy=tail_copy, hits=hits)
         entry.priority = self._priority(entry)
         new_blocks = {d: c for d, c in blocks.items()
                       if d not in self._host_blocks and self.blocks.lookup(d) is None}
         need = entry.host_nbytes + sum(c.nbytes for c in new_blocks.values())
-        if not self._host_room(need, entry.priority):
+        # Pinned: the host blocks it shares are not dead while room is made for it.
+        self._pinned = entry
+        room = self._host_room(need, entry.priority if room_priority is None else room_priority)
+        self._pinned = None
+        if not room:
             return False
         for digest, copy in new_blocks.items():
             self._host_blocks[digest] = copy
@@ -298,7 +338,11 @@ class PrefixCache:
         size = self.config.slot_nbytes + (self.config.page_nbytes if entry.tail else 0)
         return self._clock + (1 + entry.hits) * entry.position / max(size, 1)
 
+    def _in_memory(self, digest: bytes) -> bool:
+        return self.blocks.lookup(digest) is not None or digest in self._host_blocks
+
     def _add(self, entry: Snapshot) -> None:
+        self.changes += 1
         self._entries[entry.name] = entry
         self._by_anchor.setdefault(entry.anchor, []).append(entry)
         for digest in entry.chain:
@@ -306,6 +350,7 @@ class PrefixCache:
         self.host_used += entry.host_nbytes
 
     def _drop(self, entry: Snapshot) -> None:
+        self.changes += 1
         del self._entries[entry.name]
         siblings = self._by_anchor[entry.anchor]
         siblings.remove(entry)
@@ -322,7 +367,19 @@ class PrefixCache:
         if entry.owner is None:
             self._clock = max(self._clock, entry.priority)
 
-    def _evict_entry(self, entry: Snapshot) -> None:
+    def _evict_entry(self, entry: Snapshot, gone: Optional[tuple[bytes, int]] = None) -> None:
+        """Evict an entry from memory (a shared one to the disk tier, if any). gone: (digest,
+        page) of a chain block the block manager has just unpublished (its page is intact)."""
+        if self.disk is not None and entry.owner is None:    # pause points never go to disk
+            sources = []
+            for digest in entry.chain:
+                page = gone[1] if gone is not None and digest == gone[0] else \
+                    self.blocks.lookup(digest)
+                # Every block of an entry is on the device or the host (`check`).
+                sources.append(page if page is not None else self._host_blocks[digest])
+            self._ops.append(SpillSnapshot(entry.name, entry.position, entry.chain, entry.tail,
+                                           entry.hits, entry.slot, entry.state, entry.tail_copy,
+                                           tuple(sources)))
         self._drop(entry)
         self.stats["snapshot_evictions"] += 1
 
@@ -353,8 +410,10 @@ class PrefixCache:
         first, then shared entries of lower priority (never `keep`, never pause points)."""
         if nbytes > self.config.host_bytes:
             return False
+        pinned = set(self._pinned.chain) if self._pinned is not None else set()
         while self.host_used + nbytes > self.config.host_bytes:
-            dead = next((d for d in self._host_blocks if d not in self._dependents), None)
+            dead = next((d for d in self._host_blocks
+                         if d not in self._dependents and d not in pinned), None)
             if dead is not None:
                 self.host_used -= self._host_blocks.pop(dead).nbytes
                 continue
@@ -385,7 +444,7 @@ class PrefixCache:
         if digest in self._host_blocks:
             return
         for name in list(self._dependents.get(digest, ())):
-            self._evict_entry(self._entries[name])
+            self._evict_entry(self._entries[name], gone=(digest, page))
 
     def check(self) -> None:
         """Every entry's blocks are on the device or the host; the host budget holds."""

@@ -7,6 +7,7 @@ naming the option, never a setting silently ignored.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +34,7 @@ def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
     request) has no cache options and no cache; on cuda the cache waits for the CUDA runner's
     host-copy methods (`ModelRunner.save_slot` and the rest), so it is off there too."""
     off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
-           "snapshot_interval": 0, "cache_file": None}
+           "snapshot_interval": 0, "cache_file": None, "ssd_bytes": 0, "ssd_dir": None}
     if not hasattr(settings, "no_prefix_cache"):
         return off
     if device == "cuda":
@@ -48,7 +49,32 @@ def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
             "host_cache_bytes": settings.host_context_mib << 20,
             "snapshot_interval": interval,
             "cache_file": settings.prefix_cache_file,    # fingerprinted once the runner exists
-            "cache_save_s": settings.prefix_cache_save_mins * 60.0}
+            "cache_save_s": settings.prefix_cache_save_mins * 60.0,
+            **disk_tier_settings(settings)}
+
+
+def disk_tier_settings(settings: Any) -> dict:
+    """`--ssd-context-gib N --ssd-context-dir DIR --ssd-context-gib-per-hour M` as the disk
+    tier's `EngineConfig` fields; a tier that cannot work is a ConfigError at startup, not a
+    failed write later."""
+    gib, directory = settings.ssd_context_gib, settings.ssd_context_dir
+    if not gib:
+        if directory is not None:
+            raise ConfigError("--ssd-context-dir: the disk tier is off; give its size with "
+                              "--ssd-context-gib N")
+        return {"ssd_bytes": 0, "ssd_dir": None}
+    if directory is None:
+        raise ConfigError("--ssd-context-gib needs --ssd-context-dir DIR (a directory on the "
+                          "SSD for the disk tier's files)")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--ssd-context-dir: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"--ssd-context-dir: {directory} is not writable")
+    if settings.no_prefix_cache:
+        raise ConfigError("--ssd-context-gib: the disk tier holds shared snapshots, which "
+                          "--no-prefix-cache turns off")
+    return {"ssd_bytes": gib << 30, "ssd_dir": os.path.abspath(directory),
+            "ssd_write_bytes_per_hour": settings.ssd_context_gib_per_hour << 30}
 
 
 def route_summary(device: str, cache: dict) -> str:

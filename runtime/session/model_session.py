@@ -166,7 +166,7 @@ class ModelSession:
                              runner_slots(num_lanes, speculative, cache), prefill_chunk,
                              settings, logger, mtp=speculative.mtp, vision=vision is not None)
         phase_done(f"weights loaded ({type(runner).__name__})")
-        if cache["cache_file"] is not None:
+        if cache["cache_file"] is not None or cache["ssd_dir"] is not None:
             cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,
                                                            settings.kv_dtype)
         engine_config = EngineConfig(
