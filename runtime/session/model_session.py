@@ -184,11 +184,11 @@ class ModelSession:
                       chat_template=chat_template, engine=engine,
                       kv_capacity_tokens=num_pages * PAGE_SIZE, num_lanes=num_lanes,
                       load_seconds=seconds, vision=vision)
+        logger.info(route_summary(device, cache))  # before "engine ready": the last line before output
         logger.info("engine ready: %s, %s, context %d, KV pool %d tokens (%d pages), %d lane%s, "
                     "template %s, presets %s (%.1f s)", model_name, device, max_context,
                     num_pages * PAGE_SIZE, num_pages, num_lanes, "" if num_lanes == 1 else "s",
                     chat_template.origin, session.presets.name, seconds)
-        logger.info(route_summary(device, cache))
         return session
 
     def device_memory_bytes(self) -> Optional[int]:
