@@ -21,7 +21,6 @@ differs from the manifest's, or its cubin is missing or altered.
 from __future__ import annotations
 
 import argparse
-import ast
 import concurrent.futures as futures
 import fnmatch
 import hashlib
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernel_sources import SourceError, module_sources
 from runtime.cuda.expr import evaluate
 from runtime.cuda.manifest import (
     KernelEntry,
@@ -55,11 +55,9 @@ DEFAULT_OUT = REPO / "build" / "kernels"
 KNOWN_ARCHES = ("sm_90a", "sm_100a", "sm_120a")
 # Bump when this script changes how cubins or manifest entries are derived.
 ABI_VERSION = 1
-# Sources every variant depends on besides its own family module.
-COMMON_SOURCES = ("cute_kernels/variant.py", "cute_kernels/_dsl.py", "runtime/cuda/expr.py")
-# The package of kernel families; a family's fingerprint covers the package modules its file
+# Sources every variant depends on besides its own family module and the package modules it
 # imports (`module_sources`).
-PACKAGE = "cute_kernels"
+COMMON_SOURCES = ("cute_kernels/variant.py", "cute_kernels/_dsl.py", "runtime/cuda/expr.py")
 
 
 class BuildError(RuntimeError):
@@ -99,60 +97,6 @@ def toolchain() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
-
-
-def module_sources(root: Path, rel: str) -> list[str]:
-    """`rel` and every `cute_kernels` module it imports, directly or through another one.
-
-    A family may take its launch description from another family's file (`gdn_chunked` calls
-    `gdn.prefill_interface`, `attention_prefill` reads `attention`'s tensors), so that file
-    must be in its fingerprint, or an edit there would leave a stale cubin in use. Read from the
-    import statements (anywhere in the file, function bodies included) rather than a list kept
-    by hand, so a new family is covered without touching this script."""
-    found: set[str] = set()
-    pending = [rel]
-    while pending:
-        current = pending.pop()
-        if current in found:
-            continue
-        found.add(current)
-        tree = ast.parse((root / current).read_text(encoding="utf-8"), filename=current)
-        for node in ast.walk(tree):
-            pending += [_package_file(root, dotted, current) for dotted in _package_imports(node, current)]
-    return sorted(found)
-
-
-def _package_imports(node: ast.AST, rel: str) -> list[str]:
-    """What an import statement takes from `cute_kernels`, as dotted names.
-
-    `from .gdn import layout` gives "cute_kernels.gdn.layout" and `from . import gdn` gives
-    "cute_kernels.gdn": an imported name may be a module or a name defined in one, which
-    `_package_file` sorts out. Imports from outside the package give nothing."""
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names if alias.name.split(".")[0] == PACKAGE]
-    if not isinstance(node, ast.ImportFrom):
-        return []
-    if node.level == 0:
-        base = node.module or ""
-        if base.split(".")[0] != PACKAGE:
-            return []
-    elif node.level == 1:
-        base = PACKAGE + (f".{node.module}" if node.module else "")
-    else:
-        raise BuildError(f"{rel}: relative import beyond the {PACKAGE} package (level {node.level})")
-    return [f"{base}.{alias.name}" for alias in node.names]
-
-
-def _package_file(root: Path, dotted: str, importer: str) -> str:
-    """The repository-relative file defining `dotted`: the longest prefix of it that is a module
-    (`name.py`) or a package (`name/__init__.py`) under `root`."""
-    parts = dotted.split(".")
-    while parts:
-        for candidate in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
-            if (root / candidate).is_file():
-                return candidate
-        parts.pop()
-    raise BuildError(f"{importer}: no file under {root} defines {dotted}")
 
 
 def plan(arches: Sequence[str], patterns: Sequence[str], tools: Mapping[str, str],
@@ -531,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             return check(arches, args.out, args.only)
         return build(arches, args.out, args.jobs, args.only, args.force)
-    except BuildError as exc:
+    except (BuildError, SourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -161,7 +161,7 @@ def test_module_sources_follows_every_import_form(tmp_path):
     assert bk.module_sources(tmp_path, "cute_kernels/fam.py") == [
         "cute_kernels/__init__.py", "cute_kernels/fam.py", "cute_kernels/helper.py",
         "cute_kernels/nested/deep.py", "cute_kernels/other.py", "cute_kernels/shared.py"]
-    with pytest.raises(bk.BuildError, match="cute_kernels/bad.py: relative import beyond"):
+    with pytest.raises(bk.SourceError, match="cute_kernels/bad.py: relative import beyond"):
         bk.module_sources(tmp_path, "cute_kernels/bad.py")
 
 
