@@ -12,7 +12,7 @@ from runtime.engine.api import (EngineRequest, FinishReason, RequestRejected, Sa
                                 ThinkingControl)
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.model.sampling import pack_mask
-from test_engine_fakes import FakeRunner, reference_greedy
+from test_engine_fakes import FakeRunner, OnlyEven, reference_greedy
 
 GREEDY = SamplingParams(greedy=True)
 
@@ -264,30 +264,9 @@ def test_sink_failure_cancels_only_its_request(engine_factory):
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 10
 
 
-class _OnlyEven:
-    """A constraint that allows even ids only, for `limit` tokens, then only `end`."""
-
-    def __init__(self, limit, end):
-        self.limit, self.end, self.seen = limit, end, []
-
-    def allowed_bitmask_u32(self, vocab_size):
-        mask = np.zeros(vocab_size, dtype=bool)
-        if len(self.seen) < self.limit:
-            mask[0::2] = True
-        else:
-            mask[self.end] = True
-        return pack_mask(mask)
-
-    def commit(self, token_id):
-        self.seen.append(token_id)
-
-    def rollback(self, num_tokens):
-        del self.seen[-num_tokens:]
-
-
 def test_constraint_masks_every_sampled_token(engine_factory):
     engine = engine_factory()
-    constraint = _OnlyEven(limit=6, end=1)
+    constraint = OnlyEven(limit=6, end=1)
     tokens, final = run_one(engine, request(
         "a", [1, 2, 3], 20, SamplingParams(temperature=1.0, seed=3), constraint=constraint,
         stop_token_ids=frozenset({1})))
@@ -297,13 +276,13 @@ def test_constraint_masks_every_sampled_token(engine_factory):
 
 def test_constraint_that_cannot_finish_in_time_ends_with_length(engine_factory):
     engine = engine_factory()
-    tokens, final = run_one(engine, request("a", [1, 2, 3], 4, constraint=_OnlyEven(10, 1),
+    tokens, final = run_one(engine, request("a", [1, 2, 3], 4, constraint=OnlyEven(10, 1),
                                             stop_token_ids=frozenset({1})))
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 4
 
 
 def test_constraint_dead_end_is_an_error_for_that_request(engine_factory):
-    class DeadEnd(_OnlyEven):
+    class DeadEnd(OnlyEven):
         def allowed_bitmask_u32(self, vocab_size):
             return pack_mask(np.zeros(vocab_size, dtype=bool))
 
@@ -325,7 +304,7 @@ def test_constraint_masks_are_computed_while_the_runner_works(engine_factory):
             waits.append(mask_started.wait(timeout=5.0))
             return super().decode(items)
 
-    class Signalling(_OnlyEven):
+    class Signalling(OnlyEven):
         def allowed_bitmask_u32(self, vocab_size):
             mask_started.set()
             return super().allowed_bitmask_u32(vocab_size)

@@ -1,6 +1,7 @@
-"""A fake `ModelRunner` for engine tests (no tests here; the engine test files import it).
+"""Fakes for engine tests (no tests here; the engine test files import them): a `ModelRunner`,
+a constraint (`OnlyEven`) and a logger that keeps the warnings (`RecordingLog`).
 
-The fake is exact and stateful like a real runner, so replay and batching bugs change its
+The runner fake is exact and stateful like a real runner, so replay and batching bugs change its
 output: each slot carries a running hash of every token it consumed (the recurrent state), each
 token is written to its KV page row, and every call checks that the page table rows before the
 new tokens hold exactly the history the slot hash was built from. Its logits put a clear winner
@@ -14,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk
+from runtime.model.sampling import pack_mask
 
 MOD = 1_000_003
 
@@ -116,3 +118,41 @@ def reference_greedy(runner_factory, prompt: Sequence[int], max_new: int,
         state = fold(state, token, len(tokens))
         tokens.append(token)
     return out
+
+
+class OnlyEven:
+    """A constraint that allows even ids only, for `limit` tokens, then only `end`."""
+
+    def __init__(self, limit, end):
+        self.limit, self.end, self.seen = limit, end, []
+
+    def allowed_bitmask_u32(self, vocab_size):
+        mask = np.zeros(vocab_size, dtype=bool)
+        if len(self.seen) < self.limit:
+            mask[0::2] = True
+        else:
+            mask[self.end] = True
+        return pack_mask(mask)
+
+    def commit(self, token_id):
+        self.seen.append(token_id)
+
+    def rollback(self, num_tokens):
+        del self.seen[-num_tokens:]
+
+
+class RecordingLog:
+    """A logger (`Engine(logger=...)`, the session's settings) that keeps the formatted
+    warnings and drops the rest."""
+
+    def __init__(self):
+        self.warnings = []
+
+    def warning(self, message, *args):
+        self.warnings.append(message % args if args else message)
+
+    def info(self, *args):
+        pass
+
+    def debug(self, *args):
+        pass

@@ -18,6 +18,7 @@ from runtime.engine.disk_tier import DiskTier, DiskTierConfig, WriteBudget
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.kv_blocks import block_hashes
 from runtime.engine.prefix_cache import snapshot_key
+from test_engine_fakes import RecordingLog
 
 GREEDY = SamplingParams(greedy=True)
 BASE = dict(num_lanes=2, max_context=1024, prefill_chunk=128, snapshot_interval=64)
@@ -41,20 +42,6 @@ def make_runner(tiny_dense_path):
     artifact.close()
 
 
-class Log:
-    def __init__(self):
-        self.warnings = []
-
-    def warning(self, message, *args):
-        self.warnings.append(message % args if args else message)
-
-    def info(self, *args):
-        pass
-
-    def debug(self, *args):
-        pass
-
-
 def tokens(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 440, n)]
 
@@ -74,7 +61,7 @@ def conversation(make_runner, ssd_dir, damage=None):
     two (given the history and the engine). Returns turn two's final output, the engine's
     numbers, the warnings and the resume position without damage."""
     first, other = tokens(1, 150), tokens(2, 400)
-    log = Log()
+    log = RecordingLog()
     config = EngineConfig(**BASE, **TINY_HOST, ssd_bytes=4 << 20, ssd_dir=str(ssd_dir))
     with Engine(make_runner(8), config, logger=log) as engine:
         answer, _ = run(engine, "a", first)
@@ -239,7 +226,8 @@ def test_bad_disk_tier_options_are_startup_errors(tmp_path):
     from runtime.session import prefix_cache_settings
 
     def settings(*args):
-        return prefix_cache_settings(parse_settings("serve", ["m.infernix", *args]), "cpu", Log())
+        return prefix_cache_settings(parse_settings("serve", ["m.infernix", *args]), "cpu",
+                                     RecordingLog())
 
     good = settings("--ssd-context-gib", "2", "--ssd-context-dir", str(tmp_path))
     assert (good["ssd_bytes"], good["ssd_dir"], good["ssd_write_bytes_per_hour"]) == (
@@ -270,7 +258,7 @@ def test_an_unwritable_disk_tier_directory_is_a_startup_error(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="is not writable"):
         prefix_cache_settings(parse_settings("serve", [
             "m.infernix", "--ssd-context-gib", "1", "--ssd-context-dir", str(tmp_path)]),
-            "cpu", Log())
+            "cpu", RecordingLog())
 
 
 # --- the periodic file-tier save of an idle engine ----------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
 from runtime.engine.engine_loop import Engine, EngineConfig
+from test_engine_fakes import RecordingLog
 
 GREEDY = SamplingParams(greedy=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
@@ -159,20 +160,7 @@ def test_the_file_tier_survives_a_restart_and_ignores_bad_files(make_runner, tmp
     with Engine(make_runner(), config()) as cold:
         expected = run(cold, "b", follow)[0]
 
-    class Log:
-        def __init__(self):
-            self.warnings = []
-
-        def warning(self, message, *args):
-            self.warnings.append(message % args if args else message)
-
-        def info(self, *args):
-            pass
-
-        def debug(self, *args):
-            pass
-
-    log = Log()
+    log = RecordingLog()
     with Engine(make_runner(), file_config, logger=log) as engine:
         got, final = run(engine, "b", follow)
     assert got == expected and final.cached_prompt_tokens == len(prompt) + len(ids) - 1
@@ -182,7 +170,7 @@ def test_the_file_tier_survives_a_restart_and_ignores_bad_files(make_runner, tmp
                  "truncated": good[:len(good) // 2], "garbage": b"not a cache file"}
     for why, data in bad_files.items():
         path.write_bytes(data)
-        log = Log()
+        log = RecordingLog()
         with Engine(make_runner(), file_config, logger=log) as engine:
             got, final = run(engine, "b", follow)
             engine.shutdown()
@@ -190,7 +178,7 @@ def test_the_file_tier_survives_a_restart_and_ignores_bad_files(make_runner, tmp
         assert len([w for w in log.warnings if "ignored" in w]) == 1, (why, log.warnings)
         assert "unreadable" in log.warnings[0], why
     other = config(**CACHE, cache_file=str(path), cache_fingerprint="another-model")
-    log = Log()
+    log = RecordingLog()
     with Engine(make_runner(), other, logger=log) as engine:
         got, final = run(engine, "b", follow)
     assert final.cached_prompt_tokens == 0

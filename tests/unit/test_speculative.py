@@ -12,8 +12,8 @@ import pytest
 from runtime.engine.api import (EngineRequest, FinishReason, SamplingParams, ThinkingControl)
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.speculative import NgramIndex, SlotLayout, SpeculativeConfig
-from runtime.model.sampling import pack_mask
 from spec_fakes import CopyRunner
+from test_engine_fakes import OnlyEven
 
 GREEDY = SamplingParams(greedy=True)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
@@ -153,27 +153,6 @@ def test_sampled_rounds_keep_the_target_distribution():
     assert statistic < 51.18, (statistic, observed, expected_counts)
 
 
-class _OnlyEven:
-    """A constraint that allows even ids only, for `limit` tokens, then only `end`."""
-
-    def __init__(self, limit, end):
-        self.limit, self.end, self.seen = limit, end, []
-
-    def allowed_bitmask_u32(self, vocab_size):
-        mask = np.zeros(vocab_size, dtype=bool)
-        if len(self.seen) < self.limit:
-            mask[0::2] = True
-        else:
-            mask[self.end] = True
-        return pack_mask(mask)
-
-    def commit(self, token_id):
-        self.seen.append(token_id)
-
-    def rollback(self, num_tokens):
-        del self.seen[-num_tokens:]
-
-
 @pytest.mark.parametrize("spec", [NGRAM, BOTH], ids=["ngram", "both"])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 def test_constraint_thinking_budget_stop_and_limits_cut_rounds_exactly(spec, sampling):
@@ -181,7 +160,7 @@ def test_constraint_thinking_budget_stop_and_limits_cut_rounds_exactly(spec, sam
     free = run(OFF, {"a": prompt}, 60, sampling)[0]["a"][0]
     stop_id = free[17]                          # a token the output reaches mid-way
     cases = {
-        "constraint": {"constraint": lambda: _OnlyEven(40, 1),
+        "constraint": {"constraint": lambda: OnlyEven(40, 1),
                        "stop_token_ids": frozenset({1})},
         "budget": {"thinking": ThinkingControl(starts_in_thinking=True, think_end_id=47,
                                                budget=13, close_ids=(44, 45, 47))},
