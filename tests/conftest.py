@@ -72,3 +72,15 @@ def tiny_real_vocab_path(tmp_path_factory):
     """Qwen3.5 dense tiny model with the real Qwen3.5 tokenizer (248,320 rows, tied
     embeddings; ~130 MB, a few seconds to build)."""
     return _tiny(tmp_path_factory, "dense", "real")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_path(tmp_path_factory):
+    """Qwen3.5 dense tiny model converted with the FP8 recipe (e4m3 codes, 128x128 block
+    scales), 512-token vocabulary."""
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny-fp8")
+    hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-fp8.infernix", convert.Recipe("fp8"), name="tiny-fp8")

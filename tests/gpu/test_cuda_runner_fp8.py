@@ -23,36 +23,26 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def fp8_path(tmp_path_factory):
-    from tools import convert
-    from tools.make_tiny import make_hf_dir
-
-    root = tmp_path_factory.mktemp("tiny_fp8")
-    hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
-    return convert.convert(hf, root / "tiny-fp8.infernix", convert.Recipe("fp8"), name="tiny-fp8")
-
-
-@pytest.fixture(scope="module")
-def runners(fp8_path, device, library):
+def runners(tiny_fp8_path, device, library):
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.numpy_runner import NumpyRunner
 
-    cuda = CudaRunner.from_artifact(fp8_path, num_pages=40, num_slots=2, device=device, library=library,
+    cuda = CudaRunner.from_artifact(tiny_fp8_path, num_pages=40, num_slots=2, device=device, library=library,
                                     prefill_chunk=128)
-    ref = NumpyRunner.from_artifact(fp8_path, num_pages=40, num_slots=2)
+    ref = NumpyRunner.from_artifact(tiny_fp8_path, num_pages=40, num_slots=2)
     assert cuda.layout.fp8_shapes(), "the artifact has fp8 projections"
     yield cuda, ref
     cuda.close()
 
 
-def test_fp8_prefill_logits_match_reference(runners, fp8_path):
+def test_fp8_prefill_logits_match_reference(runners, tiny_fp8_path):
     cuda, ref = runners
     ids = _prompt(3, 200, cuda.vocab_size)
     chunk = PrefillChunk(slot=0, token_ids=ids, start_pos=0, page_table=_pages(0, 4), all_logits=True)
     cuda.reset_slot(0)
     ref.reset_slot(0)
     ours, want = cuda.prefill(chunk), ref.prefill(chunk)
-    torch_bf16 = _torch_bf16_logits(fp8_path, ids)
+    torch_bf16 = _torch_bf16_logits(tiny_fp8_path, ids)
     e_ours, e_torch = _rel(ours, want), _rel(torch_bf16, want)
     print(f"fp8 logits rel err vs NumpyRunner: ours {e_ours:.3e}, torch bf16 {e_torch:.3e}")
     assert np.isfinite(ours).all()
@@ -62,7 +52,7 @@ def test_fp8_prefill_logits_match_reference(runners, fp8_path):
     assert agree >= min(0.99, agree_torch - 0.01)
 
 
-def test_fp8_decode_logits_match_reference(runners, fp8_path):
+def test_fp8_decode_logits_match_reference(runners, tiny_fp8_path):
     """Prefill 60 tokens, then decode 4 teacher-forced tokens on both runners (two sequences in
     one batch, so the M = 2 launch is checked too)."""
     cuda, ref = runners
@@ -78,7 +68,7 @@ def test_fp8_decode_logits_match_reference(runners, fp8_path):
         ours.append(cuda.decode(items))
         want.append(ref.decode(items))
     ours, want = np.stack(ours, 1), np.stack(want, 1)  # [sequence, step, V]
-    torch_bf16 = np.stack([_torch_bf16_logits(fp8_path, prompts[s] + forced[s])[60:] for s in range(2)])
+    torch_bf16 = np.stack([_torch_bf16_logits(tiny_fp8_path, prompts[s] + forced[s])[60:] for s in range(2)])
     e_ours, e_torch = _rel(ours, want), _rel(torch_bf16, want)
     print(f"fp8 decode logits rel err vs NumpyRunner: ours {e_ours:.3e}, torch bf16 {e_torch:.3e}")
     assert np.isfinite(ours).all()

@@ -14,28 +14,18 @@ import pytest
 from runtime.model.runner import DecodeItem, PrefillChunk
 
 from null_cuda import built_or_skip
+
 FP8 = "fp8_e4m3"
 
 
-
-
 @pytest.fixture(scope="module")
-def fp8_artifact(tmp_path_factory):
-    from tools import convert
-    from tools.make_tiny import make_hf_dir
-
-    root = tmp_path_factory.mktemp("tiny_fp8")
-    hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
-    return convert.convert(hf, root / "tiny-fp8.infernix", convert.Recipe("fp8"), name="tiny-fp8")
-
-
-@pytest.fixture(scope="module")
-def runner(fp8_artifact):
+def runner(tiny_fp8_path):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    r = built_or_skip(lambda: CudaRunner.from_artifact(fp8_artifact, num_pages=16, num_slots=2,
-                                               device=NullDevice(total_memory=2 << 30), prefill_chunk=64))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_fp8_path, num_pages=16, num_slots=2,
+                                                       device=NullDevice(total_memory=2 << 30),
+                                                       prefill_chunk=64))
     yield r
     r.close()
 
@@ -51,10 +41,10 @@ def _fp8_launches(launches):
     return out
 
 
-def test_fp8_projections_are_uploaded_as_stored(runner, fp8_artifact):
+def test_fp8_projections_are_uploaded_as_stored(runner, tiny_fp8_path):
     from runtime.artifact import open_artifact
 
-    text = open_artifact(fp8_artifact).component("text")
+    text = open_artifact(tiny_fp8_path).component("text")
     lay, dev, base = runner.layout, runner.device, runner.storage.weights_base
     gdn = lay.layers[0]
     assert gdn["w_in"].format == FP8 and gdn["w_in"].shape == (384, 256)  # in_proj_qkv | in_proj_z
