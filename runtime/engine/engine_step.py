@@ -119,11 +119,17 @@ class StepExecutor:
         # its sampling would (host float64 vs device fp32 decide alike except within rounding
         # of a threshold), so a request's draws never depend on whether a neighbour asks for
         # logprobs (request invariance).
-        steady = [w for w in batch.decodes if not self._live[w.request_id].suspect]
         device_capable = self._device_sampling and self.runner.samples_on_device
-        host = [w for w in steady if self._live[w.request_id].request.logprobs] if device_capable else []
-        groups = [[w for w in steady if w not in host], host]
-        groups += [[w] for w in batch.decodes if self._live[w.request_id].suspect]
+        together: list = []
+        apart: list = []
+        suspects: list = []
+        for work in batch.decodes:
+            live = self._live[work.request_id]
+            if live.suspect:
+                suspects.append([work])
+            else:
+                (apart if device_capable and live.request.logprobs else together).append(work)
+        groups = [together, apart, *suspects]
         rounds: dict[str, RoundOutcome] = {}
         for group in groups:
             if not group:
