@@ -25,7 +25,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.gpu.kernels import KernelChoice
 from runtime.model.gpu.layers import Forward
 from runtime.model.gpu.sampling import DeviceSampler
-from runtime.model.gpu.step import Steps
+from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
@@ -187,10 +187,10 @@ class CudaRunner:
         st = self.storage
         keys = np.empty((len(st.k_pages), len(ids), st.page_bytes), np.uint8)
         values = np.empty_like(keys)
-        for lo, hi in _runs(ids):
+        for rows, offset in self._page_runs(ids):
             for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
-                self.device.memcpy_dtoh(keys[n, lo:hi], k + int(ids[lo]) * st.page_bytes, self.stream)
-                self.device.memcpy_dtoh(values[n, lo:hi], v + int(ids[lo]) * st.page_bytes, self.stream)
+                self.device.memcpy_dtoh(keys[n, rows], k + offset, self.stream)
+                self.device.memcpy_dtoh(values[n, rows], v + offset, self.stream)
         self.stream.synchronize()
         return keys, values
 
@@ -201,10 +201,19 @@ class CudaRunner:
         if keys.shape != (len(st.k_pages), len(ids), st.page_bytes) or values.shape != keys.shape:
             raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
         self._ahead = None
-        for lo, hi in _runs(ids):
+        for rows, offset in self._page_runs(ids):
             for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
-                self.device.memcpy_htod(k + int(ids[lo]) * st.page_bytes, keys[n, lo:hi], self.stream)
-                self.device.memcpy_htod(v + int(ids[lo]) * st.page_bytes, values[n, lo:hi], self.stream)
+                self.device.memcpy_htod(k + offset, keys[n, rows], self.stream)
+                self.device.memcpy_htod(v + offset, values[n, rows], self.stream)
+
+    def _page_runs(self, ids: np.ndarray) -> list[tuple[slice, int]]:
+        """(rows of the host copy, byte offset in each layer's K or V pool) of every run of
+        consecutive page ids, so each run is one copy per layer."""
+        runs, at = [], 0
+        for first, end in consecutive_runs(ids.tolist()):
+            runs.append((slice(at, at + end - first), first * self.storage.page_bytes))
+            at += end - first
+        return runs
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
@@ -405,13 +414,3 @@ class CudaRunner:
         self.stream.synchronize()
         self.steps.destroy_graphs()
         self.storage.release()
-
-
-def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges of `ids` whose page ids are consecutive (one copy each)."""
-    runs, lo = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((lo, i))
-            lo = i
-    return runs

@@ -216,7 +216,7 @@ class Steps:
             self._run_lm_head(t - 1, 1)
             return []
         out = []
-        for lo, hi in _runs(wanted):
+        for lo, hi in consecutive_runs(wanted):
             for row0 in range(lo, hi, st.logit_rows):
                 n = min(st.logit_rows, hi - row0)
                 self._run_lm_head(row0, n)
@@ -276,10 +276,11 @@ class Steps:
         self.plans.clear()
 
 
-def _runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
-    """Increasing offsets as maximal runs [lo, hi) of consecutive ones."""
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """`values`, in order, as maximal runs [lo, hi) of values that each follow the one before
+    by 1 (offsets of wanted logits rows; page ids of a host copy)."""
     runs: list[list[int]] = []
-    for o in offsets:
+    for o in values:
         if runs and runs[-1][1] == o:
             runs[-1][1] = o + 1
         else:
