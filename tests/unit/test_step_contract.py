@@ -12,7 +12,9 @@ import pytest
 from runtime.model.config import ModelConfig
 from runtime.model.numpy_runner import NumpyRunner
 from runtime.model.random_weights import random_weights, tiny_config_dict
-from runtime.model.runner import PAGE_SIZE, DecodeItem, PrefillChunk, StepRow
+from runtime.model.runner import DecodeItem, PrefillChunk, StepRow
+
+from test_model_runner import kv_rows
 
 PROMPT = np.random.default_rng(11).integers(0, 512, 70).tolist()
 DRAFT = np.random.default_rng(12).integers(0, 512, 8).tolist()
@@ -28,13 +30,6 @@ def make(family: str = "dense", num_slots: int = 12) -> NumpyRunner:
 
 def state(runner: NumpyRunner, slot: int) -> tuple[np.ndarray, np.ndarray]:
     return runner.recurrent_states[:, slot].copy(), runner.conv_states[:, slot].copy()
-
-
-def kv(runner: NumpyRunner, table: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-    rows = [table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(length)]
-    keys = runner.key_pages.reshape(runner.key_pages.shape[0], -1, *runner.key_pages.shape[3:])
-    values = runner.value_pages.reshape(keys.shape)
-    return keys[:, rows].copy(), values[:, rows].copy()
 
 
 def prefilled(runner: NumpyRunner, slot: int = 0, table=TABLE) -> None:
@@ -54,7 +49,7 @@ def test_verification_row_equals_separate_decode_steps(family, k):
     for i, token in enumerate(tokens):
         ref_logits.append(ref.decode([DecodeItem(0, token, start + i, TABLE)])[0])
         ref_states.append(state(ref, 0))
-    ref_kv = kv(ref, TABLE, start + k + 1)
+    ref_kv = kv_rows(ref, TABLE, start + k + 1)
 
     run = make(family)
     prefilled(run)
@@ -68,7 +63,7 @@ def test_verification_row_equals_separate_decode_steps(family, k):
             np.testing.assert_array_equal(got, want)
     for got, want in zip(state(run, 0), before):      # the row's own slot is only read
         np.testing.assert_array_equal(got, want)
-    for got, want in zip(kv(run, TABLE, start + k + 1), ref_kv):
+    for got, want in zip(kv_rows(run, TABLE, start + k + 1), ref_kv):
         np.testing.assert_array_equal(got, want)
 
 
