@@ -25,16 +25,7 @@ from typing import Any
 
 from bench.timing import median_event_seconds, plan_breakdown_us
 
-QWEN36_27B = {
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "num_attention_heads": 24,
-    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "intermediate_size": 17408, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-}
+from runtime.model.shapes import QWEN36_27B  # the GPU tests take the shape from here too
 
 
 def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
@@ -49,15 +40,16 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 
 
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
-                decode_split: int | None = None, weight_format: str = "bf16") -> Any:
-    """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`)."""
+                decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0) -> Any:
+    """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`);
+    spare_slots: state slots past the lanes (verification snapshots)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format
 
     config = ModelConfig.from_dict(QWEN36_27B)
     pages = max_batch * (-(-max_context // 64) + 1)
-    return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch, max_batch=max_batch,
+    return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
                                 weight_formats=fp8_recipe_format if weight_format == "fp8" else None,
                                 **({"decode_split": decode_split} if decode_split else {}))
@@ -109,10 +101,13 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 
 
 def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
-        weight_format: str = "bf16") -> dict[str, Any]:
+        weight_format: str = "bf16", drafts: tuple[int, ...] = ()) -> dict[str, Any]:
+    from bench import verify_step
     from runtime.model.runner import DecodeItem
 
-    runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format)
+    spare = max(batches) * (max(drafts) + 1) if drafts else 0
+    runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format,
+                         spare_slots=spare)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -148,7 +143,10 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
             print(json.dumps(row), flush=True)
             if batch == 1:
                 breakdown[str(context)] = kernel_breakdown(runner, 1)
+    verification = verify_step.run(runner, batches, list(drafts), min(contexts),
+                                   -(-(max(contexts) + steps + 2) // 64), steps) if drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(),
+            "verification": verification,
             "decode_split": runner.storage.decode_split,
             "results": results,
             "breakdown_us": breakdown}
@@ -170,6 +168,11 @@ def render(data: dict[str, Any]) -> str:
                   "| kernel | us per step | share |", "|---|---:|---:|"]
         for name, us in list(kernels.items())[:14]:
             lines.append(f"| {name} | {us:.1f} | {100 * us / total:.1f}% |")
+    if data.get("verification"):
+        from bench import verify_step
+
+        lines += ["", "Verification rows against a decode step (`runner.step`, logits on the host):", "",
+                  verify_step.render(data["verification"])]
     return "\n".join(lines)
 
 
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
                     help="projection weights: bf16, or fp8 with 128x128 block scales (Qwen's FP8 release)")
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
+    ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
+                    "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--spec", choices=("mtp", "ngram"), help="measure speculative decoding instead: "
                     "acceptance on the CPU tiny model (bench/speculative.py); the GPU cost of a round "
                     "needs the CUDA runner's verification rows and MTP head")
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative.render(data))
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-               args.decode_split, args.format)
+               args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k))
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

@@ -102,6 +102,9 @@ OPTIONS: tuple[Option, ...] = (
            "GPU instead of reading them from the model (speed runs of real model sizes: the "
            "output is noise); needs --device cuda", group="general", minimum=0,
            maximum=(1 << 63) - 1, metavar="SEED"),
+    Option("synthetic-shape", str, None, "with --synthetic-weights: run this model shape instead of "
+           "MODEL's (qwen3.6-27b, or a JSON file of a text config); the tokenizer and template still "
+           "come from MODEL, whose vocabulary size must match", group="general", metavar="SHAPE"),
     Option("chat-template", str, None, "use a local Jinja chat template instead of the "
            "artifact's", group="general", metavar="FILE"),
     Option("log-level", str, "info", "stderr log verbosity", group="general",
@@ -221,11 +224,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("device-snapshot-slots", int, 8, "recurrent-state snapshots the prefix cache keeps "
            "on the device (one slot each, beyond the lanes)", commands=SERVE_ONLY,
            group="prefix cache", minimum=0, maximum=1024),
-    Option("host-context-mib", int, 1024, "host memory for snapshots and KV blocks demoted "
+    Option("host-context-mib", int, 8192, "host memory for snapshots and KV blocks demoted "
            "from the device and for paused requests", commands=SERVE_ONLY,
            group="prefix cache", minimum=0, maximum=1 << 22),
     Option("snapshot-interval", int, 2048, "snapshot long prompts every N tokens (prefill "
-           "chunks end there), a multiple of 64; 0 = only at prompt and output ends",
+           "chunks end there), a multiple of 64; 0 = only at the turn starts the server hints",
            commands=SERVE_ONLY, group="prefix cache", minimum=0, maximum=1 << 20),
     Option("prefix-cache-file", str, None, "keep the prefix cache in FILE across restarts "
            "(read at start, written at shutdown)", commands=SERVE_ONLY, group="prefix cache",

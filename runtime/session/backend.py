@@ -68,6 +68,23 @@ class _WeightProgress:
             self._progress.close()
 
 
+def synthetic_shape(name: str, artifact_config: dict) -> ModelConfig:
+    """`--synthetic-shape NAME|FILE` as a config; its vocabulary must be the artifact's (the
+    tokenizer and the sampled ids come from there). BF16 weights."""
+    from runtime.model.shapes import shape_config
+
+    try:
+        config = ModelConfig.from_dict(shape_config(name))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--synthetic-shape: {exc}") from None
+    vocab = artifact_config.get("vocab_size")
+    if config.vocab_size != vocab:
+        raise ConfigError(f"--synthetic-shape {name}: vocabulary of {config.vocab_size} tokens, the "
+                          f"model's tokenizer has {vocab} (give a MODEL of the same vocabulary, e.g. "
+                          "one written by `python -m tools.make_tiny --vocab real`)")
+    return config
+
+
 def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, prefill_chunk: int,
                 settings: Any, logger, mtp: bool = False, vision: bool = False) -> Any:
     """The runner for `device` over the opened artifact.
@@ -77,6 +94,9 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
     decoding on cuda). vision: load the vision tower (CPU backend; `vision_settings` refuses it
     elsewhere)."""
     synthetic = getattr(settings, "synthetic_weights", None)
+    shape_name = getattr(settings, "synthetic_shape", None)
+    if shape_name is not None and synthetic is None:
+        raise ConfigError("--synthetic-shape runs a shape on random weights: give --synthetic-weights SEED too")
     if synthetic is not None and device != "cuda":
         raise ConfigError(f"--synthetic-weights fills weights on the GPU; the {device} backend "
                           "reads them from the model (use --device cuda)")
@@ -96,6 +116,9 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
                 logger.warning("--synthetic-weights %d: random weights, the output is noise",
                                synthetic)
                 text = artifact.component("text")
+                if shape_name is not None:
+                    return module.CudaRunner.synthetic(synthetic_shape(shape_name, text.config), synthetic,
+                                                       **shape)
                 config = ModelConfig.from_dict(text.config)
                 # The artifact's projection formats (an FP8 model gets random FP8 weights).
                 return module.CudaRunner.synthetic(config, synthetic, **shape,

@@ -1,0 +1,38 @@
+"""Text configs of the released models' shapes, for runs on synthetic weights
+(`--synthetic-weights SEED --synthetic-shape NAME`, the benches): a speed run needs the real
+sizes, not the checkpoint. Values from the models' config.json (research/qwen-arch.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+QWEN36_27B: dict[str, Any] = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "num_attention_heads": 24,
+    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "intermediate_size": 17408, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+SHAPES: dict[str, dict[str, Any]] = {"qwen3.6-27b": QWEN36_27B}
+
+
+def shape_config(name_or_file: str) -> dict[str, Any]:
+    """A named shape (`SHAPES`) or a JSON file holding a text config."""
+    if name_or_file in SHAPES:
+        return dict(SHAPES[name_or_file])
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise ValueError(f"{name_or_file!r} is neither a known shape ({', '.join(SHAPES)}) nor a file")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON text config ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a text config is a JSON object")
+    return config
