@@ -43,6 +43,14 @@ def chain_hash(parent: Optional[bytes], tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def decoded_hash(parent: Optional[bytes], tokens: Sequence[int]) -> bytes:
+    """The hash a block holding decoded positions is published under: never equal to any
+    prompt's `chain_hash` (token ids are never negative), so only the request that computed it
+    (its pause point) can map it. Decode steps round differently from prefill, so another
+    request mapping those K/V rows would not compute what its own cold run computes."""
+    return chain_hash(parent, (*tokens, -1))
+
+
 def block_hashes(token_ids: Sequence[int], parent: Optional[bytes] = None) -> list[bytes]:
     """Chain hashes of every full 64-token block of `token_ids` (a partial tail is left out)."""
     hashes = []

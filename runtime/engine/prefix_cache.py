@@ -233,11 +233,13 @@ class PrefixCache:
     def capture(self, token_ids: Sequence[int], position: int, digests: Sequence[bytes],
                 page_table: Sequence[int], lane: int) -> bool:
         """Snapshot `lane` (its state is the one after tokens[0:position]) as a shared entry.
-        False when it exists already or there is no room worth taking."""
+        False when it exists already, when `position` is not a multiple of the block size
+        (only there does every cold run compute exactly this state: module docstring of
+        `runtime.engine.sequence_cache`) or when there is no room worth taking."""
         chain, tail = tuple(digests[:position // PAGE_SIZE]), tuple(
             token_ids[position // PAGE_SIZE * PAGE_SIZE:position])
         name = snapshot_key(chain, tail)
-        if name in self._entries or position < 1:
+        if name in self._entries or position < 1 or position % PAGE_SIZE:
             return False
         entry = Snapshot(name=name, position=position, chain=chain, tail=tail)
         entry.priority = self._priority(entry)

@@ -45,7 +45,7 @@ from runtime.engine.kv_blocks import BlockManager, pages_for
 from runtime.engine.kv_pages import StateSlots
 from runtime.engine.scheduler_records import (DecodeWork, PrefillWork, ScheduledBatch,
                                               SchedulerConfig, SeqStatus, SequenceRecord)
-from runtime.engine.sequence_cache import SequenceCache
+from runtime.engine.sequence_cache import SequenceCache, block_stops
 from runtime.engine.step_plan import next_unit_pages, plan_tokens
 from runtime.model.runner import PAGE_SIZE
 
@@ -123,7 +123,7 @@ class Scheduler:
                                  f"waiting (limit {self.config.max_waiting})")
         seq = SequenceRecord(request_id=request_id, ticket=self._next_ticket,
                              prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
-                             snapshot_positions=tuple(sorted(set(snapshot_positions))),
+                             snapshot_positions=block_stops(snapshot_positions),
                              cacheable=cacheable)
         self._next_ticket += 1
         self._seqs[request_id] = seq

@@ -6,27 +6,45 @@ The scheduler calls these at four points of a sequence's life:
   cached snapshot of a prefix, a paused sequence from its own pause point; the sequence's page
   table starts with the mapped blocks and `num_computed` at the snapshot's position;
 - after each step (`after_step`): every block the sequence has now computed in full is
-  published under its chain hash (`publish`), so later prompts can map it; and at snapshot
-  stops the state after a prompt chunk that ends at the prompt's end, a `snapshot_positions`
-  hint or a multiple of `snapshot_interval` is kept (`capture`);
-- at the end (`finish`): the state after the last computed token (the last sampled token is
-  never computed) is kept, so the next turn of a conversation resumes there;
+  published (`publish`): a prompt block under its chain hash, so later prompts can map it, a
+  block holding decoded positions under `decoded_hash`, which no prompt matches; and at
+  snapshot stops (a `snapshot_positions` hint rounded down to the block, a multiple of
+  `snapshot_interval`, the prompt's end when it ends a block) the state after the chunk is
+  kept (`capture`);
+- at the end (`finish`): its blocks are published; the state after its answer is not kept;
 - when preempted (`pause`): its state and partial block are kept as a private resume point,
   so it resumes without recomputation (replay only when there is no room).
 
-Stop positions are a function of the request alone (`next_stop`, `is_stop`), and the scheduler
-ends prefill chunks on them whether the cache is on or off, so a request is cut into the same
-chunks cold, warm, alone or beside others.
+Exactness: a request resumes only from a state its own cold run computes bit for bit. Prefill
+chunks end on the prompt's grid (multiples of `prefill_chunk`), at multiples of
+`snapshot_interval` and at the request's `snapshot_positions` hints, which the scheduler rounds
+down to a multiple of the 64-token block; so every chunk inside a prompt starts on a block
+boundary, and the runners' state there is the same whichever stops cut the prompt (the GDN
+chunked walk keeps 64-token chunks from the piece start and carries its fp32 state across
+them; a linear layer's rows do not see each other once a piece has more than 16 rows). Shared
+snapshots are taken only there (`PrefixCache.capture` refuses other positions), and only state
+and K/V computed by prefill are shared. Decode steps take other kernels (GEMV over the batch,
+split-KV attention, the recurrent step) than prefill, so an answer's state and K/V round
+differently from a cold prefill of the same tokens (measured on the H200: a 27B-shape
+conversation resumed at the end of the previous answer diverged from its cold run at the 19th
+token); the next turn prefills the answer again from the last stop before it (the block
+holding the generation opener the server hints).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
-from runtime.engine.kv_blocks import BlockManager, chain_hash, pages_for
+from runtime.engine.kv_blocks import BlockManager, chain_hash, decoded_hash, pages_for
 from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig, Snapshot
 from runtime.engine.scheduler_records import ScheduledBatch, SeqStatus, SequenceRecord
 from runtime.model.runner import PAGE_SIZE
+
+
+def block_stops(hints: Sequence[int]) -> tuple[int, ...]:
+    """`snapshot_positions` hints as chunk stops: each rounded down to a multiple of the block
+    size (module docstring: exactness), those below one block dropped, sorted, once each."""
+    return tuple(sorted({p // PAGE_SIZE * PAGE_SIZE for p in hints if p >= PAGE_SIZE}))
 
 
 def next_stop(seq: SequenceRecord, position: int, interval: int) -> Optional[int]:
@@ -111,7 +129,9 @@ class SequenceCache:
         while len(seq.block_digests) < done:
             index = len(seq.block_digests)
             parent = seq.block_digests[-1] if seq.block_digests else None
-            digest = chain_hash(parent, seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+            decoded = (index + 1) * PAGE_SIZE > seq.prompt_len
+            digest = (decoded_hash if decoded else chain_hash)(
+                parent, seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
             seq.block_digests.append(digest)
             # A page with the same content computed by another sequence stays canonical; this
             # one stays private to `seq` (its KV is its own computation: request invariance).
@@ -132,10 +152,10 @@ class SequenceCache:
                 self.blocks.publish(seq.page_table[index], digest)
 
     def finish(self, seq: SequenceRecord, keep_state: bool) -> None:
-        """A running sequence ends: keep its endpoint (when its state is sound)."""
+        """A running sequence ends: publish its blocks (when its state is sound). Its endpoint
+        state is not kept: decode steps computed it (module docstring, exactness)."""
         if keep_state and seq.num_computed > 0:
             self.publish(seq)
-            self.capture(seq, seq.num_computed)
 
     def pause(self, seq: SequenceRecord) -> bool:
         """Keep a preempted sequence's state; False when it must replay instead."""

@@ -29,17 +29,12 @@ def kv_pool_pages(settings: Any, device: str, num_lanes: int, logger) -> int:
     return pages_for(capacity)
 
 
-def prefix_cache_settings(settings: Any, device: str, logger) -> dict:
+def prefix_cache_settings(settings: Any) -> dict:
     """The prefix cache's `EngineConfig` fields from the server's options. The CLI (one
-    request) has no cache options and no cache; on cuda the cache waits for the CUDA runner's
-    host-copy methods (`ModelRunner.save_slot` and the rest), so it is off there too."""
+    request) has no cache options and no cache."""
     off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
            "snapshot_interval": 0, "cache_file": None, "ssd_bytes": 0, "ssd_dir": None}
     if not hasattr(settings, "no_prefix_cache"):
-        return off
-    if device == "cuda":
-        logger.info("prefix cache: off on --device cuda until a GPU run shows cache-on outputs "
-                    "equal cache-off (the CUDA runner's host copies have run on the null device only)")
         return off
     interval = settings.snapshot_interval
     if interval % PAGE_SIZE:
@@ -80,18 +75,14 @@ def disk_tier_settings(settings: Any) -> dict:
 def route_summary(device: str, cache: dict) -> str:
     """The startup line naming the route and what it keeps request-invariant (a request's
     tokens independent of what runs beside it; docs/architecture.md, "Request invariance")."""
-    if device == "cuda":
-        return ("route: CUDA kernels; request-invariant across batching and joins/leaves by "
-                "design (absolute prefill chunk grid, batch-invariant decode kernels; checked by "
-                "tests/gpu/test_request_invariance.py); a request preempted under KV pressure "
-                "replays its output by prefill, which rounds differently")
+    kernels = "CUDA kernels" if device == "cuda" else "NumPy reference"
     kept = "resumes from its saved state" if cache["prefix_cache"] or cache["host_cache_bytes"] \
-        else "replays (rounding may differ)"
-    line = ("route: NumPy reference; request-invariant across batching and joins/leaves; a request "
+        else "replays its output by prefill (rounding may differ)"
+    line = (f"route: {kernels}; request-invariant across batching and joins/leaves; a request "
             f"preempted under KV pressure {kept}")
     if cache["prefix_cache"]:
-        line += ("; prefix-cache resumes on a request's own chunk grid are exact, others equal up "
-                 "to rounding (docs/prefix_cache.md)")
+        line += ("; prefix-cache resumes are exact (only at the request's own chunk stops, from "
+                 "state computed by prefill: docs/prefix_cache.md)")
     return line
 
 
@@ -101,7 +92,7 @@ def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: 
     and page sizes."""
     stat = model_path.stat()
     return (f"model={model_name};artifact={model_path.name}:{stat.st_size}:{stat.st_mtime_ns};"
-            f"runner={type(runner).__name__};kv={kv_dtype};"
+            f"runner={type(runner).__name__};kv={kv_dtype};rules=prefill-only;"
             f"slot={runner.slot_nbytes};page={runner.page_nbytes}")
 
 

@@ -159,7 +159,7 @@ class ModelSession:
                            chat_template.origin)
         phase_done(f"chat template loaded ({chat_template.origin})")
         prefill_chunk = min(settings.prefill_chunk, max_context)
-        cache = prefix_cache_settings(settings, device, logger)
+        cache = prefix_cache_settings(settings)
         speculative = speculative_settings(settings, device, artifact)
         vision = vision_settings(settings, device, artifact, speculative)
         runner = make_runner(device, artifact, num_pages,

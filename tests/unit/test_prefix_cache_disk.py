@@ -46,8 +46,8 @@ def tokens(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 440, n)]
 
 
-def run(engine, rid, prompt, max_new=10):
-    outputs = list(engine.submit(EngineRequest(rid, tuple(prompt), GREEDY, max_new)))
+def run(engine, rid, prompt, max_new=10, **kw):
+    outputs = list(engine.submit(EngineRequest(rid, tuple(prompt), GREEDY, max_new, **kw)))
     return [t for o in outputs for t in o.token_ids], outputs[-1]
 
 
@@ -55,29 +55,45 @@ def ixc_files(directory) -> dict[str, int]:
     return {e.name: e.stat().st_size for e in os.scandir(directory) if e.name.endswith(".ixc")}
 
 
-def conversation(make_runner, ssd_dir, damage=None):
+def conversation(make_runner, ssd_dir, before_turn_two=None):
     """Turn one (150 tokens), an unrelated 400-token prompt that pushes turn one's snapshots
-    and blocks out of the host tier (8 pages), then turn two. damage(history) runs before turn
-    two (given the history and the engine). Returns turn two's final output, the engine's
-    numbers, the warnings and the resume position without damage."""
+    and blocks out of the host tier (8 pages), then turn two, hinting its turn start (turn
+    one's prompt end, as the server does) in the cache and the cold run alike.
+    before_turn_two(history, turn_start, engine) runs before turn two (given turn one's prompt
+    and answer, the hint and the engine): it damages the disk tier or looks at it. Returns
+    turn two's final output, the engine's numbers, the warnings and the resume position
+    without damage (the hint rounded down to the block, 150 -> 128: turn one's prompt end is
+    not a multiple of 64 and is not captured; the answer's state came from decode steps and is
+    not kept)."""
     first, other = tokens(1, 150), tokens(2, 400)
+    hint = (len(first),)
     log = RecordingLog()
     config = EngineConfig(**BASE, **TINY_HOST, ssd_bytes=4 << 20, ssd_dir=str(ssd_dir))
     with Engine(make_runner(8), config, logger=log) as engine:
         answer, _ = run(engine, "a", first)
         run(engine, "b", other)
         history = first + answer
-        if damage is not None:
-            damage(history, engine)
+        if before_turn_two is not None:
+            before_turn_two(history, hint[0], engine)
         follow = history + tokens(3, 30)
-        ids, final = run(engine, "c", follow)
+        ids, final = run(engine, "c", follow, snapshot_positions=hint)
         engine.scheduler.check_invariants()
         engine.cache.disk.check()
         numbers = engine.snapshot()
     with Engine(make_runner(), EngineConfig(**BASE)) as cold:
-        expected, _ = run(cold, "c", follow)
+        expected, _ = run(cold, "c", follow, snapshot_positions=hint)
     assert ids == expected
-    return final, numbers, log.warnings, len(history) - 1
+    return final, numbers, log.warnings, len(first) // 64 * 64
+
+
+def positions_of(engine, token_ids) -> list[int]:
+    """The positions of the shared snapshots of prefixes of `token_ids`, in memory (device or
+    host) and on disk."""
+    found = [*(e for e in engine.scheduler.cache.cache.entries() if e.owner is None),
+             *engine.cache.disk._snapshots.values()]
+    return sorted(s.position for s in found
+                  if s.chain == tuple(block_hashes(token_ids[:s.position]))
+                  and s.tail == tuple(token_ids[s.position // 64 * 64:s.position]))
 
 
 def test_a_conversation_pushed_to_disk_resumes_from_it(make_runner, tmp_path):
@@ -85,15 +101,29 @@ def test_a_conversation_pushed_to_disk_resumes_from_it(make_runner, tmp_path):
     stale.write_bytes(b"an earlier run's file")
     keep = tmp_path / "notes.txt"
     keep.write_text("not the disk tier's")
-    final, numbers, warnings, resume_at = conversation(make_runner, tmp_path)
-    # The previous turn's last token was never computed: it resumes one before the end.
-    assert final.cached_prompt_tokens == resume_at == 159
-    assert final.stats.resume_path == "prefix" and final.stats.prefilled_tokens == 30 + 1
+    seen = {}
+
+    def look(history, turn_start, engine):
+        seen["positions"] = positions_of(engine, history)
+        seen["answer_end"] = len(history) - 1      # the last token computed by turn one
+
+    final, numbers, warnings, resume_at = conversation(make_runner, tmp_path, look)
+    # Of turn one, its prefill stops are kept (the multiples of 64 below 150), not its prompt
+    # end (150 is not a multiple of 64), nor the state after its answer (decode steps
+    # computed it).
+    assert seen["positions"] == [64, 128]
+    assert 150 not in seen["positions"]
+    assert seen["answer_end"] == 159 and 159 not in seen["positions"]
+    # Turn two resumes at its hinted turn start rounded down (150 -> 128) and prefills the
+    # rest of turn one's prompt (22 tokens) and its 10-token answer again with its own 30.
+    assert final.cached_prompt_tokens == resume_at == 128
+    assert final.stats.resume_path == "prefix" and final.stats.prefilled_tokens == 22 + 10 + 30
     assert warnings == []
     assert numbers["prefix_cache_ssd_hits_total"] == 1
     assert numbers["prefix_cache_hits_total"] == 1
-    # Read: the snapshot file (state and tail page) and the one block evicted from the pool.
-    assert numbers["prefix_cache_ssd_bytes_read_total"] > 58368 + 2 * 65536
+    # Read: the snapshot file (the state; 128 ends a block: no tail page) and the one block
+    # evicted from the pool, with their headers.
+    assert 58368 + 65536 < numbers["prefix_cache_ssd_bytes_read_total"] < 58368 + 2 * 65536
     assert numbers["prefix_cache_ssd_bytes_written_total"] >= numbers["prefix_cache_ssd_bytes"]
     assert numbers["prefix_cache_ssd_bytes"] == sum(ixc_files(tmp_path).values())
     assert numbers["prefix_cache_ssd_read_failures_total"] == 0
@@ -102,10 +132,11 @@ def test_a_conversation_pushed_to_disk_resumes_from_it(make_runner, tmp_path):
 
 @pytest.mark.parametrize("how", ["corrupt", "deleted"])
 def test_a_bad_disk_file_is_a_miss_with_one_warning(make_runner, tmp_path, how):
-    def damage(history, engine):
-        position = len(history) - 1
-        name = snapshot_key(tuple(block_hashes(history[:position])),
-                            tuple(history[position // 64 * 64:position]))
+    def damage(history, turn_start, engine):
+        # The snapshot turn two would resume from: at its hinted turn start rounded down to
+        # the block (150 -> 128; no tail).
+        stop = turn_start // 64 * 64
+        name = snapshot_key(tuple(block_hashes(history[:stop])), ())
         path = tmp_path / f"snapshot-{name}.ixc"
         if how == "deleted":
             path.unlink()
@@ -118,15 +149,15 @@ def test_a_bad_disk_file_is_a_miss_with_one_warning(make_runner, tmp_path, how):
     assert len(warnings) == 1, warnings
     assert ("corrupt (checksum)" if how == "corrupt" else "unreadable") in warnings[0]
     assert numbers["prefix_cache_ssd_read_failures_total"] == 1
-    # The end of the previous prompt (150) is the next deepest snapshot, from disk too.
-    assert final.cached_prompt_tokens == 150 < resume_at
+    # The next deepest snapshot of turn two's prefix is the block before (64), from disk too.
+    assert final.cached_prompt_tokens == resume_at - 64 == 64
     assert numbers["prefix_cache_ssd_hits_total"] == 1
 
 
 def test_a_deleted_block_file_drops_the_snapshots_that_need_it(make_runner, tmp_path):
     deleted = []
 
-    def damage(history, engine):
+    def damage(history, turn_start, engine):
         # The blocks of the previous turn in neither the pool nor the host tier: disk only.
         cache, pages = engine.scheduler.cache.cache, engine.scheduler.pages
         for digest in block_hashes(history):
@@ -226,8 +257,7 @@ def test_bad_disk_tier_options_are_startup_errors(tmp_path):
     from runtime.session import prefix_cache_settings
 
     def settings(*args):
-        return prefix_cache_settings(parse_settings("serve", ["m.infernix", *args]), "cpu",
-                                     RecordingLog())
+        return prefix_cache_settings(parse_settings("serve", ["m.infernix", *args]))
 
     good = settings("--ssd-context-gib", "2", "--ssd-context-dir", str(tmp_path))
     assert (good["ssd_bytes"], good["ssd_dir"], good["ssd_write_bytes_per_hour"]) == (
@@ -257,8 +287,7 @@ def test_an_unwritable_disk_tier_directory_is_a_startup_error(tmp_path, monkeypa
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(ConfigError, match="is not writable"):
         prefix_cache_settings(parse_settings("serve", [
-            "m.infernix", "--ssd-context-gib", "1", "--ssd-context-dir", str(tmp_path)]),
-            "cpu", RecordingLog())
+            "m.infernix", "--ssd-context-gib", "1", "--ssd-context-dir", str(tmp_path)]))
 
 
 # --- the periodic file-tier save of an idle engine ----------------------------------------
@@ -280,18 +309,31 @@ def test_an_idle_engine_writes_the_periodic_save_without_a_new_request(make_runn
                           cache_save_s=0.2)
     with Engine(make_runner(), config) as engine:
         ids, _ = run(engine, "a", prompt)
-        end = len(prompt) + len(ids) - 1
-        # The end-of-output snapshot is taken after the last step; only a save that runs
-        # while the engine is idle (before shutdown, which also saves) holds it.
+        # The next turn hints its turn start (a's prompt end, 180 -> 128), is 256 tokens long
+        # (a prompt end that is a multiple of 64 is captured) and samples one token, so its
+        # prompt-end snapshot is taken in its last step (the chunk that samples that token);
+        # only a save that runs while the engine is idle (before shutdown, which also saves)
+        # holds it.
+        follow = prompt + ids + tokens(16, 256 - len(prompt) - len(ids))
+        assert len(follow) == 256
+        last, _ = run(engine, "b", follow, 1, snapshot_positions=(len(prompt),))
         deadline = time.monotonic() + 10
-        while end not in saved_positions(path):
+        while len(follow) not in saved_positions(path):
             assert time.monotonic() < deadline, "no periodic save while idle"
             time.sleep(0.02)
         saved = path.read_bytes()
     path.write_bytes(saved)                       # what the idle save wrote, not shutdown's
-    follow = prompt + ids + tokens(16, 30)
+    # Saved: a's stops (the multiples of 64 below 180; not its prompt end, 180 is not a multiple
+    # of 64) and b's past its resume at 128 (192, its prompt end 256); not the state after a's
+    # answer (decode steps computed it).
+    answer_end = len(prompt) + len(ids) - 1
+    assert sorted(saved_positions(path)) == [64, 128, 192, 256]
+    assert answer_end not in saved_positions(path) and len(prompt) not in saved_positions(path)
+    third = follow + last + tokens(17, 20)
+    hints = (len(prompt), len(follow))             # the turn starts: 180 -> 128, 256 stays
     with Engine(make_runner(), config) as engine:
-        got, final = run(engine, "b", follow)
+        got, final = run(engine, "c", third, snapshot_positions=hints)
     with Engine(make_runner(), EngineConfig(**BASE)) as cold:
-        assert got == run(cold, "b", follow)[0]
-    assert final.cached_prompt_tokens == len(prompt) + len(ids) - 1
+        assert got == run(cold, "c", third, snapshot_positions=hints)[0]
+    # It resumes from the snapshot that only the idle save wrote.
+    assert final.cached_prompt_tokens == len(follow) == 256

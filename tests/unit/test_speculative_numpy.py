@@ -121,8 +121,10 @@ def test_mtp_rounds_with_the_prefix_cache_pausing_and_resuming(tiny_dense_path, 
     kept hidden states are then someone else's: the head drafts again once caught up), and a
     second turn resumes from the cache; the tokens stay those of plain decoding."""
     rng = np.random.default_rng(0)
+    # c's prompt is one block (64 tokens): with no snapshot interval, a prompt end that is a
+    # multiple of 64 is the only state captured, and c's second turn resumes from it.
     prompts = {"a": rng.integers(0, 440, 100).tolist(), "b": rng.integers(0, 440, 110).tolist(),
-               "c": rng.integers(0, 440, 20).tolist()}
+               "c": rng.integers(0, 440, 64).tolist()}
     with open_artifact(tiny_dense_path) as artifact:
         expected, _ = generate(artifact, OFF, prompts, 30, sampling)
         layout = SlotLayout.for_config(2, MTP3)
@@ -136,13 +138,25 @@ def test_mtp_rounds_with_the_prefix_cache_pausing_and_resuming(tiny_dense_path, 
                        for rid, p in prompts.items()}
             results = {rid: list(stream) for rid, stream in streams.items()}
             second = prompts["c"] + [t for o in results["c"] for t in o.token_ids] + [5, 6, 7]
-            again = list(engine.submit(EngineRequest("c2", tuple(second), sampling, 20)))
+            # The second turn hints its turn start (turn one's prompt end, 64: a block
+            # boundary, it stays 64), as the server does.
+            turn_start = {"snapshot_positions": (len(prompts["c"]),)}
+            kept = sorted(e.position for e in engine.scheduler.cache.cache.entries()
+                          if e.owner is None)
+            again = list(engine.submit(EngineRequest("c2", tuple(second), sampling, 20,
+                                                     **turn_start)))
             counters = dict(engine.counters)
-        plain_again, _ = generate(artifact, OFF, {"c2": second}, 20, sampling)
+        plain_again, _ = generate(artifact, OFF, {"c2": second}, 20, sampling,
+                                  make_request=lambda rid: turn_start)
     preemptions = 0
     for rid, outputs in results.items():
         assert [t for o in outputs for t in o.token_ids] == expected[rid][0], rid
         preemptions += outputs[-1].stats.preemptions
     assert [t for o in again for t in o.token_ids] == plain_again["c2"][0]
-    assert again[-1].cached_prompt_tokens == 20 + 30 - 1   # resumed where turn one ended
+    # Kept: the prompt ends that are multiples of 64 (no snapshot interval here): c's 64, not
+    # a's 100 or b's 110; not turn one's end-of-answer state (64 + 30 - 1 tokens, computed by
+    # decode and verification rounds).
+    assert kept == [64] and 64 + 30 - 1 not in kept
+    assert again[-1].cached_prompt_tokens == len(prompts["c"]) == 64   # at its turn start
+    assert again[-1].stats.resume_path == "prefix"
     assert preemptions > 0 and counters["spec_rounds"] > 50

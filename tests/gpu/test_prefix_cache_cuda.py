@@ -1,0 +1,173 @@
+"""The hybrid prefix cache on `CudaRunner`: cache-on token ids against cache-off, on a GPU.
+
+The CPU tests (tests/unit/test_prefix_cache_engine.py) hold the cache's logic; these check what
+only the GPU can: that the CUDA runner's snapshot copies (`copy_slot`, `save_slot` /
+`load_slot`, `read_pages` / `write_pages`) bring back exactly what was computed, and which resume
+points give the cold run's token ids bit for bit, at the tiny model and at a 4-layer model of the
+Qwen3.6-27B shapes (synthetic weights: near-ties everywhere, so a rounding difference shows up as
+a different token within a few dozen). The engine's cache is on at the `Engine` level here; the
+server keeps it off on cuda until these pass (runtime/session/engine_settings.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
+
+from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(greedy=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+CHUNK = 128
+CACHE = dict(prefix_cache=True, snapshot_slots=4, host_cache_bytes=256 << 20, snapshot_interval=64)
+
+
+@pytest.fixture(scope="module", params=["tiny", "27b-4-layers"])
+def runner(request, tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    from runtime.model.gpu.runner import CudaRunner
+
+    if request.param == "tiny":
+        r = CudaRunner.from_artifact(tiny_path, num_pages=96, num_slots=8, max_batch=8, device=device,
+                                     library=library, prefill_chunk=CHUNK, max_context=1024)
+    else:
+        from bench.decode import QWEN36_27B
+        from runtime.model.config import ModelConfig
+
+        shape = dict(QWEN36_27B, num_hidden_layers=4, layer_types=QWEN36_27B["layer_types"][:4])
+        r = CudaRunner.synthetic(ModelConfig.from_dict(shape), 5, num_pages=96, num_slots=8, max_batch=8,
+                                 max_context=1024, prefill_chunk=CHUNK, device=device, library=library)
+    yield r
+    r.close()
+
+
+def engine(runner, **kw):
+    from runtime.engine.engine_loop import Engine, EngineConfig
+
+    base = dict(num_lanes=2, max_context=1024, prefill_chunk=CHUNK, snapshot_interval=64)
+    base.update(kw)
+    return Engine(runner, EngineConfig(**base), on_thread_start=runner.device.make_current)
+
+
+def tokens(runner, seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, runner.vocab_size, n)]
+
+
+def run(eng, rid, prompt, max_new=16, sampling=GREEDY, **kw):
+    outputs = list(eng.submit(EngineRequest(rid, tuple(prompt), sampling, max_new, **kw)))
+    return [t for o in outputs for t in o.token_ids], outputs[-1]
+
+
+def test_snapshot_copies_bring_back_the_same_bytes(runner):
+    from runtime.model.runner import PrefillChunk
+
+    prompt = tokens(runner, 1, 150)
+    runner.reset_slot(0)
+    runner.prefill(PrefillChunk(slot=0, token_ids=prompt, start_pos=0, page_table=[0, 1, 2]))
+    state = runner.save_slot(0)
+    pages = runner.read_pages([0, 1, 2])
+    runner.copy_slot(0, 3)
+    runner.reset_slot(1)
+    runner.load_slot(1, state)
+    runner.write_pages([10, 11, 12], pages)
+    for slot in (1, 3):
+        for a, b in zip(runner.save_slot(slot), state):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(runner.read_pages([10, 11, 12]), pages):
+        np.testing.assert_array_equal(a, b)
+    assert np.count_nonzero(state[0]) > 0 and np.count_nonzero(pages[0]) > 0
+
+
+@pytest.mark.parametrize("hinted", [False, True], ids=["cold-unhinted", "cold-hinted"])
+def test_a_resume_at_a_hinted_turn_start_is_bit_identical(runner, hinted):
+    """The hint (300) becomes a stop at its block start (256); the cold run is the same with or
+    without the hint, since the state at a block boundary does not depend on the stops."""
+    first = tokens(runner, 13, 300)
+    second = first + tokens(runner, 14, 90)
+    hints = (len(first),)
+    sparse = dict(CACHE, snapshot_interval=1024)     # no interval stop below 1024: the hint's
+    with engine(runner, **sparse) as eng:
+        run(eng, "a", first, snapshot_positions=hints)
+        warm, warm_final = run(eng, "b", second, 24, logprobs=2, snapshot_positions=hints)
+    with engine(runner, snapshot_interval=1024) as cold:
+        expected, cold_final = run(cold, "b", second, 24, logprobs=2,
+                                   snapshot_positions=hints if hinted else ())
+    assert warm_final.cached_prompt_tokens == 256
+    assert warm == expected
+    assert warm_final.logprobs == cold_final.logprobs
+
+
+def test_subagents_share_the_system_prefix_blocks(runner):
+    system = tokens(runner, 6, 200)
+    prompts = {name: system + tokens(runner, seed, 30) for seed, name in ((7, "a"), (8, "b"), (9, "c"))}
+    with engine(runner, **CACHE) as eng:
+        run(eng, "a", prompts["a"])
+        results = {name: run(eng, name, prompts[name], 24) for name in ("b", "c")}
+    with engine(runner) as cold:
+        for name in ("b", "c"):
+            assert results[name][0] == run(cold, name, prompts[name], 24)[0], name
+    for name in ("b", "c"):
+        assert results[name][1].cached_prompt_tokens == 192
+
+
+def test_an_edited_history_reuses_up_to_the_edit(runner):
+    original = tokens(runner, 5, 300)
+    edited = list(original)
+    edited[200] = (edited[200] + 1) % runner.vocab_size
+    with engine(runner, **CACHE) as eng:
+        run(eng, "a", original)
+        ids, final = run(eng, "b", edited, 24)
+    with engine(runner) as cold:
+        assert ids == run(cold, "b", edited, 24)[0]
+    assert final.cached_prompt_tokens == 192
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stops", ["interval", "hint"])
+def test_a_conversation_resumes_each_turn_before_the_last_answer(runner, sampling, stops):
+    """The state after an answer was computed by decode steps, which round differently from
+    the cold run's prefill of the same tokens (the 27B shape diverged at the 19th token when
+    the cache resumed there), so the next turn resumes at the last block boundary the previous
+    prompt stopped at (150 tokens: 128), from an interval multiple or from the hint at the
+    previous prompt's end (the server hints turn starts). The cold run has no hints at all."""
+    history = tokens(runner, 1, 150)
+    turns = [tokens(runner, 2, 40), tokens(runner, 3, 70)]
+    config = CACHE if stops == "interval" else dict(CACHE, snapshot_interval=1024)
+    prompts, outputs, finals = [], [], []
+    with engine(runner, **config) as eng:
+        for n, user in enumerate(turns):
+            prompt = history + user if n else history
+            hints = (len(prompt),) if stops == "hint" else ()
+            ids, final = run(eng, f"t{n}", prompt, 24, sampling, snapshot_positions=hints)
+            prompts.append(prompt)
+            outputs.append(ids)
+            finals.append(final)
+            history = prompt + ids
+    with engine(runner, snapshot_interval=config["snapshot_interval"]) as cold:
+        expected = [run(cold, f"t{n}", p, 24, sampling)[0] for n, p in enumerate(prompts)]
+    assert finals[1].cached_prompt_tokens == 128
+    assert outputs == expected
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_preemption_resumes_from_the_host_tier_without_recomputation(runner, sampling):
+    prompts = {"a": tokens(runner, 20, 100), "b": tokens(runner, 21, 110), "c": tokens(runner, 22, 20)}
+    with engine(runner, num_lanes=1, max_context=512) as solo:
+        expected = {rid: run(solo, rid, p, 30, sampling)[0] for rid, p in prompts.items()}
+    pressured = dict(num_lanes=2, max_context=256, num_pages=4,
+                     service_turn_tokens=16, host_cache_bytes=256 << 20)
+    with engine(runner, **pressured) as busy:
+        streams = {rid: busy.submit(EngineRequest(rid, tuple(p), sampling, 30)) for rid, p in prompts.items()}
+        results = {rid: list(s) for rid, s in streams.items()}
+        saved = busy.scheduler.cache.cache.stats["pauses_saved"]
+    preemptions = 0
+    for rid, outputs in results.items():
+        final = outputs[-1]
+        assert final.finish_reason is FinishReason.LENGTH, (rid, final.error)
+        assert final.stats.replayed_tokens == 0, rid
+        assert [t for o in outputs for t in o.token_ids] == expected[rid], rid
+        preemptions += final.stats.preemptions
+    assert preemptions > 0 and saved == preemptions
