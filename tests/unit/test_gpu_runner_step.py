@@ -151,43 +151,54 @@ ROWS = [StepRow(slot=0, token_ids=[5], start_pos=3, page_table=[0]),
 def test_verification_rows_chain_their_snapshots(tiny_path):
     r = runner(tiny_path, num_slots=12)
     try:
-        phys, pad = list(r.slots.phys), r.slots.pad_slot
+        phys = list(r.slots.phys)
         out = r.step(ROWS)
         assert [o.shape[0] for o in out] == [1, 3, 1]
         metas = meta_uploads(r)
-        assert len(metas) == 4  # the decode row's batch, then one batch per verification position
+        # The decode row's batch, then one verification step per row length (2, then 3).
+        assert len(metas) == 3
         assert metas[0]["slots_in"][0] == metas[0]["slots"][0] == phys[0]
-        for p, meta in enumerate(metas[1:]):
-            live = [row for row in ROWS[1:] if row.num_tokens > p]
-            b, bucket = len(live), 1 if len(live) == 1 else 2
-            assert meta["slots_in"][:b].tolist() == [phys[row.slot if p == 0 else row.snapshots[p - 1]]
-                                                     for row in live]
-            assert meta["slots"][:b].tolist() == [phys[row.snapshots[p]] for row in live]
-            assert (meta["slots_in"][b:bucket] == pad).all() and (meta["slots"][b:bucket] == pad).all()
-            assert meta["ids"][:b].tolist() == [row.token_ids[p] for row in live]
-            assert meta["pos"][:b].tolist() == [row.start_pos + p for row in live]
-            pages = [row.page_table[(row.start_pos + p) // 64] * 64 + (row.start_pos + p) % 64 for row in live]
-            assert meta["wrow"][:b].tolist() == pages
-            assert not {phys[1], phys[2]} & set(meta["slots"][:b].tolist())  # the rows' own slots are only read
+        for meta, row in zip(metas[1:], (ROWS[2], ROWS[1])):
+            t = row.num_tokens
+            # One sequence, rows position-major; its slot pair for position p at p * 4 (16-byte
+            # aligned per position).
+            assert meta["slots_in"][0:4 * t:4].tolist() == [phys[row.slot if p == 0 else row.snapshots[p - 1]]
+                                                          for p in range(t)]
+            assert meta["slots"][0:4 * t:4].tolist() == [phys[s] for s in row.snapshots]
+            assert meta["ids"][:t].tolist() == list(row.token_ids)
+            assert meta["pos"][:t].tolist() == [row.start_pos + p for p in range(t)]
+            assert meta["qseq"][:t].tolist() == [0] * t
+            assert meta["wrow"][:t].tolist() == [row.page_table[(row.start_pos + p) // 64] * 64
+                                                 + (row.start_pos + p) % 64 for p in range(t)]
+            assert phys[row.slot] not in meta["slots"].tolist()   # the row's own slot is only read
         assert r.slots.phys == phys  # a step maps nothing; commit does
     finally:
         r.close()
 
 
-def test_verification_launches_are_those_of_separate_decode_steps(tiny_path):
-    verify, separate = runner(tiny_path, num_slots=12), runner(tiny_path, num_slots=12)
+def launch_names(log: list[str]) -> "collections.Counter[str]":
+    import collections
+
+    return collections.Counter(line.split()[1] for line in log if line.startswith(("launch", "capture")))
+
+
+def test_a_verification_step_reads_each_weight_once_and_chains_the_recurrent_steps(tiny_path):
+    """1 + 2 tokens in one step: every projection is one decode-GEMV launch over the 3 rows
+    (so each weight is read once, as in a decode step), while the GDN conv and recurrent step
+    run once per position (each needs the state the previous position wrote)."""
+    verify, decode = runner(tiny_path, num_slots=12), runner(tiny_path, num_slots=12)
     try:
         row = ROWS[1]
         verify.step([row])
-        source = row.slot
-        for p, (token, snapshot) in enumerate(zip(row.token_ids, row.snapshots)):
-            separate.copy_slot(source, snapshot)
-            separate.decode([DecodeItem(snapshot, token, row.start_pos + p, row.page_table)])
-            source = snapshot
-        assert kernel_lines(verify.device.log) == kernel_lines(separate.device.log)
+        decode.decode([DecodeItem(row.slot, row.token_ids[0], row.start_pos, row.page_table)])
+        got, one_step = launch_names(verify.device.log), launch_names(decode.device.log)
+        assert got.keys() == one_step.keys()
+        for name, count in one_step.items():
+            per_position = "conv1d" in name or name.startswith("infx_gdn")
+            assert got[name] == count * (row.num_tokens if per_position else 1), name
     finally:
         verify.close()
-        separate.close()
+        decode.close()
 
 
 def test_commit_swaps_the_slot_mapping(tiny_path):

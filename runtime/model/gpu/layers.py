@@ -19,6 +19,7 @@ from runtime.model.gpu.collective import AllReduce, Collective
 from runtime.model.gpu.weights import FP8, Slot
 
 FP8_ROWS = 8  # rows one gemv_fp8 launch takes (its MB)
+GEMV_ROWS = 8  # rows of the BF16 decode GEMV (its MB): every decode bucket and verification block
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,14 @@ class StepShape:
     """One step shape: m rows (tokens) of nseq sequences of t tokens each (m = nseq * t); splits
     and split: KV splits per query row and keys per split of split-KV attention; prefill: the
     prefill kernels (GDN chunked or split form, flash attention where compiled) and in-place
-    states, else the decode kernels (states read at `slots_in`, written at `slots`)."""
+    states, else the decode kernels (states read at `slots_in`, written at `slots`).
+
+    Decode has t = 1. Verification (prefill False, t > 1 allowed): rows are position-major
+    (row p * nseq + b is sequence b's p-th token); the GDN conv and recurrent step run one
+    position at a time, reading the states at `slots_in[p * slot_stride + b]` and writing them
+    at `slots[p * slot_stride + b]` (the chain of snapshot slots), while every other launch takes all m
+    rows; projections and the head run the decode GEMV in blocks of `GEMV_ROWS` rows, so each
+    position's numbers are those of a decode step, and each weight is read once per block."""
 
     m: int
     nseq: int
@@ -34,6 +42,17 @@ class StepShape:
     splits: int
     split: int
     prefill: bool
+
+    @property
+    def slot_stride(self) -> int:
+        """Entries of `slots_in` / `slots` per position: nseq rounded up to 4 int32, since
+        kernels take 16-byte aligned buffers (position p's slots start at p * slot_stride)."""
+        return -(-self.nseq // 4) * 4
+
+    @property
+    def exact_rows(self) -> bool:
+        """Decode and verification: the decode GEMV in blocks of `GEMV_ROWS` rows."""
+        return not self.prefill
 
 
 class Forward:
@@ -72,12 +91,14 @@ class Forward:
         self.add_norm(out, shape, self.layout.globals["norm"])
         return out
 
-    def lm_head(self, row0: int, rows: int) -> list:
-        """The head over hidden rows row0 .. row0 + rows - 1 into logits rows 0 .. rows - 1."""
+    def lm_head(self, row0: int, rows: int, exact_rows: bool = False) -> list:
+        """The head over hidden rows row0 .. row0 + rows - 1 into logits rows 0 .. rows - 1
+        (exact_rows: in decode GEMV blocks, as `StepShape.exact_rows`)."""
         out: list = []
         head = self.layout.globals.get("lm_head") or self.layout.globals["embed"]
         buf = self.storage.buf
-        self.linear(out, buf["h"] + row0 * self.config.hidden_size * 2, head, buf["logits"], rows)
+        self.linear(out, buf["h"] + row0 * self.config.hidden_size * 2, head, buf["logits"], rows,
+                    exact_rows=exact_rows)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -95,12 +116,15 @@ class Forward:
     def w(self, slot: Slot) -> int:
         return self.storage.weights_base + slot.offset
 
-    def linear(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None = None) -> None:
+    def linear(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None = None,
+               exact_rows: bool = False) -> None:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
-        shape: BF16, the GEMV for a few rows, the GEMM otherwise; FP8, the FP8 GEMV with the
-        block scales bound, and `tail` (a BF16 slot after the FP8 rows; y is then N + NT wide)
-        computed by the same launch. There is no FP8 GEMM yet, so FP8 prefill rows run through
-        the GEMV 8 at a time: the same numbers as decode, the weights read once per 8 rows."""
+        shape: BF16, the GEMV for a few rows, the GEMM otherwise (exact_rows: the decode GEMV
+        in blocks of `GEMV_ROWS` rows, whatever `rows` is, so a row's numbers do not depend on
+        how many there are); FP8, the FP8 GEMV with the block scales bound, and `tail` (a BF16
+        slot after the FP8 rows; y is then N + NT wide) computed by the same launch. There is
+        no FP8 GEMM yet, so FP8 prefill rows run through the GEMV 8 at a time: the same numbers
+        as decode, the weights read once per 8 rows."""
         if weight.format == FP8:
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0
@@ -116,8 +140,12 @@ class Forward:
             raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "
                                       "CudaRunner runs bf16 weights only so far")
         n, k = weight.shape
-        family, key = self.kernels.linear(n, k, rows)
-        self.launch(out, family, key, {"x": x, "w": self.w(weight), "out": y}, {"M": rows})
+        block = GEMV_ROWS if exact_rows else rows
+        for r0 in range(0, rows, block):
+            m = min(block, rows - r0)
+            family, key = self.kernels.linear(n, k, m)
+            self.launch(out, family, key, {"x": x + r0 * k * 2, "w": self.w(weight), "out": y + r0 * n * 2},
+                        {"M": m})
 
     # ------------------------------------------------------------------ layer kinds
 
@@ -145,32 +173,50 @@ class Forward:
         """The n-th Gated DeltaNet mixer: projection, causal conv, delta rule, gated norm, out."""
         k, st, buf = self.kernels, self.storage, self.storage.buf
         m, nseq, t, prefill, slots = shape.m, shape.nseq, shape.t, shape.prefill, self.phys_slots
-        self.linear(out, buf["h"], layer["w_in"], buf["proj"], m, layer.get("w_in_tail"))
-        # Prefill reads the old windows from a scratch copy (the step copies them there: the conv
-        # kernel's writers and readers differ when a piece is longer than one thread's tokens).
-        win_in = buf["win_scratch"] + n * st.win_slot_bytes if prefill else st.windows[n]
-        self.launch(out, "conv1d", k.conv, {"x": buf["proj"], "w": self.w(layer["conv"]), "win_in": win_in,
-                                            "win_out": st.windows[n], "slots_in": st.meta_ptr("slots_in"),
-                                            "slots_out": st.meta_ptr("slots"), "out": buf["conv_out"]},
-                    {"B": nseq, "T": t, "NI": 1 if prefill else slots, "NO": slots})
-        gdn_args = {"qkv": buf["conv_out"], "x": buf["proj"], "a_log": self.w(layer["a_log"]),
-                    "dt_bias": self.w(layer["dt_bias"]), "state": st.states[n], "slots": st.meta_ptr("slots")}
-        if prefill and (k.gdn_chunked or k.gdn_split):
-            # The chunked or split kernel (un-normalised o into gdn_out), then the gated norm in
-            # place, z read from the projection rows.
-            family, key = ("gdn_chunked", k.gdn_chunked) if k.gdn_chunked else ("gdn", k.gdn_split)
-            self.launch(out, family, key, {**gdn_args, "out": buf["gdn_out"]}, {"B": nseq, "T": t, "NS": slots})
-            self.launch(out, "rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
-                                                     "w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
-                        {"M": m * self.config.linear_num_value_heads})
+        exact = shape.exact_rows
+        self.linear(out, buf["h"], layer["w_in"], buf["proj"], m, layer.get("w_in_tail"), exact_rows=exact)
+        gdn_args = {"a_log": self.w(layer["a_log"]), "dt_bias": self.w(layer["dt_bias"]), "state": st.states[n]}
+        if prefill:
+            # The old windows come from a scratch copy (the step copies them there: the conv
+            # kernel's writers and readers differ when a piece is longer than one thread's tokens).
+            self.launch(out, "conv1d", k.conv, {"x": buf["proj"], "w": self.w(layer["conv"]),
+                                                "win_in": buf["win_scratch"] + n * st.win_slot_bytes,
+                                                "win_out": st.windows[n], "slots_in": st.meta_ptr("slots_in"),
+                                                "slots_out": st.meta_ptr("slots"), "out": buf["conv_out"]},
+                        {"B": nseq, "T": t, "NI": 1, "NO": slots})
+            gdn_args.update(qkv=buf["conv_out"], x=buf["proj"], slots=st.meta_ptr("slots"))
+            if k.gdn_chunked or k.gdn_split:
+                # The chunked or split kernel (un-normalised o into gdn_out), then the gated norm
+                # in place, z read from the projection rows.
+                family, key = ("gdn_chunked", k.gdn_chunked) if k.gdn_chunked else ("gdn", k.gdn_split)
+                self.launch(out, family, key, {**gdn_args, "out": buf["gdn_out"]}, {"B": nseq, "T": t, "NS": slots})
+                self.launch(out, "rmsnorm", k.gdn_norm, {"x": buf["gdn_out"], "z": buf["proj"],
+                                                         "w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                            {"M": m * self.config.linear_num_value_heads})
+            else:
+                self.launch(out, "gdn", k.gdn, {**gdn_args, "slots_out": st.meta_ptr("slots"),
+                                                "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                            {"B": nseq, "T": t, "NS": slots})
         else:
-            # Decode reads each state at slots_in and writes it at slots (the same slot, a spare
-            # for a step computed ahead, or a snapshot for verification); prefill works in place.
-            self.launch(out, "gdn", k.gdn, {**gdn_args, "slots": st.meta_ptr("slots" if prefill else "slots_in"),
-                                            "slots_out": st.meta_ptr("slots"), "norm_w": self.w(layer["gdn_norm"]),
-                                            "out": buf["gdn_out"]},
-                        {"B": nseq, "T": t, "NS": slots})
-        self.linear(out, buf["gdn_out"], layer["out_proj"], buf["delta"], m)
+            # Decode (t = 1) and verification: one position of the nseq rows at a time, each
+            # state read at slots_in and written at slots (the same slot, a spare for a step
+            # computed ahead, or the next snapshot of a verification row: `StepShape`).
+            x_row = (layer["w_in"].shape[0] + (layer["w_in_tail"].shape[0] if "w_in_tail" in layer else 0)) * 2
+            conv_row = layer["conv"].shape[0] * 2
+            out_row = self.config.linear_num_value_heads * self.config.linear_value_head_dim * 2
+            for p in range(t):
+                r0, s0 = p * nseq, p * shape.slot_stride
+                slots_in, slots_out = st.meta_ptr("slots_in") + s0 * 4, st.meta_ptr("slots") + s0 * 4
+                x, qkv, o = buf["proj"] + r0 * x_row, buf["conv_out"] + r0 * conv_row, buf["gdn_out"] + r0 * out_row
+                self.launch(out, "conv1d", k.conv, {"x": x, "w": self.w(layer["conv"]), "win_in": st.windows[n],
+                                                    "win_out": st.windows[n], "slots_in": slots_in,
+                                                    "slots_out": slots_out, "out": qkv},
+                            {"B": nseq, "T": 1, "NI": slots, "NO": slots})
+                self.launch(out, "gdn", k.gdn, {**gdn_args, "qkv": qkv, "x": x, "slots": slots_in,
+                                                "slots_out": slots_out, "norm_w": self.w(layer["gdn_norm"]),
+                                                "out": o},
+                            {"B": nseq, "T": 1, "NS": slots})
+        self.linear(out, buf["gdn_out"], layer["out_proj"], buf["delta"], m, exact_rows=exact)
         self.all_reduce(out, m)
 
     def attention(self, out: list, shape: StepShape, n: int, layer: dict[str, Slot]) -> None:
@@ -179,7 +225,7 @@ class Forward:
         k, st, buf = self.kernels, self.storage, self.storage.buf
         m = shape.m
         pad_pages = st.num_pages + 1  # the pad page padded decode rows write into
-        self.linear(out, buf["h"], layer["w_qkv"], buf["proj"], m)
+        self.linear(out, buf["h"], layer["w_qkv"], buf["proj"], m, exact_rows=shape.exact_rows)
         pages = {"k_pages": st.k_pages[n], "v_pages": st.v_pages[n]}
         self.launch(out, "attention", k.prep, {"x": buf["proj"], "qn_w": self.w(layer["q_norm"]),
                                                "kn_w": self.w(layer["k_norm"]), "cos": buf["cos"], "sin": buf["sin"],
@@ -200,13 +246,14 @@ class Forward:
                                                       "pos": st.meta_ptr("pos"), "x": buf["proj"],
                                                       "out": buf["attn_out"]},
                         {"M": m, "S": shape.splits, "split": shape.split})
-        self.linear(out, buf["attn_out"], layer["o_proj"], buf["delta"], m)
+        self.linear(out, buf["attn_out"], layer["o_proj"], buf["delta"], m, exact_rows=shape.exact_rows)
         self.all_reduce(out, m)
 
     def dense_mlp(self, out: list, shape: StepShape, layer: dict[str, Slot]) -> None:
         """h -> delta through gate/up, SiLU(gate) * up, down."""
         buf = self.storage.buf
-        self.linear(out, buf["h"], layer["w_gate_up"], buf["proj"], shape.m)
+        exact = shape.exact_rows
+        self.linear(out, buf["h"], layer["w_gate_up"], buf["proj"], shape.m, exact_rows=exact)
         self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": shape.m})
-        self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m)
+        self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m, exact_rows=exact)
         self.all_reduce(out, shape.m)

@@ -8,10 +8,11 @@ plans, graphs, look-ahead) and `sampling` (device sampling).
 `step(rows)` (the step contract of `runtime/model/runner.py`) runs, in this order: the one-token
 rows without snapshots as decode batches of up to `max_batch` (graphs per bucket, as `decode`);
 each prefill row as `prefill` does, with only the wanted positions' logits computed; then the
-verification rows, one decode batch per token position over every verification row that long,
-row i reading its state at the previous snapshot (its own slot for position 0) and writing it to
-snapshot i. Decode kernels are batch-invariant, so every row equals the separate calls it stands
-for bit for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
+verification rows as verification steps (`Steps.verify`, `layers.StepShape`): all positions of
+rows of one length in one step, the projections as decode GEMV blocks, the recurrent layers one
+position at a time, position i reading its state at the previous snapshot (the row's own slot
+for position 0) and writing it to snapshot i. Decode kernels are batch-invariant, so every row
+equals the separate calls it stands for bit for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
 the snapshot slot then holds the slot's old state.
 """
 
@@ -345,28 +346,37 @@ class CudaRunner:
         return b
 
     def _verify(self, rows: Sequence[StepRow], checked: Sequence[tuple]) -> list[np.ndarray]:
-        """Verification rows: one decode batch per token position p over the rows longer than p,
-        states read at snapshot p - 1 (the row's slot for p = 0) and written to snapshot p;
-        the wanted positions' logits per row, in order."""
+        """Verification rows as verification steps (`Steps.verify`): rows of one length together,
+        as many sequences per step as `Storage.verify_rows` and the batch allow (a row longer
+        than a step takes goes in windows of positions, its snapshot chain carried across);
+        state of position p read at snapshot p - 1 (the row's slot for p = 0) and written to
+        snapshot p. The wanted positions' logits per row, in order."""
         phys = self.slots.phys
         wanted = [set(row.logit_offsets()) for row in rows]
-        logits: list[list[np.ndarray]] = [[] for _ in rows]
-        for p in range(max(row.num_tokens for row in rows)):
-            live = [r for r, row in enumerate(rows) if row.num_tokens > p]
-            for lo in range(0, len(live), self.max_batch):
-                group = live[lo:lo + self.max_batch]
-                tokens = np.array([checked[r][0][p] for r in group], np.int64)
-                slots_in = [phys[rows[r].slot if p == 0 else rows[r].snapshots[p - 1]] for r in group]
-                slots_out = [phys[rows[r].snapshots[p]] for r in group]
-                self.steps.decode(tokens, [checked[r][1] + p for r in group], [checked[r][2] for r in group],
-                                  slots_in, slots_out)
-                if any(p in wanted[r] for r in group):
-                    block = self.steps.read_logits(len(group))
-                    for b, r in enumerate(group):
-                        if p in wanted[r]:
-                            logits[r].append(block[b])
-        return [np.stack(rows_out) if rows_out else np.zeros((0, self.vocab_size), np.float32)
-                for rows_out in logits]
+        logits: list[dict[int, np.ndarray]] = [{} for _ in rows]
+        by_length: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            by_length.setdefault(row.num_tokens, []).append(r)
+        for t, members in sorted(by_length.items()):
+            window = next(w for w in range(t, 0, -1) if self.steps.verify_fits(1, w))
+            per_step = next(n for n in range(min(self.max_batch, len(members)), 0, -1)
+                            if self.steps.verify_fits(n, window))
+            for lo in range(0, len(members), per_step):
+                group = members[lo:lo + per_step]
+                for p0 in range(0, t, window):
+                    span = range(p0, min(t, p0 + window))
+                    self.steps.verify(
+                        np.array([[checked[r][0][p] for p in span] for r in group], np.int64),
+                        [checked[r][1] + p0 for r in group], [checked[r][2] for r in group],
+                        [[phys[rows[r].slot if p == 0 else rows[r].snapshots[p - 1]] for p in span] for r in group],
+                        [[phys[rows[r].snapshots[p]] for p in span] for r in group])
+                    need = [(b, r, p) for b, r in enumerate(group) for p in span if p in wanted[r]]
+                    if need:
+                        block = self.steps.read_logits(len(span) * len(group))
+                        for b, r, p in need:
+                            logits[r][p] = block[(p - p0) * len(group) + b]
+        return [np.stack([by_pos[p] for p in sorted(by_pos)]) if by_pos else np.zeros((0, self.vocab_size), np.float32)
+                for by_pos in logits]
 
     # ------------------------------------------------------------------ checks and reads
 

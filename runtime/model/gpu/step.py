@@ -96,7 +96,7 @@ class Steps:
         self.embed_table = embed_table  # bf16 bits [V, H] on the host (no embedding kernel)
         self.cuda_graphs = cuda_graphs
         self.plans = Plans()
-        self.graphs: dict[int, Any] = {}
+        self.graphs: dict[Any, Any] = {}  # decode bucket, or ("verify", nseq, t)
         self._meta_turn = 0
 
     # ------------------------------------------------------------------ decode
@@ -132,6 +132,55 @@ class Steps:
         self._run_decode(bucket)
         return Ahead(slots=[int(item.slot) for item in items], positions=positions, tables=tables,
                      tokens=np.zeros(0, np.int32), spares=spares)
+
+    def verify(self, tokens: np.ndarray, positions: Sequence[int], tables: Sequence[np.ndarray],
+               slots_in: Sequence[Sequence[int]], slots_out: Sequence[Sequence[int]]) -> None:
+        """Queue a verification step (checked by the caller; physical slots): nseq =
+        len(positions) sequences of t tokens each, `tokens` [nseq, t]; sequence b's p-th token
+        sits at positions[b] + p, reads its state at slots_in[b][p] and writes it at
+        slots_out[b][p]. Logits land position-major: row p * nseq + b (`layers.StepShape`)."""
+        st = self.storage
+        nseq, t = tokens.shape
+        shape = self._verify_shape(nseq, t)
+        meta = self._meta_clear()
+        table = meta["table"].reshape(st.max_batch, st.maxp)
+        table[:] = st.num_pages  # pad page
+        for b, pages in enumerate(tables):
+            table[b, :len(pages)] = pages
+        for p in range(t):
+            for b in range(nseq):
+                r, pos = p * nseq + b, positions[b] + p
+                meta["pos"][r] = pos
+                meta["wrow"][r] = tables[b][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+                meta["qseq"][r] = b
+                meta["slots_in"][p * shape.slot_stride + b] = slots_in[b][p]
+                meta["slots"][p * shape.slot_stride + b] = slots_out[b][p]
+        ids = tokens.T.reshape(-1)
+        meta["ids"][:len(ids)] = ids
+        self._upload_step(ids, len(ids))
+        key = ("verify", nseq, t)
+        if self.cuda_graphs:
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self.graphs[key] = self._record(self.verify_plan(shape))
+            graph.replay(self.stream)
+        else:
+            for launch in self.verify_plan(shape):
+                launch(self.stream)
+
+    def verify_fits(self, nseq: int, t: int) -> bool:
+        """Whether one verification step takes nseq sequences of t tokens (rows, logits and
+        attention partials: `Storage.verify_rows`; a slot pair per row, aligned per position)."""
+        st = self.storage
+        return nseq <= st.max_batch and nseq * t <= st.verify_rows and t * self._verify_shape(nseq, t).slot_stride <= st.rows
+
+    def _verify_shape(self, nseq: int, t: int) -> StepShape:
+        st = self.storage
+        return StepShape(m=nseq * t, nseq=nseq, t=t, splits=st.decode_splits, split=st.decode_split, prefill=False)
+
+    def verify_plan(self, shape: StepShape) -> list:
+        return self.plans.get(("verify", shape.nseq, shape.t),
+                              lambda: self.forward.bind(shape) + self.forward.lm_head(0, shape.m, exact_rows=True))
 
     def decode_plan(self, bucket: int) -> list:
         st = self.storage
@@ -172,16 +221,17 @@ class Steps:
                 launch(self.stream)
 
     def _capture(self, bucket: int) -> Any:
-        from runtime.cuda.device import capture_graph
+        graph = self._record(self.decode_plan(bucket))
+        self.graphs[bucket] = graph
+        return graph
 
-        plan = self.decode_plan(bucket)
+    def _record(self, plan: list) -> Any:
+        from runtime.cuda.device import capture_graph
 
         def record() -> None:
             for launch in plan:
                 launch(self.stream)
-        graph = capture_graph(self.device, self.stream, record)
-        self.graphs[bucket] = graph
-        return graph
+        return capture_graph(self.device, self.stream, record)
 
     # ------------------------------------------------------------------ prefill
 

@@ -97,6 +97,7 @@ class Storage:
         proj_w = max(k.gdn_stride, k.attn_stride, 2 * (c.intermediate_size or 0))
         hq, d = c.num_attention_heads, c.head_dim
         part_rows = max(max_batch * self.decode_splits, rows * PREFILL_SPLITS) * hq
+        self.part_rows = part_rows // hq  # query rows x splits the attention partials hold
         self.rope_positions = min(c.max_position_embeddings, max(max_context, 1))
         # Logits rows staged at once: every row of a step where the budget allows, else as many
         # whole 128-row tiles of the lm_head GEMM as fit (a 2,048-token chunk of a 248K vocabulary
@@ -130,9 +131,10 @@ class Storage:
         if k.sample_candidates:
             cands = max_batch * k.sample_ctas * TOP_K_CAP * 4
             sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": max_batch * 4})
-        # Metadata (int32): ids, pos, wrow, qseq [rows]; slots, slots_in [max_batch]; err; table.
-        self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": max_batch,
-                          "slots_in": max_batch, "err": 4, "table": max_batch * self.maxp}
+        # Metadata (int32): ids, pos, wrow, qseq, slots, slots_in [rows] (a verification step
+        # has a slot pair per row: `layers.StepShape`); err; table [max_batch, maxp].
+        self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": rows,
+                          "slots_in": rows, "err": 4, "table": max_batch * self.maxp}
         self.meta_off: dict[str, int] = {}
         off = 0
         for name, count in self.meta_size.items():
@@ -165,6 +167,12 @@ class Storage:
             for name, count, dtype in sample_fields:
                 start = self.sample_off[name]
                 self.sample_host[name] = raw[start:start + count * 4].view(dtype)
+
+    @property
+    def verify_rows(self) -> int:
+        """The most rows (positions x sequences) one verification step takes: its activations,
+        logits and attention partials (every row over all decode splits) must fit."""
+        return min(self.rows, self.logit_rows, self.part_rows // self.decode_splits)
 
     def meta_ptr(self, name: str) -> int:
         """Device address of one metadata field."""
