@@ -135,9 +135,10 @@ def speculative_settings(settings: Any, device: str, artifact: Any) -> Speculati
                                ngram_min_match=settings.ngram_min_match)
     if not config.enabled:
         return config
-    if device == "cuda":
-        raise ConfigError("--spec / --ngram-draft-tokens: speculative decoding runs on --device "
-                          "cpu so far (the CUDA runner does not verify draft rows yet)")
+    if device == "cuda" and config.mtp:
+        raise ConfigError("--spec mtp: the CUDA runner has no MTP head yet; on --device cuda "
+                          "--ngram-draft-tokens N drafts by n-gram copy, and --device cpu runs "
+                          "the MTP head")
     if config.mtp and "mtp" not in artifact.all_component_names:
         raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
                           "checkpoint with its mtp.* weights, or use --spec off)")

@@ -1,0 +1,66 @@
+"""N-gram speculative decoding on `CudaRunner`: the same token ids as plain decoding, on a GPU.
+
+Each round verifies [x_n, d_1 .. d_k] as one verification row (`CudaRunner.step`: the decode
+GEMV over every position, the GDN step per position along the snapshot chain), then commits the
+state after the last accepted position. Every verification position equals a decode step bit
+for bit (tests/gpu/test_gpu_runner_step.py), so greedy and seeded output must equal plain
+decoding exactly, at the tiny model and at a 4-layer model of the Qwen3.6-27B shapes (synthetic
+weights: near-ties everywhere). Prompts repeat a phrase so the n-gram index proposes drafts;
+random weights reject most of them, which exercises the commit of every draft position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.api import EngineRequest, SamplingParams
+from runtime.engine.speculative import SpeculativeConfig
+
+from .engine_runs import run_engine
+from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
+
+pytestmark = pytest.mark.gpu
+
+NGRAM = SpeculativeConfig(ngram_draft_tokens=5, ngram_min_match=2)
+SLOTS = 4 * (1 + NGRAM.max_drafts + 1)
+
+
+@pytest.fixture(scope="module", params=["tiny", "27b-4-layers"])
+def runner(request, tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    from runtime.model.gpu.runner import CudaRunner
+
+    shape = dict(num_pages=64, num_slots=SLOTS, max_batch=4, max_context=1024, prefill_chunk=128,
+                 device=device, library=library)
+    if request.param == "tiny":
+        r = CudaRunner.from_artifact(tiny_path, **shape)
+    else:
+        from bench.decode import QWEN36_27B
+        from runtime.model.config import ModelConfig
+
+        config = dict(QWEN36_27B, num_hidden_layers=4, layer_types=QWEN36_27B["layer_types"][:4])
+        r = CudaRunner.synthetic(ModelConfig.from_dict(config), 9, **shape)
+    yield r
+    r.close()
+
+
+def _requests(vocab: int) -> list[EngineRequest]:
+    rng = np.random.default_rng(4)
+    out = []
+    for i in range(4):
+        phrase = [int(t) for t in rng.integers(0, vocab, 9)]
+        prompt = tuple(phrase * 6 + [int(t) for t in rng.integers(0, vocab, 20 + 7 * i)] + phrase[:4])
+        sampling = SamplingParams(greedy=True) if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9,
+                                                                               seed=70 + i)
+        out.append(EngineRequest(f"s{i}", prompt, sampling, 40))
+    return out
+
+
+def test_ngram_speculation_equals_plain_decoding(runner):
+    requests = _requests(runner.vocab_size)
+    common = dict(num_lanes=4, max_context=1024, prefill_chunk=128)
+    plain, _ = run_engine(runner, requests, **common)
+    speculative, counters = run_engine(runner, requests, speculative=NGRAM, **common)
+    assert [len(t) for t in plain] == [40] * 4
+    assert speculative == plain
+    assert counters["spec_rounds"] > 0 and counters["spec_drafted_tokens"] > 0
