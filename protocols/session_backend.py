@@ -79,7 +79,7 @@ class SessionBackend:
     def __init__(self, session, settings, *, model_id: Optional[str] = None):
         self.session = session
         self.settings = settings
-        self.model_id = model_id or getattr(settings, "model_id", None) or session.model_name
+        self.model_id = model_id or settings.model_id or session.model_name
         self.max_context = session.max_context
         self.capabilities = Capabilities(logprobs=True, constraints=_constraints_available())
         self._running: dict[str, _Running] = {}

@@ -40,7 +40,10 @@ def options_for(command: str) -> tuple[Option, ...]:
 def _settings_class(command: str) -> type:
     """The frozen dataclass holding one command's settings (attributes use underscores)."""
     fields = [("model", Optional[str], dataclasses.field(default=None)),
-              ("options_from_file", tuple, dataclasses.field(default=()))]
+              ("options_from_file", tuple, dataclasses.field(default=())),
+              # Which command's settings these are: code shared by both reads the other
+              # command's options only after checking this (`serving`).
+              ("command", str, dataclasses.field(default=command))]
     for option in options_for(command):
         fields.append((option.attr, Any, dataclasses.field(default=option.default_for(command))))
     name = "CliSettings" if command == CLI else "ServeSettings"
@@ -50,6 +53,12 @@ def _settings_class(command: str) -> type:
 CliSettings = _settings_class(CLI)
 ServeSettings = _settings_class(SERVE)
 SETTINGS_CLASSES = {CLI: CliSettings, SERVE: ServeSettings}
+
+
+def serving(settings: Any) -> bool:
+    """Whether `settings` are `infernix-serve`'s (they then hold the serve-only options: lanes,
+    the pending queue, the prefix cache, the model id); the CLI runs one request."""
+    return settings.command == SERVE
 
 
 # --- value checking shared by the command line and the file ---------------------------------

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from runtime.config import ConfigError
+from runtime.config import ConfigError, serving
 from runtime.log import Progress
 from runtime.model.config import ModelConfig
 
@@ -93,8 +93,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
     slots. mtp: load the MTP head (CPU backend; `speculative_settings` refuses speculative
     decoding on cuda). vision: load the vision tower (CPU backend; `vision_settings` refuses it
     elsewhere)."""
-    synthetic = getattr(settings, "synthetic_weights", None)
-    shape_name = getattr(settings, "synthetic_shape", None)
+    synthetic, shape_name = settings.synthetic_weights, settings.synthetic_shape
     if shape_name is not None and synthetic is None:
         raise ConfigError("--synthetic-shape runs a shape on random weights: give --synthetic-weights SEED too")
     if synthetic is not None and device != "cuda":
@@ -106,7 +105,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
                               "only so far")
         module = importlib.import_module(CUDA_RUNNER_MODULE)
         progress = _WeightProgress()
-        num_lanes = getattr(settings, "max_concurrency", 1)
+        num_lanes = settings.max_concurrency if serving(settings) else 1
         shape = {"num_pages": num_pages, "num_slots": num_slots,
                  "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                  "prefill_chunk": prefill_chunk, "max_context": settings.max_context,

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime.config import ConfigError
+from runtime.config import ConfigError, serving
 from runtime.engine.kv_pages import pages_for
 from runtime.engine.speculative import SlotLayout, SpeculativeConfig
 from runtime.model.runner import PAGE_SIZE
@@ -34,7 +34,7 @@ def prefix_cache_settings(settings: Any) -> dict:
     request) has no cache options and no cache."""
     off = {"prefix_cache": False, "snapshot_slots": 0, "host_cache_bytes": 0,
            "snapshot_interval": 0, "cache_file": None, "ssd_bytes": 0, "ssd_dir": None}
-    if not hasattr(settings, "no_prefix_cache"):
+    if not serving(settings):
         return off
     interval = settings.snapshot_interval
     if interval % PAGE_SIZE:

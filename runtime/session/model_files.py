@@ -56,7 +56,7 @@ def model_and_device(settings: Any, logger) -> tuple[Path, str]:
     """The model file to load and the device ("cpu" or "cuda") to run it on; option mistakes
     are ConfigErrors."""
     model = settings.model
-    if getattr(settings, "demo", False):
+    if settings.demo:
         if model is not None:
             raise ConfigError("--demo runs a generated tiny model; give no model path")
         if settings.device not in ("auto", "cpu"):

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.config import ConfigError
+from runtime.config import ConfigError, serving
 from runtime.engine.api import EngineRequest, SamplingParams, ThinkingControl
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.presets import SamplingOverrides, model_presets, resolve_sampling
@@ -104,7 +104,7 @@ class ModelSession:
         self.think_end_id = tokenizer.special.think_end
         self.thinking_close_ids = tuple(tokenizer.encode(THINKING_CLOSE_TEXT))
         self._word_kinds: Optional[np.ndarray] = None
-        if getattr(settings, "reasoning_loop", "off") != "off":
+        if settings.reasoning_loop != "off":
             # The loop guard's word table: built now rather than on the first request.
             self._word_kinds = word_kinds_table(tokenizer.token_bytes, runner.vocab_size)
         self._constraint_compiler = None
@@ -123,7 +123,7 @@ class ModelSession:
         if settings.prefill_chunk % PAGE_SIZE:
             raise ConfigError(f"--prefill-chunk: {settings.prefill_chunk} is not a multiple "
                               f"of {PAGE_SIZE}")
-        num_lanes = getattr(settings, "max_concurrency", 1)
+        num_lanes = settings.max_concurrency if serving(settings) else 1
         max_context = settings.max_context
         num_pages = kv_pool_pages(settings, device, num_lanes, logger)
 
@@ -171,7 +171,7 @@ class ModelSession:
                                                            settings.kv_dtype)
         engine_config = EngineConfig(
             num_lanes=num_lanes, max_context=max_context, prefill_chunk=prefill_chunk,
-            max_waiting=getattr(settings, "max_pending_requests", 0), num_pages=num_pages,
+            max_waiting=settings.max_pending_requests if serving(settings) else 0, num_pages=num_pages,
             speculative=speculative, **cache)
         # A CUDA context is current per thread: the engine thread must make it its own.
         on_start = runner.device.make_current if device == "cuda" else None

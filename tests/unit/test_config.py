@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runtime.config import ConfigError, build_parser, load_config_file, parse_settings
-from runtime.options import OPTIONS, SERVE
+from runtime.options import CLI, OPTIONS, SERVE
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -35,7 +35,8 @@ def test_serve_defaults_differ_where_declared():
     assert settings.max_context == 8192
     assert settings.port == 8080
     assert settings.host == "127.0.0.1"
-    assert not hasattr(settings, "prompt")
+    assert not hasattr(settings, "prompt") and settings.command == SERVE
+    assert parse_settings(CLI, ["m.infernix"]).command == CLI
 
 
 def test_file_gives_model_and_options_and_command_line_wins(tmp_path):
