@@ -17,7 +17,8 @@ from runtime.cuda.expr import evaluate
 
 from .variant import Variant
 
-__all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "NAME_PREFIX"]
+__all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "sum_warp_partials",
+           "NAME_PREFIX"]
 
 NAME_PREFIX = "infx"
 
@@ -83,3 +84,22 @@ def warp_sum(value: Any, width: int) -> Any:
 def silu_f32(x: Any) -> Any:
     """x * sigmoid(x) in fp32."""
     return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+
+@cute.jit
+def sum_warp_partials(partial: Any, tid: Any, out: Any, ld: Any, row0: Any, m: Any, count: Any,
+                      rows: cutlass.Constexpr, mb: cutlass.Constexpr, warps: cutlass.Constexpr) -> None:
+    """The GEMV epilogue: once every warp wrote its partial dot products to `partial` (shared
+    memory, [rows, mb, warps]), thread tid < rows * mb adds row tid % rows of token tid // rows
+    over the warps in warp order (a fixed order: a token's result does not depend on the others)
+    and stores it as bf16 at out[token * ld + row0 + row], for tokens < m and rows < count."""
+    cute.arch.sync_threads()
+    if tid < rows * mb:
+        row = tid % rows
+        token = tid // rows
+        if token < m and row < count:
+            total = cutlass.Float32(0.0)
+            for i in cutlass.range_constexpr(warps):
+                total = total + partial[row, token, i]
+            dst = cute.make_tensor(out + cutlass.Int64(token) * ld + row0 + row, cute.make_layout(1))
+            dst[0] = total.to(cutlass.BFloat16)

@@ -179,16 +179,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             if cutlass.const_expr(not half):
                 partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
                 partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
-        cute.arch.sync_threads()
-        if tid < rows * mb:
-            row = tid % rows
-            token = tid // rows
-            if token < m and row < count:
-                total = f32(0.0)
-                for i in cutlass.range_constexpr(WARPS):
-                    total = total + partial[row, token, i]
-                dst = cute.make_tensor(out + cutlass.Int64(token) * n + row0 + row, cute.make_layout(1))
-                dst[0] = total.to(bf16)
+        _dsl.sum_warp_partials(partial, tid, out, n, row0, m, count, rows, mb, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_{variant.key}")
 

@@ -233,16 +233,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         partial[r, 2 * q + 1, warp] = acc[1]
         partial[r + 8, 2 * q, warp] = acc[2]
         partial[r + 8, 2 * q + 1, warp] = acc[3]
-        cute.arch.sync_threads()
-        if tid < ROWS * MB:
-            row = tid % ROWS
-            token = tid // ROWS
-            if token < m and row < count:
-                total = f32(0.0)
-                for i in cutlass.range_constexpr(WARPS):
-                    total = total + partial[row, token, i]
-                dst = cute.make_tensor(out + cutlass.Int64(token) * ldo + row0 + row, cute.make_layout(1))
-                dst[0] = total.to(bf16)
+        _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")
 
