@@ -136,8 +136,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("spec", str, "off", "speculative decoding: mtp drafts with the model's MTP head "
            "(its weights load only then); every round is verified, so the output equals plain "
            "decoding", group="speculative", choices=("off", "mtp")),
-    Option("draft-tokens", int, None, "MTP drafts per round (default 3); needs --spec mtp",
-           group="speculative", minimum=1, maximum=5),
+    Option("draft-tokens", int, None, "MTP drafts per round (default 3), or auto: each round "
+           "the count, up to 5, that the request's measured acceptance makes fastest; needs "
+           "--spec mtp", group="speculative", minimum=1, maximum=5, auto=True),
     Option("ngram-draft-tokens", int, 0, "most n-gram copy drafts per round, from the "
            "request's own prompt and output (0: off); beside --spec mtp the longer proposal "
            "is verified", group="speculative", minimum=0, maximum=63),

@@ -39,7 +39,7 @@ are lost).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -59,12 +59,16 @@ class SpeculativeConfig:
     draft_tokens: MTP drafts per round, 1..5.
     ngram_draft_tokens: most n-gram copy drafts per round (0: off), 1..63.
     ngram_min_match: tokens that must match before the copy is proposed.
+    adaptive: `--draft-tokens auto`: each round drafts the MTP length, up to `draft_tokens`,
+        that the request's measured acceptance and the runner's `round_cost` make fastest
+        (`best_draft_count`).
     """
 
     method: str = "off"
     draft_tokens: int = 3
     ngram_draft_tokens: int = 0
     ngram_min_match: int = 12
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.method not in ("off", "mtp"):
@@ -77,6 +81,8 @@ class SpeculativeConfig:
                              f"got {self.ngram_draft_tokens}")
         if self.ngram_min_match < 1:
             raise ValueError(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
+        if self.adaptive and not self.mtp:
+            raise ValueError("adaptive draft lengths are for MTP drafts (method mtp)")
 
     @property
     def mtp(self) -> bool:
@@ -158,6 +164,32 @@ class _SequenceState:
     ngram: NgramIndex
     catch_up: Optional[tuple[int, int, int]] = None
     ngram_proposal: list[int] = field(default_factory=list)
+    # MTP acceptance by draft position j (0-based): rounds that verified draft j with every
+    # draft before it accepted, and of those, the rounds that accepted it too.
+    tested: list[int] = field(default_factory=lambda: [0] * MAX_MTP_DRAFTS)
+    accepted: list[int] = field(default_factory=lambda: [0] * MAX_MTP_DRAFTS)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        for j in range(min(drafted, accepted + 1)):
+            self.tested[j] += 1
+            self.accepted[j] += j < accepted
+
+
+def best_draft_count(tested: Sequence[int], accepted: Sequence[int], most: int,
+                     cost: Callable[[int], float]) -> int:
+    """The draft count k in 1..most with the most tokens per decode step of cost: a round of k
+    drafts commits 1 + sum over i <= k of the chance that drafts 1..i are all accepted, each
+    draft's chance estimated as (accepted + 1) / (tested + 2) (so an untried position counts
+    as even odds), and costs `cost(k)` decode steps."""
+    best, best_rate = 1, -1.0
+    expected, chain = 1.0, 1.0
+    for k in range(1, most + 1):
+        chain *= (accepted[k - 1] + 1) / (tested[k - 1] + 2)
+        expected += chain
+        rate = expected / cost(k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 @dataclass(frozen=True)
@@ -218,10 +250,17 @@ class Speculation:
                 continue
             limit = min(request.request.max_new_tokens - len(request.output_ids),
                         request.max_context - request.total_len) - 1
-            mtp = min(self.config.draft_tokens, limit) if self.config.mtp else 0
+            mtp = min(self._mtp_count(state), limit) if self.config.mtp else 0
             state.ngram_proposal = state.ngram.propose(min(self.config.ngram_draft_tokens, limit))
             room[request_id] = max(mtp, len(state.ngram_proposal), 0)
         return room
+
+    def _mtp_count(self, state: _SequenceState) -> int:
+        """MTP drafts this round: `draft_tokens`, or with `adaptive` the fastest count."""
+        if not self.config.adaptive:
+            return self.config.draft_tokens
+        return best_draft_count(state.tested, state.accepted, self.config.draft_tokens,
+                                lambda k: self.runner.round_cost(k, True))
 
     # --- MTP catch-up -----------------------------------------------------------------------
 
@@ -255,7 +294,7 @@ class Speculation:
         """Draft, verify in one `step`, accept and commit for every unit of the group.
         masks: request id -> the constraint mask future of the unit's first position. Runner
         failures propagate (the engine isolates the group); sampling failures end one unit."""
-        drafts = self._proposals(group)
+        drafts, from_mtp = self._proposals(group)
         rows = []
         for work, proposal in zip(group, drafts):
             snapshots = None
@@ -265,25 +304,30 @@ class Speculation:
                                 logits="all", snapshots=snapshots))
         logits = self.runner.step(rows)
         outcomes = {}
-        for work, row, proposal, row_logits in zip(group, rows, drafts, logits):
+        for work, row, proposal, mtp, row_logits in zip(group, rows, drafts, from_mtp, logits):
             outcome = _accept(live[work.request_id], proposal, row_logits,
                               masks.get(work.request_id))
             if row.snapshots is not None and outcome.error is None:
                 self.runner.commit(work.slot, row.snapshots[outcome.accepted])
+            if mtp:
+                self._states[work.request_id].record(outcome.drafted, outcome.accepted)
             outcomes[work.request_id] = outcome
         return outcomes
 
-    def _proposals(self, group: Sequence[DecodeWork]) -> list[list[int]]:
+    def _proposals(self, group: Sequence[DecodeWork]) -> tuple[list[list[int]], list[bool]]:
         """Each unit's drafts: the n-gram copy when it is longer than what MTP would draft,
-        else MTP's (the MTP call also catches the head up for every unit)."""
+        else MTP's (the MTP call also catches the head up for every unit); and whether they
+        are MTP's."""
         proposals: list[list[int]] = []
+        from_mtp: list[bool] = []
         mtp_rows, mtp_units = [], []
         for index, work in enumerate(group):
             state = self._states[work.request_id]
             ngram = state.ngram_proposal[:work.draft_room]
-            mtp_count = min(self.config.draft_tokens, work.draft_room) if self.config.mtp else 0
+            mtp_count = min(self._mtp_count(state), work.draft_room) if self.config.mtp else 0
             use_mtp = mtp_count > len(ngram)
             proposals.append([] if use_mtp else ngram)
+            from_mtp.append(use_mtp)
             row = self._catch_up_row(work.request_id, work.slot, work.pos, work.page_table,
                                      mtp_count if use_mtp else 0)
             if row is not None:
@@ -293,7 +337,7 @@ class Speculation:
             for index, row_drafts in zip(mtp_units, self.runner.mtp_draft(mtp_rows)):
                 if row_drafts:
                     proposals[index] = row_drafts
-        return proposals
+        return proposals, from_mtp
 
     # --- after the scheduler took the tokens -------------------------------------------------
 

@@ -28,7 +28,8 @@ from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_start_pos
 from runtime.model.numpy_mtp import MtpDrafter
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
-                                  StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens)
+                                  StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens,
+                                  mtp_draft_cost)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
 from runtime.model.weights import (AttentionWeights, ComponentTensors, GdnWeights, LayerWeights,
                                    MoeWeights, bind_mtp, bind_text)
@@ -222,6 +223,10 @@ class NumpyRunner:
 
     def commit(self, slot: int, snapshot: int) -> None:
         self.copy_slot(snapshot, slot)
+
+    def round_cost(self, drafts: int, mtp: bool) -> float:
+        """A verification row runs as one decode step per token here (`step_with_hidden`)."""
+        return 1 + drafts + (drafts * mtp_draft_cost(self.config) if mtp else 0.0)
 
     def step_with_hidden(self, rows: Sequence[StepRow]) -> list[StepOutput]:
         """`step`, with each row's final-normed hidden states of every token (MTP drafting).

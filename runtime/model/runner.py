@@ -27,7 +27,7 @@ same row gives alone (`prefill` and `decode` are the one-row and all-decode spec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Literal, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -236,6 +236,9 @@ class ModelRunner(Protocol):
     mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
         loaded, every `prefill`, `decode` and `step` keeps each row's final-normed hidden states
         per lane slot until the slot's next computation (`MtpRow`).
+    round_cost(drafts, mtp): what a speculative round of one row costs, in plain decode steps
+        (`--draft-tokens auto` picks the draft length by it): verifying 1 + drafts tokens, plus
+        chaining `drafts` MTP drafts when mtp.
     """
 
     vocab_size: int
@@ -314,7 +317,20 @@ class ModelRunner(Protocol):
         The snapshot slot's content is unspecified afterwards (a runner may swap storage)."""
         ...
 
+    def round_cost(self, drafts: int, mtp: bool) -> float:
+        ...
+
     def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
         """Run the MTP head for every row (`MtpRow`: catch-up, then chained drafts); returns each
         row's greedy drafts (argmax, lowest id on ties), `num_drafts` ids ([] for none)."""
         ...
+
+
+def mtp_draft_cost(config: Any) -> float:
+    """One chained MTP draft in plain decode steps, counting the weights a decode step reads:
+    the MTP head is one transformer layer plus the vocabulary head, against the main model's
+    layers plus the head (a layer taken as ~12 hidden^2 weights: attention or GDN projections
+    and the MLP)."""
+    layer = 12 * config.hidden_size ** 2
+    head = config.vocab_size * config.hidden_size
+    return (layer + head) / (config.num_hidden_layers * layer + head)

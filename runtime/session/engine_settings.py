@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from runtime.config import ConfigError, serving
 from runtime.engine.kv_pages import pages_for
-from runtime.engine.speculative import SlotLayout, SpeculativeConfig
+from runtime.engine.speculative import MAX_MTP_DRAFTS, SlotLayout, SpeculativeConfig
 from runtime.model.runner import PAGE_SIZE
 
 
@@ -130,9 +130,11 @@ def speculative_settings(settings: Any, device: str, artifact: Any) -> Speculati
     cannot work are ConfigErrors, never ignored."""
     if settings.draft_tokens is not None and settings.spec != "mtp":
         raise ConfigError("--draft-tokens sets the MTP drafts per round: it needs --spec mtp")
-    config = SpeculativeConfig(method=settings.spec, draft_tokens=settings.draft_tokens or 3,
+    adaptive = settings.draft_tokens == "auto"
+    config = SpeculativeConfig(method=settings.spec,
+                               draft_tokens=MAX_MTP_DRAFTS if adaptive else settings.draft_tokens or 3,
                                ngram_draft_tokens=settings.ngram_draft_tokens,
-                               ngram_min_match=settings.ngram_min_match)
+                               ngram_min_match=settings.ngram_min_match, adaptive=adaptive)
     if not config.enabled:
         return config
     if device == "cuda" and config.mtp:

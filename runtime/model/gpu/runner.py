@@ -30,7 +30,13 @@ from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
-                                  checked_page_table, checked_pages, checked_rows, checked_tokens)
+                                  checked_page_table, checked_pages, checked_rows, checked_tokens,
+                                  mtp_draft_cost)
+
+# What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
+# conv and recurrent step and the head's rows are not). Measured on the H200 at the 27B shape,
+# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md).
+VERIFY_TOKEN_COST = 0.064
 from runtime.model.sampling import RowSampling
 
 
@@ -246,6 +252,9 @@ class CudaRunner:
             for i, logits in zip(verify, self._verify([rows[i] for i in verify], [checked[i] for i in verify])):
                 out[i] = logits
         return out  # type: ignore[return-value]
+
+    def round_cost(self, drafts: int, mtp: bool) -> float:
+        return 1 + VERIFY_TOKEN_COST * drafts + (drafts * mtp_draft_cost(self.config) if mtp else 0.0)
 
     def commit(self, slot: int, snapshot: int) -> None:
         """Swap the physical slots behind `slot` and `snapshot` (see the module docstring)."""
