@@ -36,6 +36,7 @@ from runtime.engine.request_state import LiveRequest, OutputSink
 from runtime.engine.sampler import DeadEndError
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.scheduler_records import ScheduledBatch, SchedulerConfig
+from runtime.engine.sequence_cache import media_cache_keys
 from runtime.engine.speculative import SlotLayout, Speculation
 from runtime.engine.thinking import budget_room_error
 from runtime.model.runner import ModelRunner
@@ -270,9 +271,10 @@ class Engine:
         live = LiveRequest(request, sink, self.config.max_context)
         self._live[request.request_id] = live
         try:
-            self.scheduler.add(request.request_id, request.prompt_ids,
-                               request.snapshot_positions, cacheable=not request.media)
-        except RequestRejected as exc:
+            media_keys = media_cache_keys(request.prompt_ids, request.media)
+            self.scheduler.add(request.request_id, request.prompt_ids, request.snapshot_positions,
+                               media_keys)
+        except (RequestRejected, ValueError) as exc:
             self._end(live, FinishReason.ERROR, error=str(exc))
             return
         if self.speculation is not None:

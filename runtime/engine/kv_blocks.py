@@ -51,6 +51,13 @@ def decoded_hash(parent: Optional[bytes], tokens: Sequence[int]) -> bytes:
     return chain_hash(parent, (*tokens, -1))
 
 
+def media_key_ids(digest: str) -> tuple[int, int, int, int]:
+    """Four negative ids from an image's content digest (hex, >= 128 bits): they stand for the
+    image's pad tokens in the ids the prefix cache hashes (pad position p takes id p % 4), so
+    prompts alike but for their pictures never share a block or a snapshot past the picture."""
+    return tuple(-1 - (int(digest[8 * i:8 * i + 8], 16) & 0x7FFFFFFF) for i in range(4))
+
+
 def block_hashes(token_ids: Sequence[int], parent: Optional[bytes] = None) -> list[bytes]:
     """Chain hashes of every full 64-token block of `token_ids` (a partial tail is left out)."""
     hashes = []

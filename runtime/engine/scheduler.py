@@ -114,7 +114,8 @@ class Scheduler:
                 f"{self.config.num_pages * PAGE_SIZE}")
 
     def add(self, request_id: str, prompt_ids: Sequence[int],
-            snapshot_positions: Sequence[int] = (), cacheable: bool = True) -> SequenceRecord:
+            snapshot_positions: Sequence[int] = (),
+            media_keys: tuple = ()) -> SequenceRecord:
         if request_id in self._seqs:
             raise RequestRejected("duplicate_request", f"request id {request_id!r} is in use")
         self.check_admissible(len(prompt_ids))
@@ -124,7 +125,7 @@ class Scheduler:
         seq = SequenceRecord(request_id=request_id, ticket=self._next_ticket,
                              prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
                              snapshot_positions=block_stops(snapshot_positions),
-                             cacheable=cacheable)
+                             media_keys=media_keys)
         self._next_ticket += 1
         self._seqs[request_id] = seq
         self._waiting.append(seq)

@@ -91,7 +91,8 @@ class SequenceRecord:
     turn_start_output: int = 0        # num_output when its current service turn began
     turn_start_step: int = 0
     snapshot_positions: tuple[int, ...] = ()   # the request's snapshot hints (chunk ends)
-    cacheable: bool = True      # False (a prompt with media): never matched, published or kept
+    # Its images as the cache keys them: (first pad position, pad count, `media_key_ids`).
+    media_keys: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     block_digests: list[bytes] = field(default_factory=list)  # hashes of its full blocks
     cached_tokens: Optional[int] = None   # prompt tokens its first admission resumed past
     resume_path: str = "cold"         # how it last started: cold, prefix, snapshot or replay
@@ -109,6 +110,16 @@ class SequenceRecord:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def key_ids(self, lo: int = 0, hi: Optional[int] = None) -> list[int]:
+        """token_ids[lo:hi] as the prefix cache hashes and compares them: each image's pad
+        tokens replaced by the ids of its content (`kv_blocks.media_key_ids`)."""
+        hi = len(self.token_ids) if hi is None else hi
+        ids = self.token_ids[lo:hi]
+        for offset, count, values in self.media_keys:
+            for p in range(max(lo, offset), min(hi, offset + count)):
+                ids[p - lo] = values[p % 4]
+        return ids
 
 
 @dataclass(frozen=True)

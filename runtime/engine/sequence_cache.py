@@ -35,10 +35,24 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from runtime.engine.kv_blocks import BlockManager, chain_hash, decoded_hash, pages_for
+from runtime.engine.kv_blocks import BlockManager, chain_hash, decoded_hash, media_key_ids, pages_for
 from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig, Snapshot
 from runtime.engine.scheduler_records import ScheduledBatch, SeqStatus, SequenceRecord
 from runtime.model.runner import PAGE_SIZE
+
+
+def media_cache_keys(prompt_ids: Sequence[int], media: Sequence) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """A prompt's images (`MediaSpan`s) as `SequenceRecord.media_keys`: each image's first pad
+    position, its run of pad tokens there, and the ids its content digest stands for."""
+    keys = []
+    for span in media:
+        if not span.digest:
+            raise ValueError(f"the image at position {span.offset} has no content digest")
+        end = span.offset
+        while end < len(prompt_ids) and prompt_ids[end] == prompt_ids[span.offset]:
+            end += 1
+        keys.append((span.offset, end - span.offset, media_key_ids(span.digest)))
+    return tuple(keys)
 
 
 def block_stops(hints: Sequence[int]) -> tuple[int, ...]:
@@ -73,9 +87,7 @@ class SequenceCache:
         self.interval = interval
 
     def match(self, seq: SequenceRecord) -> Optional[Snapshot]:
-        if not seq.cacheable:
-            return None
-        return self.cache.match(seq.token_ids, seq.request_id)
+        return self.cache.match(seq.key_ids(), seq.request_id)
 
     def resume_need(self, seq: SequenceRecord, entry: Snapshot) -> int:
         """Pages a resume takes from the pool, room for its pending tokens and one more
@@ -123,24 +135,22 @@ class SequenceCache:
 
     def publish(self, seq: SequenceRecord) -> None:
         """Publish the blocks `seq` has computed in full since the last call."""
-        if not seq.cacheable:
-            return
         done = min(seq.num_computed, len(seq.token_ids)) // PAGE_SIZE
         while len(seq.block_digests) < done:
             index = len(seq.block_digests)
             parent = seq.block_digests[-1] if seq.block_digests else None
             decoded = (index + 1) * PAGE_SIZE > seq.prompt_len
             digest = (decoded_hash if decoded else chain_hash)(
-                parent, seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+                parent, seq.key_ids(index * PAGE_SIZE, (index + 1) * PAGE_SIZE))
             seq.block_digests.append(digest)
             # A page with the same content computed by another sequence stays canonical; this
             # one stays private to `seq` (its KV is its own computation: request invariance).
             self.blocks.publish(seq.page_table[index], digest)
 
     def capture(self, seq: SequenceRecord, position: int) -> None:
-        if self.cache.config.reuse and seq.cacheable:
+        if self.cache.config.reuse:
             self._republish(seq, position)
-            self.cache.capture(seq.token_ids, position, seq.block_digests, seq.page_table,
+            self.cache.capture(seq.key_ids(), position, seq.block_digests, seq.page_table,
                                seq.slot)
 
     def _republish(self, seq: SequenceRecord, position: int) -> None:
@@ -159,11 +169,11 @@ class SequenceCache:
 
     def pause(self, seq: SequenceRecord) -> bool:
         """Keep a preempted sequence's state; False when it must replay instead."""
-        if seq.num_computed == 0 or not seq.cacheable:
+        if seq.num_computed == 0:
             return False
         self.publish(seq)
         self._republish(seq, seq.num_computed)
-        return self.cache.pause(seq.request_id, seq.token_ids, seq.num_computed,
+        return self.cache.pause(seq.request_id, seq.key_ids(), seq.num_computed,
                                 seq.block_digests, seq.page_table, seq.slot)
 
     def check(self) -> None:
