@@ -2,7 +2,7 @@
 each on a server with the cache and one without.
 
     python -m bench.prefix_cache --out results/ --server "infernix-serve --demo --device cpu" \
-        [--turns 6 --grow 400] [--pressure 8,600,2048] [--max-new 8]
+        [--turns 6 --grow 400] [--history 0] [--pressure 8,600,2048] [--max-new 8]
 
 Growing conversation: turn n resends the whole history (system text, every earlier user turn
 and answer) plus about `--grow` new tokens of user text, streamed over Chat Completions; the
@@ -110,11 +110,16 @@ def filler(tokens: int, salt: int) -> str:
     return " ".join(f"item{salt}_{i}" for i in range(max(1, tokens // 4)))
 
 
-def conversation(base: str, turns: int, grow: int, max_new: int) -> list[dict]:
+def conversation(base: str, turns: int, grow: int, max_new: int, history: int = 0) -> list[dict]:
+    """Turn 1 opens with `history` tokens of earlier session text besides its `grow` (a long
+    session resumed cold); every later turn adds `grow`."""
     messages = [{"role": "system", "content": SYSTEM}]
     rows = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": filler(grow, turn)})
+        text = filler(grow, turn)
+        if turn == 0 and history:
+            text = filler(history, 999) + "\n" + text
+        messages.append({"role": "user", "content": text})
         result = chat(base, messages, max_new, seed=turn)
         messages.append({"role": "assistant", "content": result["text"] or "ok"})
         rows.append(result)
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", default="infernix-serve --demo --device cpu")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--grow", type=int, default=400, help="new user tokens per turn")
+    ap.add_argument("--history", type=int, default=0, help="tokens of earlier session text in the "
+                    "first turn (e.g. 100000: a turn adding --grow to a 100K-token conversation)")
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--pressure", default="", help="N,L,POOL: N requests of L tokens, POOL-token "
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(args.server, ["--max-context", str(args.max_context)] + flags,
                         args.out / f"serve-{arm}.log")
         try:
-            report["turns"][arm] = conversation(server.base, args.turns, args.grow, args.max_new)
+            report["turns"][arm] = conversation(server.base, args.turns, args.grow, args.max_new,
+                                                args.history)
         finally:
             server.close()
     if args.pressure:
