@@ -177,11 +177,10 @@ def test_an_aborted_request_leaves_its_prompt_state_for_the_next_one(make_runner
     assert resumed.cached_prompt_tokens == 64 == len(prompt) // 64 * 64
     assert resumed.stats.prefilled_tokens == len(follow) - 64
     # Kept: a's stop 64 (its prompt end 100 is not a multiple of 64) and b's stops past its
-    # resume (the multiples of 64 up to its prompt: 128 when it is that long); nothing in
-    # a's answer.
+    # resume (the multiples of 64 up to its prompt), nothing else: no state after a's answer
+    # (how long the answer got before the cancel landed depends on timing, so b's prompt may
+    # reach past 128 or not).
     assert kept == [64, *range(128, len(follow) + 1, 64)]
-    assert len(prompt) not in kept
-    assert not any(len(prompt) < p <= len(prompt) + len(partial) for p in kept)
 
 
 def test_a_resume_on_the_cold_chunk_grid_is_bit_identical(make_runner):

@@ -12,7 +12,13 @@ from cute_kernels import sampling
 from cute_kernels.bf16 import round_bf16
 from runtime.model.sampling import (
     DEAD_END,
+    DRAW_INDEX,
+    GREEDY,
+    PEN_END,
+    PEN_START,
+    SEED_KEY,
     TOP_K_CAP,
+    USE_MASK,
     RowSampling,
     decide,
     draw_bits,
@@ -227,15 +233,15 @@ def test_pack_rows_lays_out_the_kernel_buffers():
     p = sampling.pack_rows(rows, 70)
     assert p.row_i32.dtype == np.int32 and p.row_i32.shape == (3, sampling.ROW_I32)
     assert p.bitmask.shape == (3, 3) and p.num_penalties == 3
-    assert p.row_i32[:, sampling.GREEDY].tolist() == [1, 0, 0]
-    assert p.row_i32[:, sampling.USE_MASK].tolist() == [0, 1, 0]
-    assert p.row_i32[:, sampling.PEN_START].tolist() == [0, 0, 2]
-    assert p.row_i32[:, sampling.PEN_END].tolist() == [0, 2, 3]
+    assert p.row_i32[:, GREEDY].tolist() == [1, 0, 0]
+    assert p.row_i32[:, USE_MASK].tolist() == [0, 1, 0]
+    assert p.row_i32[:, PEN_START].tolist() == [0, 0, 2]
+    assert p.row_i32[:, PEN_END].tolist() == [0, 2, 3]
     assert p.pen_ids.tolist() == [3, 9, 4] and p.pen_delta.tolist() == [0.5, 1.25, 2.0]
     np.testing.assert_array_equal(p.bitmask[1].view(np.uint32), mask)
     np.testing.assert_allclose(p.row_f32[1, :3], [0.7, 0.9, 0.05], rtol=1e-7)
-    key = int(p.row_i32[1, sampling.SEED_KEY]) & 0xFFFFFFFF
-    index = int(p.row_i32[1, sampling.DRAW_INDEX]) & 0xFFFFFFFF
+    key = int(p.row_i32[1, SEED_KEY]) & 0xFFFFFFFF
+    index = int(p.row_i32[1, DRAW_INDEX]) & 0xFFFFFFFF
     assert key == seed_key(2**63 + 5)
     assert sampling.draw_uniform_from_key(key, index) == draw_uniform(2**63 + 5, 2**31 + 1)
     empty = sampling.pack_rows([_row(greedy=True)], 5)
