@@ -38,7 +38,8 @@ import numpy as np
 from runtime.engine.api import EngineRequest, SamplingParams
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.model.runner import DecodeItem, PrefillChunk
-from runtime.text.constraints import ConstraintCompiler, ConstraintSpec, llguidance_grammar
+from runtime.text.constraints import ConstraintSpec, llguidance_grammar
+from runtime.text.constraints_compiler import ConstraintCompiler
 from runtime.text.constraints_tools import json_or_tool_calls_spec, tool_call_spec
 from tools.tokenizer_json import build_qwen_tokenizer_json
 

@@ -42,7 +42,7 @@ class SamplingParams:
 
 
 class OutputConstraint(Protocol):
-    """A compiled output constraint for one request (runtime/text/constraints.py implements it).
+    """A compiled output constraint for one request (runtime/text/constraints_request.py implements it).
 
     The engine asks for the allowed-token mask before sampling each answer token and commits the
     sampled token afterwards. `allowed_bitmask_u32` returns None while unconstrained (e.g. inside

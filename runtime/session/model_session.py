@@ -276,7 +276,7 @@ class ModelSession:
     def constraint_compiler(self):
         """The llguidance compiler for this model (built on first use: a few seconds)."""
         if self._constraint_compiler is None:
-            from runtime.text.constraints import ConstraintCompiler
+            from runtime.text.constraints_compiler import ConstraintCompiler
 
             self._constraint_compiler = ConstraintCompiler(
                 self.artifact.component("text").resources["tokenizer.json"],

@@ -36,8 +36,8 @@ from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, Tool
                                  ToolCallStart)
 from runtime.text.stops import StopConditions, StopHit, StopStringMatcher
 from runtime.text.tokenizer import Tokenizer
-from runtime.text.tool_calls import (END_STOP, END_TAG, END_TRUNCATED, FUNCTION_OPEN,
-                                     ToolCallBlock)
+from runtime.text.tool_call_markup import FUNCTION_OPEN
+from runtime.text.tool_calls import END_STOP, END_TAG, END_TRUNCATED, ToolCallBlock
 from runtime.text.tool_schema import tool_specs
 
 _REASONING, _CONTENT, _TOOL, _STRANDED, _DONE = range(5)

@@ -14,16 +14,14 @@ The XML form (Qwen3.5/3.6, Qwen3-Coder):
   `<function=NAME>` header is complete. From then on it always ends with a valid JSON object,
   whatever happens to the text (missing tags, cut by the output limit or a stop).
 - Several `<function=...>` blocks in one `<tool_call>` are separate calls.
-- A value loses exactly one leading and one trailing newline. It ends at `</parameter>` only when
-  what follows (after whitespace) is `<parameter=`, `</function>`, `<function=` or the end of the
-  block; any other `</parameter>` is part of the value (files that contain the tag). A missing
-  `</parameter>` is tolerated before `</function>` (at the block end) and before a line
-  `<parameter=KEY>` that names another declared parameter and ends right after the `>`.
+- A value loses exactly one leading and one trailing newline. Where it ends (a `</parameter>`
+  inside the value, a missing `</parameter>`): tool_call_value_end.py.
 - String parameters stream as JSON string pieces while they arrive; others are typed from the
   schema when complete (tool_schema.py). Duplicate parameter names: the first one wins.
 
 The legacy JSON form (`{"name": ..., "arguments": {...}}`, Qwen2.5/3 and Qwen3-Next) is buffered
-to the end of the block and decoded leniently (trailing commas, arguments as a JSON string).
+to the end of the block and decoded leniently (trailing commas, arguments as a JSON string;
+tool_call_json.py).
 
 Broken blocks (text before the header, a malformed header, no function at all, undecodable JSON,
 a header cut by the end of the output) come back as content text. With `tolerant` recovery: text
@@ -36,24 +34,18 @@ empty arguments. A committed call is never turned back into text: its events are
 from __future__ import annotations
 
 import json
-import re
 from json.encoder import encode_basestring as _encode_basestring
 from typing import Callable, Optional
 
 from runtime.text.events import (ContentDelta, ParserEvent, ToolCallArgsDelta, ToolCallEnd,
                                  ToolCallStart)
-from runtime.text.tool_schema import ANY, ParamType, ToolSpec, convert_value, tolerant_json
+from runtime.text.tool_call_json import decode_json_calls
+from runtime.text.tool_call_markup import (FUNCTION_CLOSE, FUNCTION_OPEN, MAX_HEADER, PARAM_CLOSE,
+                                           PARAM_OPEN, WHITESPACE)
+from runtime.text.tool_call_value_end import ValueEndScanner
+from runtime.text.tool_schema import ANY, ParamType, ToolSpec, convert_value
 
-FUNCTION_OPEN = "<function="
-FUNCTION_CLOSE = "</function>"
-PARAM_OPEN = "<parameter="
-PARAM_CLOSE = "</parameter>"
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-_WHITESPACE = " \t\r\n"
-_MAX_HEADER = 256  # longest `<function=NAME>` / `<parameter=KEY>` header we wait for
 _COMPACT_AT = 8192  # buffer size from which consumed text is dropped
-_PARAM_NAME = re.compile(r"[A-Za-z_$][\w$.\-]*")
 
 # Block states
 _EXPECT_FUNCTION, _PARAMS, _VALUE, _JSON, _BROKEN = range(5)
@@ -69,7 +61,7 @@ def _escape(text: str) -> str:
     return _encode_basestring(text)[1:-1]
 
 
-class ToolCallBlock:
+class ToolCallBlock(ValueEndScanner):
     """One `<tool_call>` block. `feed(text)` and `close(how)` return parser events.
 
     start_call(name) -> (index, call_id) allocates the next call of the response.
@@ -198,7 +190,7 @@ class ToolCallBlock:
 
     def _skip_ws(self) -> int:
         buf, pos = self._buf, self._pos
-        while pos < len(buf) and buf[pos] in _WHITESPACE:
+        while pos < len(buf) and buf[pos] in WHITESPACE:
             pos += 1
         self._pos = pos
         return pos
@@ -256,7 +248,7 @@ class ToolCallBlock:
         if close < 0 or (0 <= newline < close):
             if newline >= 0 and self._tolerant:
                 close = newline  # `<function=NAME` + newline: the name ends at the line end
-            elif newline >= 0 or len(buf) - start > _MAX_HEADER:
+            elif newline >= 0 or len(buf) - start > MAX_HEADER:
                 return self._bad_header(events)
             else:
                 return False  # wait; a header cut at the block end is close()'s decision
@@ -299,7 +291,7 @@ class ToolCallBlock:
                 if newline < 0:
                     if complete:  # a parameter header cut at the block end: left out
                         self._pos = len(buf)
-                    elif len(buf) - start <= _MAX_HEADER:
+                    elif len(buf) - start <= MAX_HEADER:
                         return False
                     else:
                         self._pos = start
@@ -410,88 +402,6 @@ class ToolCallBlock:
         else:
             self._seen.discard(self._key)  # a cut non-string value is left out
 
-    def _scan_value(self, complete: bool) -> tuple[Optional[int], int, int]:
-        """Look for the end of the current value.
-
-        Returns (end, next_pos, safe): `end` is where the value text stops (None while
-        undecided), `next_pos` where parsing resumes, `safe` how far the text is certainly
-        value text (for streaming)."""
-        buf, n = self._buf, len(self._buf)
-        i = self._scan
-        while True:
-            j = buf.find("<", i)
-            if j < 0:
-                break
-            verdict, next_pos = self._candidate(j, complete)
-            if verdict == "literal":
-                i = j + 1
-                continue
-            if verdict == "pending":
-                self._scan = j
-                hold = j - 1 if j - 1 >= self._vstart and buf[j - 1] == "\n" else j
-                return None, 0, max(hold, self._emitted)
-            return j, next_pos, j  # terminator
-        self._scan = n
-        if complete:
-            return n, n, n
-        safe = n - 1 if n > self._vstart and buf[n - 1] == "\n" else n
-        return None, 0, max(safe, self._emitted)
-
-    def _candidate(self, j: int, complete: bool) -> tuple[str, int]:
-        buf, n = self._buf, len(self._buf)
-        if buf.startswith(PARAM_CLOSE, j):
-            follow = self._follows(j + len(PARAM_CLOSE), complete,
-                                   (PARAM_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN))
-            return follow, j + len(PARAM_CLOSE)
-        if buf.startswith(FUNCTION_CLOSE, j):  # missing </parameter>
-            return self._follows(j + len(FUNCTION_CLOSE), complete, (FUNCTION_OPEN,)), j
-        if buf.startswith(TOOL_CALL_CLOSE, j):  # the block's end token, seen inside a value
-            return self._follows(j + len(TOOL_CALL_CLOSE), complete, (TOOL_CALL_OPEN,)), j
-        if buf.startswith(PARAM_OPEN, j) and j > self._vstart and buf[j - 1] == "\n":
-            close = buf.find(">", j)
-            if close < 0:
-                partial = buf[j + len(PARAM_OPEN):]
-                if complete or "\n" in partial or len(partial) > _MAX_HEADER:
-                    return "literal", 0
-                return "pending", 0
-            name = buf[j + len(PARAM_OPEN):close].strip()
-            if not self._is_next_param(name):
-                return "literal", 0
-            # The format puts a value on the line after its header.
-            if close + 1 >= n:
-                return ("end" if complete else "pending"), j
-            return ("end" if buf[close + 1] in "\r\n" else "literal"), j
-        rest = buf[j:j + len(PARAM_CLOSE)]
-        if not complete and n - j < len(PARAM_CLOSE) and any(
-                tag.startswith(rest) for tag in (PARAM_CLOSE, FUNCTION_CLOSE, PARAM_OPEN,
-                                                 TOOL_CALL_CLOSE)):
-            return "pending", 0
-        return "literal", 0
-
-    def _follows(self, pos: int, complete: bool, openers: tuple[str, ...]) -> str:
-        """After a closing tag: does the value end here? Whitespace, then one of `openers` or
-        the end of the block, means yes."""
-        buf, n = self._buf, len(self._buf)
-        while pos < n and buf[pos] in _WHITESPACE:
-            pos += 1
-        if pos >= n:
-            return "end" if complete else "pending"
-        if any(buf.startswith(tag, pos) for tag in openers):
-            return "end"
-        if buf.startswith(TOOL_CALL_CLOSE, pos):  # the block's end token, then nothing
-            return self._follows(pos + len(TOOL_CALL_CLOSE), complete, (TOOL_CALL_OPEN,))
-        rest = buf[pos:]
-        if any(tag.startswith(rest) for tag in openers + (TOOL_CALL_CLOSE,)):
-            return "end" if complete else "pending"
-        return "literal"
-
-    def _is_next_param(self, name: str) -> bool:
-        if not name or name == self._key or name in self._seen:
-            return False
-        if self._spec is not None and self._spec.params:
-            return name in self._spec.params
-        return bool(_PARAM_NAME.fullmatch(name))
-
     # --- recovery and the JSON form -----------------------------------------------------------
 
     def _recover_cut_header(self, events, rest: str) -> bool:
@@ -505,19 +415,9 @@ class ToolCallBlock:
         return True
 
     def _finish_json(self, events, how: str) -> None:
-        text = self._buf.strip()
-        if text.startswith("```"):
-            text = text.strip("`").strip()
-            if text.startswith("json"):
-                text = text[4:]
-        try:
-            value = tolerant_json(text, repair=self._tolerant and how == END_TRUNCATED,
-                                  python_literals=self._tolerant)
-        except ValueError:
-            value = None
-        calls = value if isinstance(value, list) else [value]
-        parsed = [self._json_call(call) for call in calls]
-        if not calls or any(call is None for call in parsed):
+        parsed = decode_json_calls(self._buf, tolerant=self._tolerant,
+                                   repair=self._tolerant and how == END_TRUNCATED)
+        if parsed is None:
             self._state = _BROKEN
             self._emitted_raw = 0
             text = self._raw_prefix + self._buf + ("</tool_call>" if how == END_TAG else "")
@@ -530,25 +430,3 @@ class ToolCallBlock:
             events.append(ToolCallStart(index, call_id, name))
             events.append(ToolCallArgsDelta(index, json.dumps(arguments, ensure_ascii=False)))
             events.append(ToolCallEnd(index))
-
-    def _json_call(self, call) -> Optional[tuple[str, dict]]:
-        if not isinstance(call, dict):
-            return None
-        name = call.get("name")
-        if not isinstance(name, str) or not name:
-            function = call.get("function")
-            if isinstance(function, dict):
-                return self._json_call(function)
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = tolerant_json(arguments, python_literals=self._tolerant) \
-                    if arguments.strip() else {}
-            except ValueError:
-                return None
-        if arguments is None:
-            arguments = {}
-        if not isinstance(arguments, dict):
-            return None
-        return name, arguments

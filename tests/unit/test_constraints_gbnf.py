@@ -11,8 +11,10 @@ import json
 
 import pytest
 
-from runtime.text.constraints import ConstraintCompiler, ConstraintError, ConstraintSpec
-from runtime.text.constraints_gbnf import GbnfError, gbnf_to_lark
+from runtime.text.constraints import ConstraintError, ConstraintSpec
+from runtime.text.constraints_compiler import ConstraintCompiler
+from runtime.text.constraints_gbnf import gbnf_to_lark
+from runtime.text.gbnf_parser import GbnfError
 from tools.tokenizer_json import byte_to_unicode
 
 MERGES = [("i", "n"), ("in", "g"), ("a", "b"), ("(", "(")]

@@ -66,7 +66,8 @@ def test_mtp_rounds_equal_plain_decoding(artifact, sampling):
 
 
 def test_constraint_thinking_budget_and_stop_token_with_mtp(artifact):
-    from runtime.text.constraints import ConstraintCompiler, ConstraintSpec
+    from runtime.text.constraints import ConstraintSpec
+    from runtime.text.constraints_compiler import ConstraintCompiler
     from runtime.text.tokenizer import Tokenizer
 
     text = artifact.component("text")
