@@ -11,7 +11,6 @@ end, they prefer short tokens and, after a soft limit, token sequences that clos
 
 from __future__ import annotations
 
-import functools
 import re
 
 import numpy as np
@@ -78,16 +77,6 @@ class Walker:
         return self.tok.decode_bytes([i for i in ids if i != IM_END]).decode("utf-8")
 
 
-@functools.lru_cache(maxsize=1)
-def shared_compiler(tokenizer_json: bytes) -> ConstraintCompiler:
-    """One compiler for all the constraint test files (building it takes seconds)."""
-    return ConstraintCompiler(tokenizer_json, vocab_size=VOCAB, eos_ids=[IM_END])
-
-
-@functools.lru_cache(maxsize=1)
-def shared_walker(compiler: ConstraintCompiler) -> Walker:
-    """One Walker per compiler (it scans the whole vocabulary once)."""
-    return Walker(compiler)
 
 
 def run_walks(compiler, walker, spec, check, *, seed: int, walks: int = WALKS, **kw) -> int:

@@ -14,19 +14,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from constraint_walks import (ARITH, IM_END, SCHEMA, VOCAB, _assert_compact, run_walks,
-                              shared_compiler, shared_walker)
+from constraint_walks import ARITH, IM_END, SCHEMA, VOCAB, _assert_compact, run_walks
 from runtime.text.constraints import ConstraintError, ConstraintSpec, check_spec
 
-
-@pytest.fixture(scope="module")
-def compiler(qwen_tokenizer_json):
-    return shared_compiler(qwen_tokenizer_json)
-
-
-@pytest.fixture(scope="module")
-def walker(compiler):
-    return shared_walker(compiler)
 
 
 # ---------------------------------------------------------------------------------------------

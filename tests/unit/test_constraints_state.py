@@ -11,19 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from constraint_walks import (ARITH, IM_END, SCHEMA, THINK_END, TOOL_CALL, VOCAB, shared_compiler,
-                              shared_walker)
+from constraint_walks import ARITH, IM_END, SCHEMA, THINK_END, TOOL_CALL, VOCAB
 from runtime.text.constraints import ConstraintError, ConstraintSpec
 
-
-@pytest.fixture(scope="module")
-def compiler(qwen_tokenizer_json):
-    return shared_compiler(qwen_tokenizer_json)
-
-
-@pytest.fixture(scope="module")
-def walker(compiler):
-    return shared_walker(compiler)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,21 +11,11 @@ import re
 import jsonschema
 import pytest
 
-from constraint_walks import (SCHEMA, _assert_compact, run_walks, shared_compiler,
-                              shared_walker)
+from constraint_walks import SCHEMA, _assert_compact, run_walks
 from runtime.text.constraints import ConstraintError, ConstraintSpec
 from runtime.text.constraints_tools import (check_value_grammar, json_or_tool_calls_spec,
                                             tool_call_spec, value_grammar_spec)
 
-
-@pytest.fixture(scope="module")
-def compiler(qwen_tokenizer_json):
-    return shared_compiler(qwen_tokenizer_json)
-
-
-@pytest.fixture(scope="module")
-def walker(compiler):
-    return shared_walker(compiler)
 
 
 # ---------------------------------------------------------------------------------------------
