@@ -5,8 +5,9 @@ decode rows run batched in groups. A runner with `samples_on_device` (the CUDA r
 sampling kernels were built) samples decode rows itself (`decode_sampled`) from `RowSampling`
 inputs built here, the same decision the host sampler makes, and only ids come back; so does the
 token after a prompt chunk (`prefill_sampled`). Rows asking for logprobs keep the logits path.
-With speculative decoding on, every decode group is one verification round
-(`Speculation.run`), accepted and committed on the runner before the engine commits its tokens.
+With speculative decoding on, a decode group with drafts to verify (or MTP, which drafts every
+step) is one verification round (`Speculation.run`), accepted and committed on the runner before
+the engine commits its tokens; a group with nothing to verify decodes as plain rows.
 Output-constraint masks of the step's sampled rows depend only on tokens already committed, so
 a worker thread computes them while the runner works (llguidance and the runners release the
 GIL) instead of after the logits arrive; the device path asks for them once the forward pass
@@ -134,7 +135,7 @@ class StepExecutor:
         for group in groups:
             if not group:
                 continue
-            if self.speculation is not None:
+            if self.speculation is not None and self.speculation.verifies(group):
                 try:
                     outcomes = self.speculation.run(group, self._live, masks)
                 except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
@@ -201,8 +202,10 @@ class StepExecutor:
     def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
         """Whether the next step will most likely decode exactly this step's rows again (then the
         runner may compute it ahead): a pure decode step of one group, nobody waiting for a lane,
-        and no row at its output or context limit after this token."""
-        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting:
+        no row at its output or context limit after this token, and no speculative decoding (the
+        next step may verify drafts, and a dropped step ahead costs a whole forward pass)."""
+        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting \
+                or self.speculation is not None:
             return False
         return all(self._live[work.request_id].limit_reason(extra=1) is None for work in batch.decodes)
 

@@ -289,6 +289,12 @@ class Speculation:
 
     # --- a round ----------------------------------------------------------------------------
 
+    def verifies(self, group: Sequence[DecodeWork]) -> bool:
+        """Whether the group needs a verification round: with MTP always (its head is caught up
+        every step), else only when some unit has n-gram drafts. A group with nothing to verify
+        decodes as plain rows instead, keeping the runner's device sampling."""
+        return self.config.mtp or any(work.draft_room > 0 for work in group)
+
     def run(self, group: Sequence[DecodeWork], live: Mapping[str, LiveRequest],
             masks: Mapping) -> dict[str, RoundOutcome]:
         """Draft, verify in one `step`, accept and commit for every unit of the group.

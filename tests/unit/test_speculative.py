@@ -83,6 +83,21 @@ def test_a_file_in_the_prompt_is_copied_in_long_accepted_runs():
         counters["spec_rounds"], counters["spec_drafted_tokens"],
         counters["spec_accepted_tokens"])
     assert max(max(rows) for rows in runner.steps) == 9
+    # A step goes to the verifier only with drafts to verify; the others decode as plain rows.
+    assert all(max(rows) > 1 for rows in runner.steps)
+
+
+def test_without_a_match_ngram_speculation_decodes_plain_rows():
+    """Nothing to copy (the match needs more tokens than the prompt has): every step is a
+    plain decode batch (on a GPU: device sampling), never a verification step, and the
+    output is plain decoding's."""
+    never = SpeculativeConfig(ngram_draft_tokens=8, ngram_min_match=64)
+    prompt = FILE[:40]
+    plain, _, _ = run(OFF, {"a": prompt}, max_new=20)
+    spec, counters, runner = run(never, {"a": prompt}, max_new=20)
+    assert spec["a"][0] == plain["a"][0]
+    assert runner.steps == [] and counters["spec_rounds"] == 0
+    assert counters["decode_batches"] == 19        # the first token came from the prefill
 
 
 @pytest.mark.parametrize("spec", [NGRAM, MTP, BOTH], ids=["ngram", "mtp", "both"])
