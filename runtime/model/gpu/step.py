@@ -172,7 +172,8 @@ class Steps:
         """Whether one verification step takes nseq sequences of t tokens (rows, logits and
         attention partials: `Storage.verify_rows`; a slot pair per row, aligned per position)."""
         st = self.storage
-        return nseq <= st.max_batch and nseq * t <= st.verify_rows and t * self._verify_shape(nseq, t).slot_stride <= st.rows
+        slot_entries = (t - 1) * self._verify_shape(nseq, t).slot_stride + nseq
+        return nseq <= st.max_batch and nseq * t <= st.verify_rows and slot_entries <= st.rows
 
     def _verify_shape(self, nseq: int, t: int) -> StepShape:
         st = self.storage
