@@ -2,7 +2,7 @@
 each on a server with the cache and one without.
 
     python -m bench.prefix_cache --out results/ --server "infernix-serve --demo --device cpu" \
-        [--turns 6 --grow 400] [--history 0] [--pressure 8,600,2048] [--max-new 8]
+        [--turns 6 --grow 400] [--history 0] [--pressure 8,600,2048] [--restart] [--max-new 8]
 
 Growing conversation: turn n resends the whole history (system text, every earlier user turn
 and answer) plus about `--grow` new tokens of user text, streamed over Chat Completions; the
@@ -15,6 +15,10 @@ pool holds POOL tokens (`--kv-capacity POOL --max-concurrency min(N, 8)`): with 
 paused request keeps its state in the host tier; without it (`--no-prefix-cache
 --host-context-mib 0`) it is recomputed. Reports wall time, preemptions and host-tier bytes
 from /metrics, and whether every answer equals the same request sent alone to an idle server.
+
+Restart (`--restart`): the file tier brings a conversation back after a restart; turn 2's time
+to first token on a restarted server with `--prefix-cache-file` against a server without the
+cache, and whether their answers are equal.
 
 The server command gets `--port`, `--seed 1`, `--max-context` and the arm's flags appended.
 Writes `prefix_cache.json` and prints Markdown tables.
@@ -126,6 +130,38 @@ def conversation(base: str, turns: int, grow: int, max_new: int, history: int = 
     return rows
 
 
+def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, history: int) -> dict:
+    """The file tier: turn 1 (`history` + `grow` tokens) on a server with `--prefix-cache-file`,
+    that server stopped (it writes the file as it stops) and a new one started on the file;
+    turn 2's time to first token there against a server without the cache (what the file saves
+    is that recomputation), and the two answers compared."""
+    cache_file = out / "prefix-cache.npz"
+    cache_file.unlink(missing_ok=True)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": filler(history, 999) + "\n" + filler(grow, 0)}]
+    with_file = flags + ["--prefix-cache-file", str(cache_file)]
+    server = Server(command, with_file, out / "serve-restart-before.log")
+    try:
+        first = chat(server.base, messages, max_new, seed=0)
+    finally:
+        server.close()
+    messages += [{"role": "assistant", "content": first["text"] or "ok"},
+                 {"role": "user", "content": filler(grow, 1)}]
+    runs = {}
+    for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
+        server = Server(command, arm_flags, out / f"serve-restart-{name}.log")
+        try:
+            runs[name] = chat(server.base, messages, max_new, seed=1)
+        finally:
+            server.close()
+    return {"file_bytes": cache_file.stat().st_size if cache_file.exists() else 0,
+            "prompt_tokens": runs["recompute"]["prompt_tokens"],
+            "cached_tokens": runs["after_restart"]["cached_tokens"],
+            "ttft_after_restart_s": runs["after_restart"]["ttft_s"],
+            "ttft_recompute_s": runs["recompute"]["ttft_s"],
+            "same_text": runs["after_restart"]["text"] == runs["recompute"]["text"]}
+
+
 def pressure(base: str, count: int, length: int, max_new: int) -> dict:
     prompts = [[{"role": "user", "content": filler(length, 1000 + n)}] for n in range(count)]
     started = time.perf_counter()
@@ -145,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                     "first turn (e.g. 100000: a turn adding --grow to a 100K-token conversation)")
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--restart", action="store_true", help="also measure the file tier: turn 2 of a "
+                    "conversation after a restart against recomputing it")
     ap.add_argument("--pressure", default="", help="N,L,POOL: N requests of L tokens, POOL-token "
                     "KV pool (empty: skip)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"server": args.server, "turns": {}, "pressure": {}}
+    report: dict = {"server": args.server, "turns": {}, "pressure": {}, "restart": {}}
     for arm, flags in ARMS.items():
         server = Server(args.server, ["--max-context", str(args.max_context)] + flags,
                         args.out / f"serve-{arm}.log")
@@ -177,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 "device_to_host_bytes": metrics.get(
                     "infernix_prefix_cache_device_to_host_bytes_total", 0),
                 "outputs_equal_alone": run["texts"] == alone}
+    if args.restart:
+        report["restart"] = restart(args.server, ["--max-context", str(args.max_context)], args.out,
+                                    args.grow, args.max_new, args.history)
     (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=2))
     print("| turn | prompt tokens | cached (cache) | TTFT cache s | TTFT no-cache s | same text |")
     print("|---:|---:|---:|---:|---:|:---:|")
@@ -190,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {arm} | {row['wall_s']:.2f} | {row['preemptions']:.0f} | "
                   f"{row['pauses_saved']:.0f} | {row['device_to_host_bytes'] / 2**20:.1f} | "
                   f"{'yes' if row['outputs_equal_alone'] else 'NO'} |")
+    if report["restart"]:
+        r = report["restart"]
+        print("\n| restart: prompt tokens | cached from the file | TTFT after restart s | TTFT recompute s "
+              "| file MiB | same text |")
+        print("|---:|---:|---:|---:|---:|:---:|")
+        print(f"| {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_after_restart_s']:.3f} | "
+              f"{r['ttft_recompute_s']:.3f} | {r['file_bytes'] / 2**20:.1f} | {'yes' if r['same_text'] else 'NO'} |")
     return 0
 
 
