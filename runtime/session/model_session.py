@@ -25,7 +25,7 @@ from runtime.engine.thinking import WORD_CONTINUES, WORD_SEPARATOR, WORD_STARTS
 from runtime.log import get_logger
 from runtime.media.sources import SourceLimits
 from runtime.model.runner import PAGE_SIZE
-from runtime.session.backend import make_runner
+from runtime.session.backend import make_runner, synthetic_shape
 from runtime.session.engine_settings import (cache_fingerprint, kv_pool_pages, route_summary,
                                              prefix_cache_settings, runner_slots,
                                              speculative_settings, vision_settings)
@@ -144,6 +144,13 @@ class ModelSession:
         text = artifact.component("text")
         model_name = str(artifact.metadata.get("name") or model_path.stem)
         native = text.config.get("max_position_embeddings")
+        if settings.synthetic_shape is not None and settings.synthetic_weights is not None:
+            # The shape run is the one whose context counts (MODEL only lends its tokenizer).
+            try:
+                native = synthetic_shape(settings.synthetic_shape, text.config).max_position_embeddings
+            except ConfigError:
+                artifact.close()
+                raise
         if isinstance(native, int) and max_context > native:
             artifact.close()
             raise ConfigError(f"--max-context {max_context} exceeds the model's native context "
