@@ -18,7 +18,7 @@ from runtime.cuda.expr import evaluate
 from .variant import Variant
 
 __all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "sum_warp_partials",
-           "NAME_PREFIX"]
+           "gemv_lanes", "NAME_PREFIX"]
 
 NAME_PREFIX = "infx"
 
@@ -84,6 +84,19 @@ def warp_sum(value: Any, width: int) -> Any:
 def silu_f32(x: Any) -> Any:
     """x * sigmoid(x) in fp32."""
     return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+
+def gemv_lanes() -> tuple:
+    """The GEMV kernels' thread layout and bf16 m16n8k16 MMA: (tid, bid, warp, r, q, mma, frag_a,
+    frag_b), lane (r, q) = (lane / 4, lane % 4) as the MMA fragments place it."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    warp = tid // 32
+    lane = tid % 32
+    mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)))
+    frag_a = mma.make_fragment_A(mma.partition_shape_A((16, 16)))
+    frag_b = mma.make_fragment_B(mma.partition_shape_B((8, 16)))
+    return tid, bid, warp, lane // 4, lane % 4, mma, frag_a, frag_b
 
 
 @cute.jit

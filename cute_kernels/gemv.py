@@ -111,15 +111,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     @cute.kernel
     def kernel(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = tid // 32
-        lane = tid % 32
-        r = lane // 4
-        q = lane % 4
-        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-        frag_a = mma.make_fragment_A(mma.partition_shape_A((16, 16)))
-        frag_b = mma.make_fragment_B(mma.partition_shape_B((8, 16)))
+        tid, bid, warp, r, q, mma, frag_a, frag_b = _dsl.gemv_lanes()
         accs = []
         for g in cutlass.range_constexpr(groups):
             acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
