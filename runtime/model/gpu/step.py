@@ -143,15 +143,12 @@ class Steps:
         nseq, t = tokens.shape
         shape = self._verify_shape(nseq, t)
         meta = self._meta_clear()
-        table = meta["table"].reshape(st.max_batch, st.maxp)
-        table[:] = st.num_pages  # pad page
-        for b, pages in enumerate(tables):
-            table[b, :len(pages)] = pages
+        self._fill_tables(meta, tables)
         for p in range(t):
             for b in range(nseq):
                 r, pos = p * nseq + b, positions[b] + p
                 meta["pos"][r] = pos
-                meta["wrow"][r] = tables[b][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+                meta["wrow"][r] = kv_rows(tables[b], pos)
                 meta["qseq"][r] = b
                 meta["slots_in"][p * shape.slot_stride + b] = slots_in[b][p]
                 meta["slots"][p * shape.slot_stride + b] = slots_out[b][p]
@@ -197,12 +194,10 @@ class Steps:
         st = self.storage
         b = len(positions)
         bucket = next(x for x in BUCKETS if x >= b)
-        table = meta["table"].reshape(st.max_batch, st.maxp)
-        table[:] = st.num_pages  # pad page
+        self._fill_tables(meta, tables)
         for i, (pos, pages) in enumerate(zip(positions, tables)):
-            table[i, :len(pages)] = pages
             meta["pos"][i] = pos
-            meta["wrow"][i] = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+            meta["wrow"][i] = kv_rows(pages, pos)
         meta["wrow"][b:bucket] = st.num_pages * PAGE_SIZE
         meta["qseq"][:bucket] = np.arange(bucket)
         meta["slots_in"][:bucket] = self.slots.pad_slot
@@ -210,6 +205,14 @@ class Steps:
         meta["slots"][:bucket] = self.slots.pad_slot
         meta["slots"][:b] = slots_out
         return bucket
+
+    def _fill_tables(self, meta: dict[str, np.ndarray], tables: Sequence[np.ndarray]) -> None:
+        """Page table row i = tables[i], the rest of every row the pad page."""
+        st = self.storage
+        table = meta["table"].reshape(st.max_batch, st.maxp)
+        table[:] = st.num_pages
+        for i, pages in enumerate(tables):
+            table[i, :len(pages)] = pages
 
     def _run_decode(self, bucket: int) -> None:
         if self.cuda_graphs:
@@ -249,7 +252,7 @@ class Steps:
         meta = self._meta_clear()
         positions = np.arange(start, end)
         meta["pos"][:t] = positions
-        meta["wrow"][:t] = pages[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        meta["wrow"][:t] = kv_rows(pages, positions)
         meta["ids"][:t] = tokens
         meta["slots"][0] = slot
         meta["slots_in"][0] = 0
@@ -325,6 +328,11 @@ class Steps:
             graph.destroy()
         self.graphs.clear()
         self.plans.clear()
+
+
+def kv_rows(pages: np.ndarray, positions: Any) -> Any:
+    """The KV pool rows of `positions` (an int or an array) in a sequence with page table `pages`."""
+    return pages[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
 
 
 def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
