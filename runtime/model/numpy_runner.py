@@ -29,7 +29,7 @@ from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_star
 from runtime.model.numpy_mtp import MtpDrafter
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
                                   StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens,
-                                  mtp_draft_cost)
+                                  speculative_round_cost)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
 from runtime.model.weights import (AttentionWeights, ComponentTensors, GdnWeights, LayerWeights,
                                    MoeWeights, bind_mtp, bind_text)
@@ -226,7 +226,7 @@ class NumpyRunner:
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
         """A verification row runs as one decode step per token here (`step_with_hidden`)."""
-        return 1 + drafts + (drafts * mtp_draft_cost(self.config) if mtp else 0.0)
+        return speculative_round_cost(self.config, drafts, mtp, 1.0)
 
     def step_with_hidden(self, rows: Sequence[StepRow]) -> list[StepOutput]:
         """`step`, with each row's final-normed hidden states of every token (MTP drafting).

@@ -326,11 +326,13 @@ class ModelRunner(Protocol):
         ...
 
 
-def mtp_draft_cost(config: Any) -> float:
-    """One chained MTP draft in plain decode steps, counting the weights a decode step reads:
-    the MTP head is one transformer layer plus the vocabulary head, against the main model's
-    layers plus the head (a layer taken as ~12 hidden^2 weights: attention or GDN projections
-    and the MLP)."""
+def speculative_round_cost(config: Any, drafts: int, mtp: bool, verified_token_cost: float) -> float:
+    """`ModelRunner.round_cost` from a runner's cost of each verified token beyond the first (in
+    decode steps) and, when mtp, the chained drafts. One MTP draft is counted by the weights a
+    decode step reads: the MTP head is one transformer layer plus the vocabulary head, against the
+    main model's layers plus the head (a layer taken as ~12 hidden^2 weights: attention or GDN
+    projections and the MLP)."""
     layer = 12 * config.hidden_size ** 2
     head = config.vocab_size * config.hidden_size
-    return (layer + head) / (config.num_hidden_layers * layer + head)
+    draft = (layer + head) / (config.num_hidden_layers * layer + head)
+    return 1 + drafts * verified_token_cost + (drafts * draft if mtp else 0.0)

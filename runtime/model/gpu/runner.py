@@ -31,7 +31,7 @@ from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
-                                  mtp_draft_cost)
+                                  speculative_round_cost)
 
 # What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
 # conv and recurrent step and the head's rows are not). Measured on the H200 at the 27B shape,
@@ -254,7 +254,7 @@ class CudaRunner:
         return out  # type: ignore[return-value]
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
-        return 1 + VERIFY_TOKEN_COST * drafts + (drafts * mtp_draft_cost(self.config) if mtp else 0.0)
+        return speculative_round_cost(self.config, drafts, mtp, VERIFY_TOKEN_COST)
 
     def commit(self, slot: int, snapshot: int) -> None:
         """Swap the physical slots behind `slot` and `snapshot` (see the module docstring)."""
