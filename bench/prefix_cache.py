@@ -114,16 +114,20 @@ def filler(tokens: int, salt: int) -> str:
     return " ".join(f"item{salt}_{i}" for i in range(max(1, tokens // 4)))
 
 
+def user_turn(turn: int, grow: int, history: int) -> dict:
+    """User turn `turn` (from 0): `grow` new tokens; turn 0 also opens with `history` tokens of
+    earlier session text (a long session resumed cold)."""
+    text = filler(grow, turn)
+    if turn == 0 and history:
+        text = filler(history, 999) + "\n" + text
+    return {"role": "user", "content": text}
+
+
 def conversation(base: str, turns: int, grow: int, max_new: int, history: int = 0) -> list[dict]:
-    """Turn 1 opens with `history` tokens of earlier session text besides its `grow` (a long
-    session resumed cold); every later turn adds `grow`."""
     messages = [{"role": "system", "content": SYSTEM}]
     rows = []
     for turn in range(turns):
-        text = filler(grow, turn)
-        if turn == 0 and history:
-            text = filler(history, 999) + "\n" + text
-        messages.append({"role": "user", "content": text})
+        messages.append(user_turn(turn, grow, history))
         result = chat(base, messages, max_new, seed=turn)
         messages.append({"role": "assistant", "content": result["text"] or "ok"})
         rows.append(result)
@@ -137,16 +141,14 @@ def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, 
     is that recomputation), and the two answers compared."""
     cache_file = out / "prefix-cache.npz"
     cache_file.unlink(missing_ok=True)
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": filler(history, 999) + "\n" + filler(grow, 0)}]
+    messages = [{"role": "system", "content": SYSTEM}, user_turn(0, grow, history)]
     with_file = flags + ["--prefix-cache-file", str(cache_file)]
     server = Server(command, with_file, out / "serve-restart-before.log")
     try:
         first = chat(server.base, messages, max_new, seed=0)
     finally:
         server.close()
-    messages += [{"role": "assistant", "content": first["text"] or "ok"},
-                 {"role": "user", "content": filler(grow, 1)}]
+    messages += [{"role": "assistant", "content": first["text"] or "ok"}, user_turn(1, grow, history)]
     runs = {}
     for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
         server = Server(command, arm_flags, out / f"serve-restart-{name}.log")
