@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
+from runtime.engine.api import EngineRequest, SamplingParams
+from tests.engine_checks import resumed_without_recomputation
 
 from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
 
@@ -163,11 +164,5 @@ def test_preemption_resumes_from_the_host_tier_without_recomputation(runner, sam
         streams = {rid: busy.submit(EngineRequest(rid, tuple(p), sampling, 30)) for rid, p in prompts.items()}
         results = {rid: list(s) for rid, s in streams.items()}
         saved = busy.scheduler.cache.cache.stats["pauses_saved"]
-    preemptions = 0
-    for rid, outputs in results.items():
-        final = outputs[-1]
-        assert final.finish_reason is FinishReason.LENGTH, (rid, final.error)
-        assert final.stats.replayed_tokens == 0, rid
-        assert [t for o in outputs for t in o.token_ids] == expected[rid], rid
-        preemptions += final.stats.preemptions
+    preemptions = resumed_without_recomputation(results, expected)
     assert preemptions > 0 and saved == preemptions

@@ -13,6 +13,7 @@ from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.kv_blocks import block_hashes
 from test_engine_fakes import RecordingLog
+from tests.engine_checks import resumed_without_recomputation
 
 GREEDY = SamplingParams(greedy=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
@@ -262,13 +263,7 @@ def test_preemption_resumes_from_the_host_tier_without_recomputation(make_runner
                    for rid, p in prompts.items()}
         results = {rid: list(s) for rid, s in streams.items()}
         saved = busy.scheduler.cache.cache.stats["pauses_saved"]
-    preemptions = 0
-    for rid, outputs in results.items():
-        final = outputs[-1]
-        assert final.finish_reason is FinishReason.LENGTH, (rid, final.error)
-        assert [t for o in outputs for t in o.token_ids] == expected[rid], rid
-        assert final.stats.replayed_tokens == 0, rid        # resumed, never recomputed
-        preemptions += final.stats.preemptions
+    preemptions = resumed_without_recomputation(results, expected)
     assert preemptions > 0 and saved == preemptions
 
 
