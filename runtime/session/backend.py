@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from runtime.config import ConfigError, serving
+from runtime.config import ConfigError
 from runtime.log import Progress
 from runtime.model.config import ModelConfig
 
@@ -85,14 +85,16 @@ def synthetic_shape(name: str, artifact_config: dict) -> ModelConfig:
     return config
 
 
-def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, prefill_chunk: int,
-                settings: Any, logger, mtp: bool = False, vision: bool = False) -> Any:
+def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_slots: int,
+                prefill_chunk: int, settings: Any, logger, mtp: bool = False, vision: bool = False,
+                shape_config: Optional[ModelConfig] = None) -> Any:
     """The runner for `device` over the opened artifact.
 
-    num_slots: the lanes and their verification snapshots, then the prefix cache's snapshot
-    slots. mtp: load the MTP head (CPU backend; `speculative_settings` refuses speculative
-    decoding on cuda). vision: load the vision tower (CPU backend; `vision_settings` refuses it
-    elsewhere)."""
+    num_lanes: sequences decoded together (the CUDA runner's batch bucket). num_slots: the lanes
+    and their verification snapshots, then the prefix cache's snapshot slots. mtp: load the MTP
+    head (CPU backend; `speculative_settings` refuses speculative decoding on cuda). vision:
+    load the vision tower (CPU backend; `vision_settings` refuses it elsewhere). shape_config:
+    `--synthetic-shape` as `synthetic_shape` read it."""
     synthetic, shape_name = settings.synthetic_weights, settings.synthetic_shape
     if shape_name is not None and synthetic is None:
         raise ConfigError("--synthetic-shape runs a shape on random weights: give --synthetic-weights SEED too")
@@ -105,7 +107,6 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
                               "only so far")
         module = importlib.import_module(CUDA_RUNNER_MODULE)
         progress = _WeightProgress()
-        num_lanes = settings.max_concurrency if serving(settings) else 1
         shape = {"num_pages": num_pages, "num_slots": num_slots,
                  "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                  "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
@@ -115,9 +116,8 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_slots: int, pref
                 logger.warning("--synthetic-weights %d: random weights, the output is noise",
                                synthetic)
                 text = artifact.component("text")
-                if shape_name is not None:
-                    return module.CudaRunner.synthetic(synthetic_shape(shape_name, text.config), synthetic,
-                                                       **shape)
+                if shape_config is not None:
+                    return module.CudaRunner.synthetic(shape_config, synthetic, **shape)
                 config = ModelConfig.from_dict(text.config)
                 # The artifact's projection formats (an FP8 model gets random FP8 weights).
                 return module.CudaRunner.synthetic(config, synthetic, **shape,

@@ -144,13 +144,15 @@ class ModelSession:
         text = artifact.component("text")
         model_name = str(artifact.metadata.get("name") or model_path.stem)
         native = text.config.get("max_position_embeddings")
+        shape = None
         if settings.synthetic_shape is not None and settings.synthetic_weights is not None:
             # The shape run is the one whose context counts (MODEL only lends its tokenizer).
             try:
-                native = synthetic_shape(settings.synthetic_shape, text.config).max_position_embeddings
+                shape = synthetic_shape(settings.synthetic_shape, text.config)
             except ConfigError:
                 artifact.close()
                 raise
+            native = shape.max_position_embeddings
         if isinstance(native, int) and max_context > native:
             artifact.close()
             raise ConfigError(f"--max-context {max_context} exceeds the model's native context "
@@ -169,9 +171,10 @@ class ModelSession:
         cache = prefix_cache_settings(settings)
         speculative = speculative_settings(settings, device, artifact)
         vision = vision_settings(settings, device, artifact, speculative)
-        runner = make_runner(device, artifact, num_pages,
+        runner = make_runner(device, artifact, num_pages, num_lanes,
                              runner_slots(num_lanes, speculative, cache), prefill_chunk,
-                             settings, logger, mtp=speculative.mtp, vision=vision is not None)
+                             settings, logger, mtp=speculative.mtp, vision=vision is not None,
+                             shape_config=shape)
         phase_done(f"weights loaded ({type(runner).__name__})")
         if cache["cache_file"] is not None or cache["ssd_dir"] is not None:
             cache["cache_fingerprint"] = cache_fingerprint(model_name, model_path, runner,

@@ -48,4 +48,4 @@ def test_a_file_that_is_not_a_json_config_is_named(tmp_path):
 def test_a_shape_without_synthetic_weights_is_refused_before_anything_loads():
     settings = SimpleNamespace(synthetic_weights=None, synthetic_shape="qwen3.6-27b")
     with pytest.raises(ConfigError, match="give --synthetic-weights SEED too"):
-        make_runner("cuda", None, 4, 1, 64, settings, None)
+        make_runner("cuda", None, 4, 1, 1, 64, settings, None)
