@@ -164,6 +164,7 @@ class _SequenceState:
     ngram: NgramIndex
     catch_up: Optional[tuple[int, int, int]] = None
     ngram_proposal: list[int] = field(default_factory=list)
+    mtp_drafts: int = 0            # MTP drafts its next unit verifies (`draft_room`)
     # MTP acceptance by draft position j (0-based): rounds that verified draft j with every
     # draft before it accepted, and of those, the rounds that accepted it too.
     tested: list[int] = field(default_factory=lambda: [0] * MAX_MTP_DRAFTS)
@@ -250,7 +251,7 @@ class Speculation:
                 continue
             limit = min(request.request.max_new_tokens - len(request.output_ids),
                         request.max_context - request.total_len) - 1
-            mtp = min(self._mtp_count(state), limit) if self.config.mtp else 0
+            mtp = state.mtp_drafts = min(self._mtp_count(state), limit) if self.config.mtp else 0
             state.ngram_proposal = state.ngram.propose(min(self.config.ngram_draft_tokens, limit))
             room[request_id] = max(mtp, len(state.ngram_proposal), 0)
         return room
@@ -330,7 +331,7 @@ class Speculation:
         for index, work in enumerate(group):
             state = self._states[work.request_id]
             ngram = state.ngram_proposal[:work.draft_room]
-            mtp_count = min(self._mtp_count(state), work.draft_room) if self.config.mtp else 0
+            mtp_count = min(state.mtp_drafts, work.draft_room)
             use_mtp = mtp_count > len(ngram)
             proposals.append([] if use_mtp else ngram)
             from_mtp.append(use_mtp)
