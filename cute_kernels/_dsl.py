@@ -18,7 +18,7 @@ from runtime.cuda.expr import evaluate
 from .variant import Variant
 
 __all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "sum_warp_partials",
-           "gemv_lanes", "NAME_PREFIX"]
+           "gemv_lanes", "fill_k_slots", "NAME_PREFIX"]
 
 NAME_PREFIX = "infx"
 
@@ -97,6 +97,25 @@ def gemv_lanes() -> tuple:
     frag_a = mma.make_fragment_A(mma.partition_shape_A((16, 16)))
     frag_b = mma.make_fragment_B(mma.partition_shape_B((8, 16)))
     return tid, bid, warp, lane // 4, lane % 4, mma, frag_a, frag_b
+
+
+def fill_k_slots(frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, j: int) -> None:
+    """One 16-deep MMA step of the GEMVs: the lane's physical columns 4j..4j+3 fill the
+    fragments' K slots (2q, 2q+1, 2q+8, 2q+9) in A and B alike; rows r + 8 of A from `a_hi`
+    (None: left as they are, for a half-height tile)."""
+    frag_a[0] = a_lo[4 * j]
+    frag_a[1] = a_lo[4 * j + 1]
+    frag_a[4] = a_lo[4 * j + 2]
+    frag_a[5] = a_lo[4 * j + 3]
+    if a_hi is not None:
+        frag_a[2] = a_hi[4 * j]
+        frag_a[3] = a_hi[4 * j + 1]
+        frag_a[6] = a_hi[4 * j + 2]
+        frag_a[7] = a_hi[4 * j + 3]
+    frag_b[0] = b[4 * j]
+    frag_b[1] = b[4 * j + 1]
+    frag_b[2] = b[4 * j + 2]
+    frag_b[3] = b[4 * j + 3]
 
 
 @cute.jit

@@ -144,21 +144,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             for g in cutlass.range_constexpr(groups):
                 b = cute.make_tensor(x_rows[g] + c * CHUNK, vec).load()
                 for j in cutlass.range_constexpr(4):
-                    # Physical columns 4j..4j+3 of this lane fill the fragment's K slots
-                    # (2q, 2q+1, 2q+8, 2q+9) in A and B alike.
-                    frag_a[0] = a_lo[4 * j]
-                    frag_a[1] = a_lo[4 * j + 1]
-                    frag_a[4] = a_lo[4 * j + 2]
-                    frag_a[5] = a_lo[4 * j + 3]
-                    if cutlass.const_expr(not half):
-                        frag_a[2] = a_hi[4 * j]
-                        frag_a[3] = a_hi[4 * j + 1]
-                        frag_a[6] = a_hi[4 * j + 2]
-                        frag_a[7] = a_hi[4 * j + 3]
-                    frag_b[0] = b[4 * j]
-                    frag_b[1] = b[4 * j + 1]
-                    frag_b[2] = b[4 * j + 2]
-                    frag_b[3] = b[4 * j + 3]
+                    _dsl.fill_k_slots(frag_a, frag_b, a_lo, None if half else a_hi, b, j)
                     cute.gemm(mma, accs[g], frag_a, frag_b, accs[g])
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(

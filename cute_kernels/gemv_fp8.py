@@ -145,21 +145,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
     def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, into: Any) -> None:
-        # Physical columns 4j..4j+3 of this lane fill the fragment's K slots (2q, 2q+1, 2q+8,
-        # 2q+9) in A and B alike.
         for j in range(8):  # a plain helper: Python loops unroll while tracing
-            frag_a[0] = a_lo[4 * j]
-            frag_a[1] = a_lo[4 * j + 1]
-            frag_a[4] = a_lo[4 * j + 2]
-            frag_a[5] = a_lo[4 * j + 3]
-            frag_a[2] = a_hi[4 * j]
-            frag_a[3] = a_hi[4 * j + 1]
-            frag_a[6] = a_hi[4 * j + 2]
-            frag_a[7] = a_hi[4 * j + 3]
-            frag_b[0] = b[4 * j]
-            frag_b[1] = b[4 * j + 1]
-            frag_b[2] = b[4 * j + 2]
-            frag_b[3] = b[4 * j + 3]
+            _dsl.fill_k_slots(frag_a, frag_b, a_lo, a_hi, b, j)
             cute.gemm(mma, into, frag_a, frag_b, into)
 
     def fp8_block(mma: Any, frag_a: Any, frag_b: Any, acc: Any, block_acc: Any, w_lo: Any, w_hi: Any,
