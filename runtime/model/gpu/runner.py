@@ -36,7 +36,9 @@ from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChun
 
 # What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
 # conv and recurrent step and the head's rows are not). Measured on the H200 at the 27B shape,
-# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md).
+# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md), with the
+# GDN conv and recurrent step still launched once per position; not measured yet with their
+# `verify` kernels (one launch each per layer).
 VERIFY_TOKEN_COST = 0.064
 from runtime.model.sampling import RowSampling
 
