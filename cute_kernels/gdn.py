@@ -14,8 +14,8 @@ fp32 state pool is `[slots, Hv, dv, dk]` (rows of dk contiguous, "v-major"): a s
 512-byte vector at dk = 128, so S k and S q are reductions inside a group of dk/4 lanes and the
 rank-1 update is row-local. Sequence b uses slot `slots[b]` (the fused kernel reads it there and
 writes it to `slots_out[b]`: the same slot in place, or another one: a spare for a decode step
-the runner computes ahead and may still discard, a snapshot for a verification position; see
-runtime/model/gpu/step.py).
+the runner computes ahead and may still discard; see runtime/model/gpu/step.py). The CuTe DSL
+code of every mode is in cute_kernels/gdn_kernel.py.
 
 Three modes:
 
@@ -36,8 +36,8 @@ Three modes:
   `rmsnorm` launch (mode `gated_x`, which reads z from the projection rows). o and the state are
   the same arithmetic as `fused`, row for row; the norm's sum of squares is reduced in another order.
 
-Both are serial in T; the chunked (WY) tensor-core form is the prefill path still to come
-(docs/kernels.md).
+All three are serial in T; prefill runs the chunked (WY) tensor-core form, `gdn_chunked`, where
+one was compiled for the shape (docs/kernels.md).
 """
 
 from typing import Any
