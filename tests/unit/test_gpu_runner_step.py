@@ -7,8 +7,10 @@ Kernels do not run here, so these tests check launches, copies and metadata, not
   parameter bytes, same uploads, in the same order;
 - a step of mixed rows sends exactly what the separate `decode` and `prefill` calls send;
 - prefill rows compute only the logits they want, read back in blocks;
-- verification rows: one decode batch per position, states read at the previous snapshot and
-  written to the next, the same launches as separate decode steps;
+- verification rows: states read at the row's slot (the last snapshot of the window before, for
+  a row longer than a step) and written to a snapshot per row, rows position-major; the GDN conv
+  and recurrent step one `verify` launch each per layer with the step's buffers, every other
+  kernel launched as often as in one decode step;
 - `commit` swaps the slot mapping without copying;
 - the lm_head of the Qwen3.6-27B shape has a kernel at every row count of a prefill chunk.
 Needs the built kernels (`python build_kernels.py`) and skips without them.
@@ -148,7 +150,7 @@ ROWS = [StepRow(slot=0, token_ids=[5], start_pos=3, page_table=[0]),
         StepRow(slot=2, token_ids=[3, 2], start_pos=63, page_table=[2, 3], logits=(1,), snapshots=[7, 8])]
 
 
-def test_verification_rows_chain_their_snapshots(tiny_path):
+def test_verification_rows_read_their_slot_and_write_a_snapshot_per_row(tiny_path):
     r = runner(tiny_path, num_slots=12)
     try:
         phys = list(r.slots.phys)
@@ -160,11 +162,10 @@ def test_verification_rows_chain_their_snapshots(tiny_path):
         assert metas[0]["slots_in"][0] == metas[0]["slots"][0] == phys[0]
         for meta, row in zip(metas[1:], (ROWS[2], ROWS[1])):
             t = row.num_tokens
-            # One sequence, rows position-major; its slot pair for position p at p * 4 (16-byte
-            # aligned per position).
-            assert meta["slots_in"][0:4 * t:4].tolist() == [phys[row.slot if p == 0 else row.snapshots[p - 1]]
-                                                          for p in range(t)]
-            assert meta["slots"][0:4 * t:4].tolist() == [phys[s] for s in row.snapshots]
+            # One sequence, so row p is its position p: read at its own slot, snapshot p written
+            # at slots[p], nothing else set.
+            assert meta["slots_in"][:2].tolist() == [phys[row.slot], 0]
+            assert meta["slots"][:t + 1].tolist() == [phys[s] for s in row.snapshots] + [0]
             assert meta["ids"][:t].tolist() == list(row.token_ids)
             assert meta["pos"][:t].tolist() == [row.start_pos + p for p in range(t)]
             assert meta["qseq"][:t].tolist() == [0] * t
@@ -176,26 +177,93 @@ def test_verification_rows_chain_their_snapshots(tiny_path):
         r.close()
 
 
+def test_verification_rows_of_one_length_are_position_major(tiny_path):
+    r = runner(tiny_path, num_slots=12)
+    try:
+        phys = list(r.slots.phys)
+        rows = [StepRow(slot=0, token_ids=[5, 6, 7], start_pos=4, page_table=[0], snapshots=[3, 4, 5]),
+                StepRow(slot=1, token_ids=[8, 9, 10], start_pos=9, page_table=[1], snapshots=[6, 7, 8])]
+        r.step(rows)
+        (meta,) = meta_uploads(r)
+        assert meta["slots_in"][:3].tolist() == [phys[0], phys[1], 0]
+        # Row p * 2 + b is sequence b's position p, its snapshot slot beside it.
+        assert meta["slots"][:7].tolist() == [phys[3], phys[6], phys[4], phys[7], phys[5], phys[8], 0]
+        assert meta["ids"][:6].tolist() == [5, 8, 6, 9, 7, 10]
+        assert meta["pos"][:6].tolist() == [4, 9, 5, 10, 6, 11]
+        assert meta["qseq"][:6].tolist() == [0, 1] * 3
+    finally:
+        r.close()
+
+
+def test_a_row_longer_than_a_step_continues_from_its_last_snapshot(tiny_path):
+    # prefill_chunk 4 and max_batch 4: a verification step takes 4 rows (`Storage.verify_rows`),
+    # so 6 tokens go as positions 0-3, then 4-5 reading the snapshot of position 3.
+    r = runner(tiny_path, num_slots=12, prefill_chunk=4, max_batch=4)
+    try:
+        assert r.storage.verify_rows == 4
+        phys = list(r.slots.phys)
+        snapshots = [2, 3, 4, 5, 6, 7]
+        r.step([StepRow(slot=1, token_ids=[1, 2, 3, 4, 5, 6], start_pos=0, page_table=[1], snapshots=snapshots)])
+        first, second = meta_uploads(r)
+        assert first["slots_in"][:2].tolist() == [phys[1], 0]
+        assert first["slots"].tolist() == [phys[s] for s in snapshots[:4]]  # all 4 rows of the block
+        assert second["slots_in"][:2].tolist() == [phys[5], 0]
+        assert second["slots"][:3].tolist() == [phys[6], phys[7], 0]
+        assert second["pos"][:2].tolist() == [4, 5]
+    finally:
+        r.close()
+
+
 def launch_names(log: list[str]) -> "collections.Counter[str]":
     import collections
 
     return collections.Counter(line.split()[1] for line in log if line.startswith(("launch", "capture")))
 
 
-def test_a_verification_step_reads_each_weight_once_and_chains_the_recurrent_steps(tiny_path):
-    """1 + 2 tokens in one step: every projection is one decode-GEMV launch over the 3 rows
-    (so each weight is read once, as in a decode step), while the GDN conv and recurrent step
-    run once per position (each needs the state the previous position wrote)."""
+def bound_args(launch) -> dict[str, int]:
+    """A bound launch's parameters by name: addresses and int32 sizes, as the kernel gets them."""
+    values = {}
+    for param, raw in zip(launch.kernel.entry.params, launch.param_bytes()):
+        values[param.name] = int.from_bytes(raw, "little", signed=param.kind == "i32")
+    return values
+
+
+def test_a_verification_step_has_one_launch_per_kernel_and_layer(tiny_path):
+    """1 + 2 tokens of two sequences in one step: every projection is one decode-GEMV launch over
+    the 6 rows (so each weight is read once, as in a decode step), and the GDN conv and
+    recurrent step are one `verify` launch each per layer, over all rows, in place of the decode
+    kernels."""
     verify, decode = runner(tiny_path, num_slots=12), runner(tiny_path, num_slots=12)
     try:
-        row = ROWS[1]
-        verify.step([row])
-        decode.decode([DecodeItem(row.slot, row.token_ids[0], row.start_pos, row.page_table)])
+        rows = [StepRow(slot=0, token_ids=[5, 6, 7], start_pos=4, page_table=[0], snapshots=[3, 4, 5]),
+                StepRow(slot=1, token_ids=[8, 9, 10], start_pos=9, page_table=[1], snapshots=[6, 7, 8])]
+        verify.step(rows)
+        decode.decode([DecodeItem(row.slot, row.token_ids[0], row.start_pos, row.page_table) for row in rows])
         got, one_step = launch_names(verify.device.log), launch_names(decode.device.log)
-        assert got.keys() == one_step.keys()
-        for name, count in one_step.items():
-            per_position = "conv1d" in name or name.startswith("infx_gdn")
-            assert got[name] == count * (row.num_tokens if per_position else 1), name
+        k = verify.kernels
+        swapped = {}
+        for family, key, verify_key in (("conv1d", k.conv, k.conv_verify), ("gdn", k.gdn, k.gdn_verify)):
+            assert verify_key == key + "_verify"
+            entries = verify.library.manifest.kernels
+            swapped[entries[(family, key)].entry] = entries[(family, verify_key)].entry
+        want = {swapped.get(name, name): count for name, count in one_step.items()}
+        assert dict(got) == want
+
+        st, buf = verify.storage, verify.storage.buf
+        plan = verify.steps.plans.bound[("verify", 2, 3)]
+        mixers = [launch for launch in plan if launch.kernel.entry.family in ("conv1d", "gdn")]
+        assert len(mixers) == 2 * len(verify.config.linear_layers)
+        slots_in, slots_out = st.meta_ptr("slots_in"), st.meta_ptr("slots")
+        for n, (conv, rec) in enumerate(zip(mixers[::2], mixers[1::2])):
+            assert (conv.kernel.entry.key, rec.kernel.entry.key) == (k.conv_verify, k.gdn_verify)
+            args = bound_args(conv)
+            assert {name: args[name] for name in ("x", "win", "slots_in", "slots_out", "out", "B", "T")} == {
+                "x": buf["proj"], "win": st.windows[n], "slots_in": slots_in, "slots_out": slots_out,
+                "out": buf["conv_out"], "B": 2, "T": 3}
+            args = bound_args(rec)
+            assert {name: args[name] for name in ("qkv", "x", "state", "slots", "slots_out", "out", "B", "T")} == {
+                "qkv": buf["conv_out"], "x": buf["proj"], "state": st.states[n], "slots": slots_in,
+                "slots_out": slots_out, "out": buf["gdn_out"], "B": 2, "T": 3}
     finally:
         verify.close()
         decode.close()

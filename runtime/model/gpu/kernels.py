@@ -54,12 +54,17 @@ class KernelChoice:
         assert c.intermediate_size is not None
         self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
+        self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
         if c.linear_layers:
             hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim)
             self.gdn = _need(lib, "gdn", "Gated DeltaNet", mode="fused", Hk=hk, Hv=hv, dk=dk, dv=dv)
             stride = lib.manifest.kernels[("gdn", self.gdn)].config["x_stride"]
+            # Verification steps (t > 1 tokens per sequence, a state snapshot per token): the
+            # decode kernels' code over all positions in one launch (`layers.StepShape`).
+            self.gdn_verify = _need(lib, "gdn", "Gated DeltaNet verification steps", mode="verify", Hk=hk, Hv=hv,
+                                    dk=dk, dv=dv)
             # Prefill: the chunked (WY, tensor-core) kernel where one was compiled for the shape,
             # else the recurrent one with each head's rows over several CTAs; either writes the
             # un-normalised output and the gated norm runs as its own launch. All None (prefill
@@ -74,8 +79,9 @@ class KernelChoice:
             self.gdn_norm = norm if split or chunked else None
             self.gdn_split = split if norm else None
             self.gdn_chunked = chunked if norm else None
-            self.conv = _need(lib, "conv1d", "the GDN conv", C=c.conv_dim, x_stride=stride,
-                              Kc=c.linear_conv_kernel_dim)
+            conv = {"C": c.conv_dim, "x_stride": stride, "Kc": c.linear_conv_kernel_dim}
+            self.conv = _need(lib, "conv1d", "the GDN conv", mode="chunk", **conv)
+            self.conv_verify = _need(lib, "conv1d", "the GDN conv of verification steps", mode="verify", **conv)
             self.gdn_stride = stride
         self.prep = self.split = self.combine = self.prefill_attn = None
         self.attn_stride = 0
@@ -137,6 +143,7 @@ class KernelChoice:
         chosen = [("rmsnorm", self.norm), ("rmsnorm", self.add_norm), ("silu_mul", self.silu_mul),
                   ("embedding", self.embedding), ("gdn", self.gdn), ("gdn", self.gdn_split),
                   ("gdn_chunked", self.gdn_chunked), ("rmsnorm", self.gdn_norm), ("conv1d", self.conv),
+                  ("gdn", self.gdn_verify), ("conv1d", self.conv_verify),
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick)]

@@ -29,12 +29,14 @@ class StepShape:
     prefill kernels (GDN chunked or split form, flash attention where compiled) and in-place
     states, else the decode kernels (states read at `slots_in`, written at `slots`).
 
-    Decode has t = 1. Verification (prefill False, t > 1 allowed): rows are position-major
-    (row p * nseq + b is sequence b's p-th token); the GDN conv and recurrent step run one
-    position at a time, reading the states at `slots_in[p * slot_stride + b]` and writing them
-    at `slots[p * slot_stride + b]` (the chain of snapshot slots), while every other launch takes all m
-    rows; projections and the head run the decode GEMV in blocks of `GEMV_ROWS` rows, so each
-    position's numbers are those of a decode step, and each weight is read once per block."""
+    Decode has t = 1: sequence b's states are read at `slots_in[b]` and written at `slots[b]`.
+    Verification (prefill False, t > 1): rows are position-major (row p * nseq + b is sequence
+    b's p-th token); sequence b's states are read at `slots_in[b]` and the state after row r is
+    written at `slots[r]` (its snapshot slot). The GDN conv and recurrent step are their
+    `verify` kernels, one launch each over all rows, with the decode kernels' arithmetic per
+    token; every other launch takes all m rows too, and projections and the head run the decode
+    GEMV in blocks of `GEMV_ROWS` rows. So each position's numbers are those of a decode step
+    (reading the snapshot the position before wrote), and each weight is read once per block."""
 
     m: int
     nseq: int
@@ -42,12 +44,6 @@ class StepShape:
     splits: int
     split: int
     prefill: bool
-
-    @property
-    def slot_stride(self) -> int:
-        """Entries of `slots_in` / `slots` per position: nseq rounded up to 4 int32, since
-        kernels take 16-byte aligned buffers (position p's slots start at p * slot_stride)."""
-        return -(-self.nseq // 4) * 4
 
     @property
     def exact_rows(self) -> bool:
@@ -198,24 +194,26 @@ class Forward:
                                                 "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                             {"B": nseq, "T": t, "NS": slots})
         else:
-            # Decode (t = 1) and verification: one position of the nseq rows at a time, each
-            # state read at slots_in and written at slots (the same slot, a spare for a step
-            # computed ahead, or the next snapshot of a verification row: `StepShape`).
-            x_row = (layer["w_in"].shape[0] + (layer["w_in_tail"].shape[0] if "w_in_tail" in layer else 0)) * 2
-            conv_row = layer["conv"].shape[0] * 2
-            out_row = self.config.linear_num_value_heads * self.config.linear_value_head_dim * 2
-            for p in range(t):
-                r0, s0 = p * nseq, p * shape.slot_stride
-                slots_in, slots_out = st.meta_ptr("slots_in") + s0 * 4, st.meta_ptr("slots") + s0 * 4
-                x, qkv, o = buf["proj"] + r0 * x_row, buf["conv_out"] + r0 * conv_row, buf["gdn_out"] + r0 * out_row
-                self.launch(out, "conv1d", k.conv, {"x": x, "w": self.w(layer["conv"]), "win_in": st.windows[n],
-                                                    "win_out": st.windows[n], "slots_in": slots_in,
-                                                    "slots_out": slots_out, "out": qkv},
+            # Decode (t = 1; states read at slots_in and written at slots: the same slot, or a
+            # spare for a step computed ahead) and verification (the `verify` kernels: each
+            # row's state and window written to its snapshot slot, see `StepShape`).
+            verify = t > 1
+            slots_in, slots_out = st.meta_ptr("slots_in"), st.meta_ptr("slots")
+            if verify:
+                self.launch(out, "conv1d", k.conv_verify, {"x": buf["proj"], "w": self.w(layer["conv"]),
+                                                           "win": st.windows[n], "slots_in": slots_in,
+                                                           "slots_out": slots_out, "out": buf["conv_out"]},
+                            {"B": nseq, "T": t, "NS": slots})
+            else:
+                self.launch(out, "conv1d", k.conv, {"x": buf["proj"], "w": self.w(layer["conv"]),
+                                                    "win_in": st.windows[n], "win_out": st.windows[n],
+                                                    "slots_in": slots_in, "slots_out": slots_out,
+                                                    "out": buf["conv_out"]},
                             {"B": nseq, "T": 1, "NI": slots, "NO": slots})
-                self.launch(out, "gdn", k.gdn, {**gdn_args, "qkv": qkv, "x": x, "slots": slots_in,
-                                                "slots_out": slots_out, "norm_w": self.w(layer["gdn_norm"]),
-                                                "out": o},
-                            {"B": nseq, "T": 1, "NS": slots})
+            self.launch(out, "gdn", k.gdn_verify if verify else k.gdn,
+                        {**gdn_args, "qkv": buf["conv_out"], "x": buf["proj"], "slots": slots_in,
+                         "slots_out": slots_out, "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                        {"B": nseq, "T": t, "NS": slots})
         self.linear(out, buf["gdn_out"], layer["out_proj"], buf["delta"], m, exact_rows=exact)
         self.all_reduce(out, m)
 

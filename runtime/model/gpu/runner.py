@@ -9,10 +9,11 @@ plans, graphs, look-ahead) and `sampling` (device sampling).
 rows without snapshots as decode batches of up to `max_batch` (graphs per bucket, as `decode`);
 each prefill row as `prefill` does, with only the wanted positions' logits computed; then the
 verification rows as verification steps (`Steps.verify`, `layers.StepShape`): all positions of
-rows of one length in one step, the projections as decode GEMV blocks, the recurrent layers one
-position at a time, position i reading its state at the previous snapshot (the row's own slot
-for position 0) and writing it to snapshot i. Decode kernels are batch-invariant, so every row
-equals the separate calls it stands for bit for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
+rows of one length in one step, the projections as decode GEMV blocks, the recurrent layers as
+one launch each that computes the positions in order with the decode kernels' arithmetic,
+position 0 reading the row's own slot and every position writing its state to its snapshot.
+Decode kernels are batch-invariant, so every row equals the separate calls it stands for bit
+for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
 the snapshot slot then holds the slot's old state.
 """
 
@@ -35,7 +36,9 @@ from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChun
 
 # What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
 # conv and recurrent step and the head's rows are not). Measured on the H200 at the 27B shape,
-# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md).
+# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md), with the
+# GDN conv and recurrent step still launched once per position; not measured yet with their
+# `verify` kernels (one launch each per layer).
 VERIFY_TOKEN_COST = 0.064
 from runtime.model.sampling import RowSampling
 
@@ -357,9 +360,10 @@ class CudaRunner:
     def _verify(self, rows: Sequence[StepRow], checked: Sequence[tuple]) -> list[np.ndarray]:
         """Verification rows as verification steps (`Steps.verify`): rows of one length together,
         as many sequences per step as `Storage.verify_rows` and the batch allow (a row longer
-        than a step takes goes in windows of positions, its snapshot chain carried across);
-        state of position p read at snapshot p - 1 (the row's slot for p = 0) and written to
-        snapshot p. The wanted positions' logits per row, in order."""
+        than a step takes goes in windows of positions, its snapshot chain carried across: a
+        window reads the snapshot of the position before it, the row's slot for the first); the
+        state after position p written to snapshot p. The wanted positions' logits per row, in
+        order."""
         phys = self.slots.phys
         wanted = [set(row.logit_offsets()) for row in rows]
         logits: list[dict[int, np.ndarray]] = [{} for _ in rows]
@@ -377,7 +381,7 @@ class CudaRunner:
                     self.steps.verify(
                         np.array([[checked[r][0][p] for p in span] for r in group], np.int64),
                         [checked[r][1] + p0 for r in group], [checked[r][2] for r in group],
-                        [[phys[rows[r].slot if p == 0 else rows[r].snapshots[p - 1]] for p in span] for r in group],
+                        [phys[rows[r].slot if p0 == 0 else rows[r].snapshots[p0 - 1]] for r in group],
                         [[phys[rows[r].snapshots[p]] for p in span] for r in group])
                     need = [(b, r, p) for b, r in enumerate(group) for p in span if p in wanted[r]]
                     if need:

@@ -7,8 +7,9 @@ once into a CUDA graph and replayed; `cuda_graphs = False` launches the same lis
 Logits come back as bf16, in blocks of `Storage.logit_rows` rows, and are returned as float32.
 
 Decode rows read each GDN state and conv window at physical slot `slots_in[i]` and write it at
-`slots[i]`: the same slot for a plain decode step, a spare for a step computed ahead (`Ahead`),
-the next snapshot for a verification position (`CudaRunner.step`).
+`slots[i]`: the same slot for a plain decode step, a spare for a step computed ahead (`Ahead`).
+A verification step reads sequence b's at `slots_in[b]` and writes the state after each row at
+`slots[row]`, the row's snapshot (`layers.StepShape`).
 
 Look-ahead: after queueing step t's sampling, the runner queues step t+1 for the same sequences
 (`launch_ahead`: ids copied on the device from the sampler's output, positions + 1, states
@@ -134,24 +135,25 @@ class Steps:
                      tokens=np.zeros(0, np.int32), spares=spares)
 
     def verify(self, tokens: np.ndarray, positions: Sequence[int], tables: Sequence[np.ndarray],
-               slots_in: Sequence[Sequence[int]], slots_out: Sequence[Sequence[int]]) -> None:
+               slots_in: Sequence[int], slots_out: Sequence[Sequence[int]]) -> None:
         """Queue a verification step (checked by the caller; physical slots): nseq =
         len(positions) sequences of t tokens each, `tokens` [nseq, t]; sequence b's p-th token
-        sits at positions[b] + p, reads its state at slots_in[b][p] and writes it at
-        slots_out[b][p]. Logits land position-major: row p * nseq + b (`layers.StepShape`)."""
+        sits at positions[b] + p; sequence b's state is read at slots_in[b] and the state after
+        its p-th token written at slots_out[b][p] (each position continues from the state the
+        one before wrote). Logits land position-major: row p * nseq + b (`layers.StepShape`)."""
         st = self.storage
         nseq, t = tokens.shape
         shape = self._verify_shape(nseq, t)
         meta = self._meta_clear()
         self._fill_tables(meta, tables)
+        meta["slots_in"][:nseq] = slots_in
         for p in range(t):
             for b in range(nseq):
                 r, pos = p * nseq + b, positions[b] + p
                 meta["pos"][r] = pos
                 meta["wrow"][r] = kv_rows(tables[b], pos)
                 meta["qseq"][r] = b
-                meta["slots_in"][p * shape.slot_stride + b] = slots_in[b][p]
-                meta["slots"][p * shape.slot_stride + b] = slots_out[b][p]
+                meta["slots"][r] = slots_out[b][p]
         ids = tokens.T.reshape(-1)
         meta["ids"][:len(ids)] = ids
         self._upload_step(ids, len(ids))
@@ -166,11 +168,10 @@ class Steps:
                 launch(self.stream)
 
     def verify_fits(self, nseq: int, t: int) -> bool:
-        """Whether one verification step takes nseq sequences of t tokens (rows, logits and
-        attention partials: `Storage.verify_rows`; a slot pair per row, aligned per position)."""
+        """Whether one verification step takes nseq sequences of t tokens (rows, logits, attention
+        partials and a snapshot slot per row: `Storage.verify_rows`)."""
         st = self.storage
-        slot_entries = (t - 1) * self._verify_shape(nseq, t).slot_stride + nseq
-        return nseq <= st.max_batch and nseq * t <= st.verify_rows and slot_entries <= st.rows
+        return nseq <= st.max_batch and nseq * t <= st.verify_rows
 
     def _verify_shape(self, nseq: int, t: int) -> StepShape:
         st = self.storage

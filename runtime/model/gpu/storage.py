@@ -132,7 +132,7 @@ class Storage:
             cands = max_batch * k.sample_ctas * TOP_K_CAP * 4
             sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": max_batch * 4})
         # Metadata (int32): ids, pos, wrow, qseq, slots, slots_in [rows] (a verification step
-        # has a slot pair per row: `layers.StepShape`); err; table [max_batch, maxp].
+        # has a snapshot slot per row: `layers.StepShape`); err; table [max_batch, maxp].
         self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": rows,
                           "slots_in": rows, "err": 4, "table": max_batch * self.maxp}
         self.meta_off: dict[str, int] = {}
