@@ -308,7 +308,7 @@ class ModelRunner(Protocol):
     def reserve_host_copies(self, nbytes: int) -> int:
         """Set aside host memory for `nbytes` of copies that need no host wait (the CUDA runner
         pins it: `--host-context-mib`); the bytes it could set aside. Copies beyond it still
-        work, waiting for the device."""
+        work, waiting for the device. A later call keeps what the first set aside."""
         ...
 
     def save_slot(self, slot: int) -> HostTransfer:

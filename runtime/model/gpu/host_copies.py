@@ -128,9 +128,10 @@ class HostCopies:
 
     def reserve(self, nbytes: int) -> int:
         """Pin `nbytes` of host memory and take the staging slot; the bytes pinned (0 when the
-        driver refuses: every copy then goes through pageable memory)."""
+        driver refuses: every copy then goes through pageable memory). A runner pins once: a
+        later call (another engine on the same runner) keeps the first pool."""
         if self.pool is not None:
-            raise ValueError("host copies are reserved once")
+            return min(nbytes, self.pool.nbytes)
         if nbytes <= 0:
             return 0
         try:
