@@ -40,11 +40,16 @@ ALIGN = 256  # pieces start 256-byte aligned (as device buffers do)
 
 
 class PinnedPool:
-    """One pinned host allocation handed out in pieces (see the module docstring)."""
+    """One pinned host allocation handed out in pieces (see the module docstring).
+
+    A piece comes back from a finalizer, which may run inside any allocation (the cyclic
+    collector), `take` included: it only appends to `_returned`, and `take` merges what came
+    back before it looks for room."""
 
     def __init__(self, buffer: Any):
         self._buffer = buffer
         self._free: list[tuple[int, int]] = [(0, buffer.nbytes)]  # (offset, size), by offset
+        self._returned: list[tuple[int, int]] = []
         self._taken = 0
         self._closed = False
 
@@ -58,34 +63,40 @@ class PinnedPool:
 
     def take(self, nbytes: int) -> Optional[np.ndarray]:
         """A uint8 array of `nbytes` in pinned memory, or None when no free piece is that large."""
+        self._merge_returned()
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
-                break
-        else:
+        found = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
+        if found is None:
             return None
+        offset, free = self._free[found]
+        self._free[found:found + 1] = [(offset + size, free - size)] if free > size else []
         self._taken += 1
         raw = (ctypes.c_uint8 * nbytes).from_address(self._buffer.ptr + offset)
-        weakref.finalize(raw, self._give, offset, size)
+        weakref.finalize(raw, self._give, offset, size).atexit = False
         return np.frombuffer(raw, np.uint8)
 
     def _give(self, offset: int, size: int) -> None:
-        at = next((i for i, (o, _) in enumerate(self._free) if o > offset), len(self._free))
-        self._free.insert(at, (offset, size))
-        if at + 1 < len(self._free) and offset + size == self._free[at + 1][0]:
-            self._free[at:at + 2] = [(offset, size + self._free[at + 1][1])]
-        if at > 0 and self._free[at - 1][0] + self._free[at - 1][1] == offset:
-            self._free[at - 1:at + 1] = [(self._free[at - 1][0], self._free[at - 1][1] + self._free[at][1])]
-        self._taken -= 1
+        self._returned.append((offset, size))
+        if self._closed:
+            self._merge_returned()
+
+    def _merge_returned(self) -> None:
+        while self._returned:
+            offset, size = self._returned.pop()
+            self._taken -= 1
+            at = next((i for i, (o, _) in enumerate(self._free) if o > offset), len(self._free))
+            self._free.insert(at, (offset, size))
+            if at + 1 < len(self._free) and offset + size == self._free[at + 1][0]:
+                self._free[at:at + 2] = [(offset, size + self._free[at + 1][1])]
+            if at > 0 and self._free[at - 1][0] + self._free[at - 1][1] == offset:
+                self._free[at - 1:at + 1] = [(self._free[at - 1][0], self._free[at - 1][1] + self._free[at][1])]
         if self._closed and not self._taken:
             self._buffer.free()
 
     def close(self) -> None:
         """Free the allocation now, or when the last piece still viewed is given back."""
         self._closed = True
-        if not self._taken:
-            self._buffer.free()
+        self._merge_returned()
 
 
 class PinnedCopy:
@@ -243,7 +254,8 @@ class HostCopies:
     def _event(self) -> Event:
         """An event destroyed once nothing holds it (a `PinnedCopy`, the staging slot's mark)."""
         event = self.device.create_event(timing=False)
-        weakref.finalize(event, self.device.destroy_event, Event(event.handle, self.device))
+        # Not at exit: the driver may be gone by then, and the process frees everything anyway.
+        weakref.finalize(event, self.device.destroy_event, Event(event.handle, self.device)).atexit = False
         return event
 
     def close(self) -> None:
