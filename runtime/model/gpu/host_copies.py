@@ -255,7 +255,7 @@ class HostCopies:
         """An event destroyed once nothing holds it (a `PinnedCopy`, the staging slot's mark)."""
         event = self.device.create_event(timing=False)
         # Not at exit: the driver may be gone by then, and the process frees everything anyway.
-        weakref.finalize(event, self.device.destroy_event, Event(event.handle, self.device)).atexit = False
+        weakref.finalize(event, _destroy_event, self.device, Event(event.handle, self.device)).atexit = False
         return event
 
     def close(self) -> None:
@@ -268,3 +268,10 @@ class HostCopies:
         self.device.destroy_event(self._compute_mark)
         self.device.destroy_event(self._copy_mark)
         self.device.destroy_stream(self.stream)
+
+
+def _destroy_event(device: Any, event: Event) -> None:
+    """Destroy an event from whichever thread let go of it last (the context made current
+    there first: the engine thread and the server's main thread both hold copies)."""
+    device.make_current()
+    device.destroy_event(event)
