@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .driver import bindings, call
+from .driver import bindings, call, check
 from .errors import CudaUnavailable, DeviceOutOfMemory, SyncPolicyError, gib
 
 __all__ = [
@@ -95,6 +95,10 @@ class Event:
 
     def synchronize(self) -> None:
         self.device.event_synchronize(self)
+
+    def query(self) -> bool:
+        """Whether the work before the record has completed (never blocks)."""
+        return self.device.event_query(self)
 
     def elapsed_ms(self, start: "Event") -> float:
         """Milliseconds from `start` to this event (both recorded and complete)."""
@@ -282,6 +286,18 @@ class CudaDevice:
 
     def event_synchronize(self, event: Event) -> None:
         call("cuEventSynchronize", event.handle)
+
+    def event_query(self, event: Event) -> bool:
+        drv = self._drv
+        result = drv.cuEventQuery(event.handle)
+        err = result[0] if isinstance(result, tuple) else result
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:  # not an error: the work is still running
+            return False
+        check(result, "cuEventQuery")
+        return True
+
+    def destroy_event(self, event: Event) -> None:
+        call("cuEventDestroy", event.handle)
 
     def event_elapsed_ms(self, start: Event, end: Event) -> float:
         return float(call("cuEventElapsedTime", start.handle, end.handle))

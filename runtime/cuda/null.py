@@ -157,6 +157,12 @@ class NullDevice:
     def event_synchronize(self, event: Event) -> None:
         pass
 
+    def event_query(self, event: Event) -> bool:
+        return True  # nothing runs asynchronously here
+
+    def destroy_event(self, event: Event) -> None:
+        pass
+
     def event_elapsed_ms(self, start: Event, end: Event) -> float:
         return 0.0
 

@@ -38,21 +38,22 @@ def save_cache_file(path: str, fingerprint: str, cache: PrefixCache, runner: Mod
     records = []
     block_index: dict[bytes, int] = {}
     for i, entry in enumerate(cache.shared_entries()):
-        state = runner.save_slot(entry.slot) if entry.slot is not None else entry.state.data
+        # The file needs the bytes: here (only) the host waits for copies still in flight.
+        state = (runner.save_slot(entry.slot) if entry.slot is not None else entry.state.data).wait()
         _put(arrays, f"s{i}", state)
-        if entry.tail_copy is not None:
-            _put(arrays, f"t{i}", entry.tail_copy.data)
+        tail = entry.tail_copy.data.wait() if entry.tail_copy is not None else ()
+        _put(arrays, f"t{i}", tail)
         for digest in entry.chain:
             if digest in block_index:
                 continue
             page = cache.blocks.lookup(digest)
-            data = runner.read_pages([page]) if page is not None else cache.host_block(digest).data
+            data = (runner.read_pages([page]) if page is not None else cache.host_block(digest).data).wait()
             block_index[digest] = len(block_index)
             _put(arrays, f"b{block_index[digest]}", data)
         records.append({"position": entry.position, "hits": entry.hits,
                         "chain": [block_index[d] for d in entry.chain],
                         "tail": list(entry.tail), "state_parts": len(state),
-                        "tail_parts": len(entry.tail_copy.data) if entry.tail_copy else 0})
+                        "tail_parts": len(tail)})
     manifest = {"version": FORMAT_VERSION, "fingerprint": fingerprint, "snapshots": records,
                 "blocks": [d.hex() for d in sorted(block_index, key=block_index.get)],
                 "block_parts": {str(k): _parts(arrays, f"b{k}") for k in block_index.values()}}
@@ -109,14 +110,14 @@ def _restore(archive, manifest: dict, cache: PrefixCache) -> int:
         record = manifest["snapshots"][i]
         state = _get(archive, f"s{i}", record["state_parts"])
         tail = _get(archive, f"t{i}", record["tail_parts"]) if record["tail_parts"] else None
-        blocks = {digests[k]: _copy(_get(archive, f"b{k}", block_parts[str(k)]))
+        blocks = {digests[k]: HostCopy.of(_get(archive, f"b{k}", block_parts[str(k)]))
                   for k in record["chain"]}
         loaded.append((record, state, tail, blocks))
     # Every array is read (and CRC-checked) before anything enters the cache.
     for record, state, tail, blocks in loaded:
         if cache.restore_entry(int(record["position"]), tuple(digests[k] for k in record["chain"]),
-                               tuple(int(t) for t in record["tail"]), _copy(state),
-                               None if tail is None else _copy(tail), blocks):
+                               tuple(int(t) for t in record["tail"]), HostCopy.of(state),
+                               None if tail is None else HostCopy.of(tail), blocks):
             restored += 1
     return restored
 
@@ -133,6 +134,3 @@ def _parts(arrays: dict, prefix: str) -> int:
 def _get(archive, prefix: str, parts: int) -> HostArrays:
     return tuple(archive[f"{prefix}_{j}"] for j in range(parts))
 
-
-def _copy(data: HostArrays) -> HostCopy:
-    return HostCopy(sum(part.nbytes for part in data), data)

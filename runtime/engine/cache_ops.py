@@ -14,18 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from runtime.model.runner import HostArrays, ModelRunner
+from runtime.model.runner import HostArrays, HostReady, HostTransfer, ModelRunner
 
 
 class HostCopy:
     """Host memory holding one slot's state or one page's K/V. `nbytes` is known when the copy
-    is decided (for the host budget); `data` is filled when the record that makes it runs."""
+    is decided (for the host budget); `data` is set when the record that makes it runs: the
+    runner's `HostTransfer`, perhaps still in flight (nothing here waits for it: a load is
+    ordered after it by the runner; only the file and disk tiers wait, to read the bytes)."""
 
     __slots__ = ("nbytes", "data")
 
-    def __init__(self, nbytes: int, data: Optional[HostArrays] = None):
+    def __init__(self, nbytes: int, data: Optional[HostTransfer] = None):
         self.nbytes = nbytes
         self.data = data
+
+    @classmethod
+    def of(cls, arrays: HostArrays) -> "HostCopy":
+        """A copy of arrays already on the host (read from the cache file or the disk tier)."""
+        ready = HostReady(tuple(arrays))
+        return cls(ready.nbytes, ready)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ def apply_ops(runner: ModelRunner, ops: Sequence[CacheOp], traffic: Traffic,
             raise TypeError(f"unknown cache operation {op!r}")
 
 
-def _data(copy: HostCopy) -> HostArrays:
+def _data(copy: HostCopy) -> HostTransfer:
     if copy.data is None:
         raise AssertionError("a host copy is read before the record that fills it ran")
     return copy.data

@@ -166,7 +166,7 @@ class DiskTier:
                 if not in_memory(digest):
                     data, _ = self._read(self._block_path(digest), "block", digest.hex(), digest)
                     _expect(data, self.config.page_nbytes, "block", digest)
-                    blocks[digest] = _copy(data)
+                    blocks[digest] = HostCopy.of(data)
         except _Unreadable as exc:
             self.stats["ssd_read_failures"] += 1
             self._warn(f"prefix cache disk tier: {exc}; that prefix is recomputed")
@@ -176,7 +176,7 @@ class DiskTier:
                 for name in list(self._block_users.get(exc.block, ())):
                     self._drop(self._snapshots[name])
             return None
-        return _copy(state), (_copy(tail) if item.tail else None), blocks
+        return HostCopy.of(state), (HostCopy.of(tail) if item.tail else None), blocks
 
     def hit(self, item: DiskSnapshot) -> None:
         """`item` was read back into the host tier: it counts as a hit, here and in GDSF."""
@@ -197,20 +197,20 @@ class DiskTier:
         new = [i for i, digest in enumerate(op.chain) if digest not in self._blocks]
         device = 0
         if op.slot is not None:
-            state = runner.save_slot(op.slot)
+            state = runner.save_slot(op.slot).wait()
             device += self.config.slot_nbytes
         else:
-            state = op.state.data
+            state = op.state.data.wait()
         files = []
         for i in new:
             source = op.blocks[i]
             if isinstance(source, HostCopy):
-                data = source.data
+                data = source.data.wait()
             else:
-                data = runner.read_pages([source])
+                data = runner.read_pages([source]).wait()
                 device += self.config.page_nbytes
             files.append((op.chain[i], self._encode("block", op.chain[i].hex(), data, 0)))
-        tail = op.tail_copy.data if op.tail_copy is not None else ()
+        tail = op.tail_copy.data.wait() if op.tail_copy is not None else ()
         snapshot = self._encode("snapshot", op.name, tuple(state) + tuple(tail), len(state))
         total = len(snapshot) + sum(len(data) for _, data in files)
         item = DiskSnapshot(name=op.name, position=op.position, chain=op.chain, tail=op.tail,
@@ -358,10 +358,6 @@ def _expect(parts: HostArrays, nbytes: int, what: str, block: Optional[bytes]) -
     if sum(p.nbytes for p in parts) != nbytes:
         raise _Unreadable(f"a disk {what} of {sum(p.nbytes for p in parts)} bytes, this runner's "
                           f"is {nbytes}", block)
-
-
-def _copy(data: HostArrays) -> HostCopy:
-    return HostCopy(sum(part.nbytes for part in data), tuple(data))
 
 
 def _write(path: str, data: bytes) -> None:

@@ -53,6 +53,13 @@ class EngineCache:
         self._saved_changes = 0
         self.disk: Optional[DiskTier] = None
         warn = logger.warning if logger is not None else (lambda message: None)
+        if scheduler.cache is not None and config.host_cache_bytes:
+            # The host tier's copies in memory the runner set aside (pinned on the GPU), so a
+            # demotion never holds up a step; without it they still work, waiting for the device.
+            pinned = runner.reserve_host_copies(config.host_cache_bytes)
+            if pinned < config.host_cache_bytes:
+                warn(f"prefix cache: only {pinned >> 20} of {config.host_cache_bytes >> 20} MiB of "
+                     "host memory could be set aside for copies; the rest waits for the device")
         if config.ssd_bytes and scheduler.cache is not None:
             self.disk = DiskTier(DiskTierConfig(
                 directory=config.ssd_dir, cap_bytes=config.ssd_bytes,

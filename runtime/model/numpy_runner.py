@@ -27,7 +27,7 @@ from runtime.model import reference_layers as ref
 from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_start_pos
 from runtime.model.numpy_mtp import MtpDrafter
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, MtpRow, PrefillChunk,
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostReady, HostTransfer, MtpRow, PrefillChunk,
                                   StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens,
                                   speculative_round_cost)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
@@ -173,26 +173,29 @@ class NumpyRunner:
     def page_nbytes(self) -> int:
         return self.key_pages[:, 0].nbytes + self.value_pages[:, 0].nbytes
 
-    def save_slot(self, slot: int) -> HostArrays:
-        check_slot(slot, self.num_slots)
-        return (self.recurrent_states[:, slot].copy(), self.conv_states[:, slot].copy())
+    def reserve_host_copies(self, nbytes: int) -> int:
+        return nbytes  # host arrays are all there is: no copy ever waits
 
-    def load_slot(self, slot: int, state: HostArrays) -> None:
+    def save_slot(self, slot: int) -> HostTransfer:
         check_slot(slot, self.num_slots)
-        recurrent, conv = state
+        return HostReady((self.recurrent_states[:, slot].copy(), self.conv_states[:, slot].copy()))
+
+    def load_slot(self, slot: int, state: HostTransfer) -> None:
+        check_slot(slot, self.num_slots)
+        recurrent, conv = state.wait()
         if recurrent.shape != self.recurrent_states[:, slot].shape \
                 or conv.shape != self.conv_states[:, slot].shape:
             raise ValueError("slot state does not match this runner's state shapes")
         self.recurrent_states[:, slot] = recurrent
         self.conv_states[:, slot] = conv
 
-    def read_pages(self, pages: Sequence[int]) -> HostArrays:
+    def read_pages(self, pages: Sequence[int]) -> HostTransfer:
         ids = checked_pages(pages, self.num_pages)
-        return (self.key_pages[:, ids].copy(), self.value_pages[:, ids].copy())
+        return HostReady((self.key_pages[:, ids].copy(), self.value_pages[:, ids].copy()))
 
-    def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
+    def write_pages(self, pages: Sequence[int], data: HostTransfer) -> None:
         ids = checked_pages(pages, self.num_pages)
-        keys, values = data
+        keys, values = data.wait()
         if keys.shape != self.key_pages[:, ids].shape or values.shape != keys.shape:
             raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
         self.key_pages[:, ids] = keys

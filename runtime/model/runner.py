@@ -37,8 +37,46 @@ PAGE_SIZE = 64
 """Tokens per KV page, everywhere (engine, NumPy runner, CUDA runner, kernels)."""
 
 HostArrays = tuple[np.ndarray, ...]
-"""A runner's host copy of one slot's state or of some KV pages (`ModelRunner.save_slot`,
-`read_pages`): opaque to the engine, which only stores it and gives it back."""
+"""The host arrays of one slot's state or of some KV pages (`HostTransfer.wait`): their layout
+is the runner's own; the engine only stores them (files, the disk tier) and gives them back."""
+
+
+class HostTransfer(Protocol):
+    """A host copy a runner started (`ModelRunner.save_slot`, `read_pages`), perhaps still in
+    flight. The engine keeps it and gives it back (`load_slot`, `write_pages`) without waiting:
+    the runner orders a load after the copy it reads. Only a reader of the bytes themselves
+    (the file and disk tiers) calls `wait`.
+
+    nbytes: the size of the host arrays.
+    """
+
+    nbytes: int
+
+    def ready(self) -> bool:
+        """Whether the copy has completed (never blocks)."""
+        ...
+
+    def wait(self) -> HostArrays:
+        """Block until the copy has completed; its host arrays (the caller does not write them)."""
+        ...
+
+
+@dataclass(frozen=True)
+class HostReady:
+    """A `HostTransfer` already complete: the NumPy runner's copies, and arrays read from a
+    file (the file and disk tiers)."""
+
+    arrays: HostArrays
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(part.nbytes) for part in self.arrays)
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> HostArrays:
+        return self.arrays
 
 
 @dataclass(frozen=True)
@@ -258,25 +296,36 @@ class ModelRunner(Protocol):
         """Copy recurrent state and conv window (snapshots for prefix reuse / preemption)."""
         ...
 
-    # Host copies (the prefix cache's host and file tiers, preemption without recomputation).
-    # `HostArrays` are plain host arrays the engine stores and hands back unchanged; their
-    # layout is the runner's own. `slot_nbytes` / `page_nbytes` are their sizes for one slot
-    # and for one page (every attention layer's K and V rows of it).
+    # Host copies (the prefix cache's host and file tiers, preemption without recomputation),
+    # as `HostTransfer`s. `slot_nbytes` / `page_nbytes` are their sizes for one slot and for
+    # one page (every attention layer's K and V rows of it). A copy out returns at once: it
+    # holds the state after every call made before it (queued compute included), and later
+    # calls may change the source at once (the runner orders its own writes after the copy).
+    # A copy in may read a transfer not complete yet; what it writes is there for every later
+    # call. Neither makes the host wait for the device, except where pinned memory runs out
+    # (`reserve_host_copies`).
 
-    def save_slot(self, slot: int) -> HostArrays:
+    def reserve_host_copies(self, nbytes: int) -> int:
+        """Set aside host memory for `nbytes` of copies that need no host wait (the CUDA runner
+        pins it: `--host-context-mib`); the bytes it could set aside. Copies beyond it still
+        work, waiting for the device. A later call keeps what the first set aside."""
+        ...
+
+    def save_slot(self, slot: int) -> HostTransfer:
         """A host copy of `slot`'s recurrent state and conv window."""
         ...
 
-    def load_slot(self, slot: int, state: HostArrays) -> None:
-        """Make `slot`'s state the one `save_slot` returned (of any slot of this runner)."""
+    def load_slot(self, slot: int, state: HostTransfer) -> None:
+        """Make `slot`'s state the one `save_slot` copied (of any slot of this runner), or one
+        `HostReady` holds (arrays that `wait` gave)."""
         ...
 
-    def read_pages(self, pages: Sequence[int]) -> HostArrays:
+    def read_pages(self, pages: Sequence[int]) -> HostTransfer:
         """A host copy of the K/V rows of `pages` (every attention layer), in the given order."""
         ...
 
-    def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
-        """Write K/V rows that `read_pages` returned into `pages` (same count, in order)."""
+    def write_pages(self, pages: Sequence[int], data: HostTransfer) -> None:
+        """Write K/V rows that `read_pages` copied into `pages` (same count, in order)."""
         ...
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:

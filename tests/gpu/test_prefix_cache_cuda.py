@@ -74,12 +74,63 @@ def test_snapshot_copies_bring_back_the_same_bytes(runner):
     runner.reset_slot(1)
     runner.load_slot(1, state)
     runner.write_pages([10, 11, 12], pages)
+    state, pages = state.wait(), pages.wait()
     for slot in (1, 3):
-        for a, b in zip(runner.save_slot(slot), state):
+        for a, b in zip(runner.save_slot(slot).wait(), state):
             np.testing.assert_array_equal(a, b)
-    for a, b in zip(runner.read_pages([10, 11, 12]), pages):
+    for a, b in zip(runner.read_pages([10, 11, 12]).wait(), pages):
         np.testing.assert_array_equal(a, b)
     assert np.count_nonzero(state[0]) > 0 and np.count_nonzero(pages[0]) > 0
+
+
+def raw_slot(runner, slot: int) -> bytes:
+    """A slot's state and window bytes read on the compute stream after everything queued (not
+    through the host copies under test)."""
+    st, phys = runner.storage, runner.slots.phys[slot]
+    parts = [np.empty(st.state_slot_bytes, np.uint8) for _ in st.states] + \
+            [np.empty(st.win_slot_bytes, np.uint8) for _ in st.windows]
+    addresses = [s + phys * st.state_slot_bytes for s in st.states] + [w + phys * st.win_slot_bytes for w in st.windows]
+    runner.stream.synchronize()
+    for part, address in zip(parts, addresses):
+        runner.device.memcpy_dtoh(part, address, runner.stream)
+    runner.stream.synchronize()
+    return b"".join(p.tobytes() for p in parts)
+
+
+def raw_pages(runner, pages: list[int]) -> bytes:
+    st = runner.storage
+    runner.stream.synchronize()
+    out = b""
+    for pool in (*st.k_pages, *st.v_pages):
+        for page in pages:
+            row = np.empty(st.page_bytes, np.uint8)
+            runner.device.memcpy_dtoh(row, pool + page * st.page_bytes, runner.stream)
+            runner.stream.synchronize()
+            out += row.tobytes()
+    return out
+
+
+def test_async_copies_hold_the_state_of_their_call_while_compute_overwrites_it(runner):
+    """Through the pinned pool, the copy stream and the staging slot: the state and pages copied
+    out are the ones at the call, though the very next calls compute over them at once (the
+    copy is still in flight); loaded back without waiting, they land exactly."""
+    from runtime.model.runner import PrefillChunk
+
+    assert runner.reserve_host_copies(256 << 20) > 0 and runner.copies.staging is not None
+    runner.reset_slot(0)
+    runner.prefill(PrefillChunk(slot=0, token_ids=tokens(runner, 30, 150), start_pos=0, page_table=[0, 1, 2]))
+    expected_state, expected_pages = raw_slot(runner, 0), raw_pages(runner, [0, 1, 2])
+    state, pages = runner.save_slot(0), runner.read_pages([0, 1, 2])
+    assert runner.copies.pool.contains(state.arrays[0]) and runner.copies.pool.contains(pages.arrays[0])
+    runner.reset_slot(0)                 # queued right behind the copies: they must not see this
+    runner.prefill(PrefillChunk(slot=0, token_ids=tokens(runner, 31, 150), start_pos=0, page_table=[0, 1, 2]))
+    runner.load_slot(1, state)           # no host wait: ordered after the copy out
+    runner.write_pages([10, 11, 12], pages)
+    got_state = b"".join(a.tobytes() for a in state.wait())
+    assert got_state == expected_state, f"{sum(a != b for a, b in zip(got_state, expected_state))} bytes differ"
+    assert b"".join(a.tobytes() for a in pages.wait()) == expected_pages
+    assert raw_slot(runner, 1) == expected_state and raw_pages(runner, [10, 11, 12]) == expected_pages
+    assert raw_slot(runner, 0) != expected_state        # the overwrite did happen
 
 
 @pytest.mark.parametrize("hinted", [False, True], ids=["cold-unhinted", "cold-hinted"])
@@ -166,3 +217,22 @@ def test_preemption_resumes_from_the_host_tier_without_recomputation(runner, sam
         saved = busy.scheduler.cache.cache.stats["pauses_saved"]
     preemptions = resumed_without_recomputation(results, expected)
     assert preemptions > 0 and saved == preemptions
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_resume_from_a_demoted_snapshot_equals_the_cold_run(runner, sampling):
+    """No device snapshot slots: every snapshot goes to the host tier through the async path
+    while the prompt goes on computing, and the next request resumes from the host copy."""
+    first = tokens(runner, 40, 300)
+    second = first + tokens(runner, 41, 90)
+    with engine(runner, **dict(CACHE, snapshot_slots=0)) as eng:
+        run(eng, "a", first, 8, sampling)
+        warm, final = run(eng, "b", second, 24, sampling, logprobs=2)
+        traffic = eng.cache.traffic
+        assert traffic.device_to_host_bytes >= 4 * runner.slot_nbytes     # 64 .. 256, all demoted
+        assert traffic.host_to_device_bytes >= runner.slot_nbytes         # the resume's promotion
+    with engine(runner) as cold:
+        expected, cold_final = run(cold, "b", second, 24, sampling, logprobs=2)
+    assert final.cached_prompt_tokens == 256
+    assert warm == expected
+    assert final.logprobs == cold_final.logprobs

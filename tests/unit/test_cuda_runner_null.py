@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.model.runner import DecodeItem, PrefillChunk
+from runtime.model.runner import DecodeItem, HostReady, PrefillChunk
 
 from null_cuda import built_or_skip
 
@@ -144,7 +144,7 @@ def test_host_copies_of_slots_and_pages_round_trip(runner):
         runner.device.memcpy_htod(window + phys * st.win_slot_bytes,
                                   rng.integers(0, 256, st.win_slot_bytes, dtype=np.uint8))
     saved = runner.save_slot(2)
-    assert sum(a.nbytes for a in saved) == runner.slot_nbytes
+    assert saved.nbytes == sum(a.nbytes for a in saved.wait()) == runner.slot_nbytes
     runner.load_slot(3, saved)
     for n in range(len(st.states)):
         for a, b in zip(runner.read_state(n, 3), runner.read_state(n, 2)):
@@ -152,22 +152,23 @@ def test_host_copies_of_slots_and_pages_round_trip(runner):
     pages = [5, 6, 7, 9]
     data = tuple(rng.integers(0, 256, (len(st.k_pages), len(pages), st.page_bytes), dtype=np.uint8)
                  for _ in range(2))
-    runner.write_pages(pages, data)
+    runner.write_pages(pages, HostReady(data))
     back = runner.read_pages(pages)
-    assert sum(a.nbytes for a in back) == len(pages) * runner.page_nbytes
-    for a, b in zip(back, data):
+    assert back.nbytes == sum(a.nbytes for a in back.wait()) == len(pages) * runner.page_nbytes
+    for a, b in zip(back.wait(), data):
         np.testing.assert_array_equal(a, b)
     # Moved to other pages in another order, the rows follow their pages.
     runner.write_pages([12, 11, 10, 13], back)
     again = runner.read_pages([10, 11, 12, 13])
-    for a, b in zip(again, data):
+    for a, b in zip(again.wait(), data):
         np.testing.assert_array_equal(a, b[:, [2, 1, 0, 3]])
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda r: r.read_pages([0, 16]), "page ids must be in"),
     (lambda r: r.write_pages([1], r.read_pages([1, 2])), "does not fit 1 pages"),
-    (lambda r: r.load_slot(0, (np.zeros((1, 3), np.uint8), np.zeros((1, 3), np.uint8))), "does not match"),
+    (lambda r: r.load_slot(0, HostReady((np.zeros((1, 3), np.uint8), np.zeros((1, 3), np.uint8)))),
+     "does not match"),
     (lambda r: r.save_slot(4), "out of range"),
 ])
 def test_bad_host_copies_are_refused(runner, call, message):

@@ -194,9 +194,9 @@ def spill_record(seed: int, position: int) -> SpillSnapshot:
     fill = np.full(SLOT // 4, seed, np.float32)
     return SpillSnapshot(
         name=snapshot_key(chain, tail), position=position, chain=chain, tail=tail, hits=0,
-        slot=None, state=HostCopy(SLOT, (fill,)),
-        tail_copy=HostCopy(PAGE, (np.zeros(PAGE // 4, np.float32),)) if tail else None,
-        blocks=tuple(HostCopy(PAGE, (np.full(PAGE // 4, i, np.float32),))
+        slot=None, state=HostCopy.of((fill,)),
+        tail_copy=HostCopy.of((np.zeros(PAGE // 4, np.float32),)) if tail else None,
+        blocks=tuple(HostCopy.of((np.full(PAGE // 4, i, np.float32),))
                      for i in range(len(chain))))
 
 

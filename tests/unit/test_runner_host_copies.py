@@ -9,7 +9,7 @@ import pytest
 from runtime.model.config import ModelConfig
 from runtime.model.numpy_runner import NumpyRunner
 from runtime.model.random_weights import random_weights, tiny_config_dict
-from runtime.model.runner import DecodeItem, PrefillChunk
+from runtime.model.runner import DecodeItem, HostReady, PrefillChunk
 
 PROMPT = np.random.default_rng(3).integers(0, 512, 100).tolist()
 
@@ -28,8 +28,9 @@ def test_a_state_and_pages_moved_through_the_host_continue_exactly(runner):
     runner.reset_slot(0)
     runner.prefill(PrefillChunk(0, PROMPT, 0, [0, 1]))
     state, pages = runner.save_slot(0), runner.read_pages([0, 1])
-    assert sum(a.nbytes for a in state) == runner.slot_nbytes
-    assert sum(a.nbytes for a in pages) == 2 * runner.page_nbytes
+    assert state.ready() and pages.ready()                     # host copies, complete at once
+    assert state.nbytes == sum(a.nbytes for a in state.wait()) == runner.slot_nbytes
+    assert pages.nbytes == sum(a.nbytes for a in pages.wait()) == 2 * runner.page_nbytes
     runner.reset_slot(0)                                       # the originals are gone
     runner.key_pages[:, [0, 1]] = np.nan
     runner.load_slot(2, state)
@@ -39,9 +40,9 @@ def test_a_state_and_pages_moved_through_the_host_continue_exactly(runner):
 
 
 def test_bad_host_copies_are_refused(runner):
-    state = runner.save_slot(0)
+    state = runner.save_slot(0).wait()
     with pytest.raises(ValueError, match="state shapes"):
-        runner.load_slot(1, (state[0][:1], state[1]))
+        runner.load_slot(1, HostReady((state[0][:1], state[1])))
     with pytest.raises(ValueError, match="does not fit"):
         runner.write_pages([1, 2], runner.read_pages([0]))
     with pytest.raises(ValueError, match="page ids"):

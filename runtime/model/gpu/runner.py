@@ -25,12 +25,13 @@ import numpy as np
 
 from runtime.model.config import ModelConfig
 from runtime.model.gpu.kernels import KernelChoice
+from runtime.model.gpu.host_copies import HostCopies
 from runtime.model.gpu.layers import Forward
 from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostArrays, PrefillChunk, StepRow,
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
                                   speculative_round_cost)
 
@@ -48,6 +49,7 @@ class CudaRunner:
 
     Besides the protocol, tests and benchmarks read the parts: `config`, `device`, `stream`,
     `library`, `kernels` (`KernelChoice`), `layout` (`WeightLayout`), `storage`, `slots`, `steps`,
+    `copies` (`HostCopies`: the host copies' stream, pinned pool and staging slot),
     and `read_state` (a GDN layer's state of a slot, in `NumpyRunner`'s layout).
     """
 
@@ -112,6 +114,7 @@ class CudaRunner:
         self.lookahead_steps = {True: 0, False: 0}  # steps computed ahead: used, dropped
         self.samples_on_device = bool(self.kernels.sample_candidates)
         self.mtp_layers = 0  # the MTP head does not run on the GPU yet (`mtp_draft` is never called)
+        self.copies = HostCopies(device, self.stream, st)
 
     @classmethod
     def from_artifact(cls, path_or_artifact: Any, **kwargs: Any) -> "CudaRunner":
@@ -165,56 +168,30 @@ class CudaRunner:
     def page_nbytes(self) -> int:
         return 2 * len(self.storage.k_pages) * self.storage.page_bytes
 
-    def save_slot(self, slot: int) -> HostArrays:
-        """The slot's GDN states and conv windows as raw bytes, one row per GDN layer."""
-        self.slots.check(slot)
-        st, phys = self.storage, self.slots.phys[slot]
-        states = np.empty((len(st.states), st.state_slot_bytes), np.uint8)
-        windows = np.empty((len(st.windows), st.win_slot_bytes), np.uint8)
-        for n, (state, window) in enumerate(zip(st.states, st.windows)):
-            self.device.memcpy_dtoh(states[n], state + phys * st.state_slot_bytes, self.stream)
-            self.device.memcpy_dtoh(windows[n], window + phys * st.win_slot_bytes, self.stream)
-        self.stream.synchronize()
-        return states, windows
+    def reserve_host_copies(self, nbytes: int) -> int:
+        return self.copies.reserve(nbytes)
 
-    def load_slot(self, slot: int, state: HostArrays) -> None:
+    def save_slot(self, slot: int) -> HostTransfer:
+        """The slot's GDN states and conv windows as raw bytes, one row per GDN layer, copied on
+        the copy stream (`host_copies`)."""
         self.slots.check(slot)
-        st = self.storage
-        states, windows = state
-        if states.shape != (len(st.states), st.state_slot_bytes) \
-                or windows.shape != (len(st.windows), st.win_slot_bytes):
-            raise ValueError("slot state does not match this runner's state shapes")
+        return self.copies.save_slot(self.slots.phys[slot])
+
+    def load_slot(self, slot: int, state: HostTransfer) -> None:
+        self.slots.check(slot)
+        self.copies.load_slot(self.slots.phys[slot], state)
         self._ahead = None
-        phys = self.slots.phys[slot]
-        for n, (dev_state, dev_window) in enumerate(zip(st.states, st.windows)):
-            self.device.memcpy_htod(dev_state + phys * st.state_slot_bytes, states[n], self.stream)
-            self.device.memcpy_htod(dev_window + phys * st.win_slot_bytes, windows[n], self.stream)
 
-    def read_pages(self, pages: Sequence[int]) -> HostArrays:
+    def read_pages(self, pages: Sequence[int]) -> HostTransfer:
         """K and V rows of `pages` as raw bytes [attention layers, pages, page bytes]; runs of
         consecutive page ids go in one copy per layer."""
         ids = checked_pages(pages, self.num_pages)
-        st = self.storage
-        keys = np.empty((len(st.k_pages), len(ids), st.page_bytes), np.uint8)
-        values = np.empty_like(keys)
-        for rows, offset in self._page_runs(ids):
-            for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
-                self.device.memcpy_dtoh(keys[n, rows], k + offset, self.stream)
-                self.device.memcpy_dtoh(values[n, rows], v + offset, self.stream)
-        self.stream.synchronize()
-        return keys, values
+        return self.copies.read_pages(self._page_runs(ids), len(ids))
 
-    def write_pages(self, pages: Sequence[int], data: HostArrays) -> None:
+    def write_pages(self, pages: Sequence[int], data: HostTransfer) -> None:
         ids = checked_pages(pages, self.num_pages)
-        st = self.storage
-        keys, values = data
-        if keys.shape != (len(st.k_pages), len(ids), st.page_bytes) or values.shape != keys.shape:
-            raise ValueError(f"page data of shape {keys.shape} does not fit {len(ids)} pages")
+        self.copies.write_pages(self._page_runs(ids), len(ids), data)
         self._ahead = None
-        for rows, offset in self._page_runs(ids):
-            for n, (k, v) in enumerate(zip(st.k_pages, st.v_pages)):
-                self.device.memcpy_htod(k + offset, keys[n, rows], self.stream)
-                self.device.memcpy_htod(v + offset, values[n, rows], self.stream)
 
     def _page_runs(self, ids: np.ndarray) -> list[tuple[slice, int]]:
         """(rows of the host copy, byte offset in each layer's K or V pool) of every run of
@@ -435,5 +412,6 @@ class CudaRunner:
 
     def close(self) -> None:
         self.stream.synchronize()
+        self.copies.close()
         self.steps.destroy_graphs()
         self.storage.release()
