@@ -49,6 +49,7 @@ SHAPES = [
     ("gate_up", 34816, 5120),
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
+    ("mtp_fc", 5120, 10240),  # the MTP head's fc over [embedding | hidden] (2H -> H)
 ]
 
 
