@@ -317,8 +317,9 @@ class CudaRunner:
             b = len(items)
             for logical, spare in zip(ahead.slots, ahead.spares):
                 self.slots.adopt_spare(logical, spare)
-            for i, (logical, pos) in enumerate(zip(ahead.slots, ahead.positions)):
-                self._keep(logical, pos, self.storage.buf["mtp_ahead"] + i * self._row_bytes, 1)
+            if self._mtp is not None:  # the hidden rows the step ahead left in `mtp_ahead`
+                for i, (logical, pos) in enumerate(zip(ahead.slots, ahead.positions)):
+                    self._keep(logical, pos, self.storage.buf["mtp_ahead"] + i * self._row_bytes, 1)
         else:
             b = self._queue_decode(items)
         rows = list(sampling())
