@@ -9,7 +9,7 @@ at the same position measure in the same run. So the head's logits must agree to
 `REL_TOL` = 4 % of their largest magnitude (about 20 worst-case roundings), and never worse than
 3x the main model's own relative error there. Greedy ids are compared only where the reference's
 top-2 margin exceeds twice that bound (closer ones may flip under BF16 rounding); at least one
-such draft must be checked per prompt set so the comparison is not vacuous.
+such draft must be checked over the prompts so the comparison is not vacuous.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def test_catch_up_logits_and_chained_drafts_match_the_reference(runners):
     cuda, ref = runners
     rng = np.random.default_rng(21)
     checked, report = 0, []
-    for n, slot in enumerate(range(4)):
+    for n, slot in enumerate(range(8)):  # 8 prompts: a random head's top-2 gap is clear about half the time
         pages = [slot * 4, slot * 4 + 1]
-        prompt = rng.integers(0, cuda.vocab_size, 40 + 17 * n).tolist()
+        prompt = rng.integers(0, cuda.vocab_size, 40 + 9 * n).tolist()  # one prefill piece (kept rows <= 128)
         gpu_main = cuda.prefill(PrefillChunk(slot, prompt, 0, pages))[0]
         ref_out = ref.prefill_with_hidden(PrefillChunk(slot, prompt, 0, pages))
         ref_main = ref_out.logits[-1]
