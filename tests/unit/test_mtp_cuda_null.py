@@ -222,3 +222,29 @@ def test_bad_rows_are_refused_before_anything_runs(runner, row, message):
     with pytest.raises(ValueError, match=message):
         r.mtp_draft([MtpRow(0, [2], 0, [0], 1), row])
     assert len(r.device.launches) == n
+
+
+def test_catch_up_rows_pair_each_position_with_the_token_after_it(runner):
+    r = runner
+    st = r.storage
+    r.prefill(PrefillChunk(slot=0, token_ids=[1, 2, 3, 4, 5, 6], start_pos=0, page_table=[0]))
+    r.prefill(PrefillChunk(slot=1, token_ids=[7, 8, 9], start_pos=0, page_table=[1]))
+    # Token i of a row is x_{start + i + 1}, read at position start + i (`MtpRow`); one draft
+    # each, so no chained step follows and the metadata is the catch-up step's.
+    drafts = r.mtp_draft([MtpRow(1, [8, 9], 0, [1], 1), MtpRow(0, [2, 3, 4, 5], 0, [0], 1)])
+    assert [len(d) for d in drafts] == [1, 1]
+    meta = np.empty(st.meta_count, np.int32)
+    r.device.memcpy_dtoh(meta, st.buf["meta"])
+
+    def field(name: str) -> list[int]:
+        return meta[st.meta_off[name]:st.meta_off[name] + 6].tolist()
+
+    # Rows: each row's last position first (slot 1, then slot 0), then slot 1's, then slot 0's others.
+    assert field("ids") == [9, 5, 8, 2, 3, 4]
+    assert field("pos") == [1, 3, 0, 0, 1, 2]
+    assert field("qseq") == [0, 1, 0, 1, 1, 1]
+    assert field("wrow") == [64 + 1, 3, 64, 0, 1, 2]  # page 1 for slot 1, page 0 for slot 0
+    table = meta[st.meta_off["table"]:].reshape(-1)[:2 * st.maxp].reshape(2, st.maxp)
+    assert table[:, 0].tolist() == [1, 0]
+    # Catch-up only (no drafts): the rows are written, nothing is drafted.
+    assert r.mtp_draft([MtpRow(0, [2, 3], 0, [0], 0)]) == [[]]
