@@ -248,3 +248,14 @@ def test_catch_up_rows_pair_each_position_with_the_token_after_it(runner):
     assert table[:, 0].tolist() == [1, 0]
     # Catch-up only (no drafts): the rows are written, nothing is drafted.
     assert r.mtp_draft([MtpRow(0, [2, 3], 0, [0], 0)]) == [[]]
+
+
+def test_a_long_catch_up_runs_each_projection_once_over_all_rows(runner):
+    r = runner
+    r.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 41)), start_pos=0, page_table=[0]))
+    n = len(r.device.launches)
+    r.mtp_draft([MtpRow(0, list(range(2, 42)), 0, [0], 0)])
+    # The tiny model's fc (256 x 512) and MLP down projection share a shape: one launch each over
+    # the 40 rows (a GEMM), not five decode blocks of 8 rows each.
+    launches = [launch.function for launch in r.device.launches[n:]]
+    assert sum("n256_k512" in name for name in launches) == 2, launches

@@ -34,7 +34,11 @@ class StepShape:
     position at a time, reading the states at `slots_in[p * slot_stride + b]` and writing them
     at `slots[p * slot_stride + b]` (the chain of snapshot slots), while every other launch takes all m
     rows; projections and the head run the decode GEMV in blocks of `GEMV_ROWS` rows, so each
-    position's numbers are those of a decode step, and each weight is read once per block."""
+    position's numbers are those of a decode step, and each weight is read once per block.
+
+    exact: False lets the projections of a decode-kernel step pick the kernel by row count (the
+    GEMM for many rows) instead of decode GEMV blocks: the MTP head's catch-up over a prompt chunk,
+    whose drafts need no bit-exactness (`gpu.mtp`)."""
 
     m: int
     nseq: int
@@ -42,6 +46,7 @@ class StepShape:
     splits: int
     split: int
     prefill: bool
+    exact: bool = True
 
     @property
     def slot_stride(self) -> int:
@@ -52,7 +57,7 @@ class StepShape:
     @property
     def exact_rows(self) -> bool:
         """Decode and verification: the decode GEMV in blocks of `GEMV_ROWS` rows."""
-        return not self.prefill
+        return not self.prefill and self.exact
 
 
 class Forward:

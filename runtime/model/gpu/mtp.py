@@ -197,7 +197,10 @@ class MtpHead:
         self.steps.upload_rows(np.array(tokens, np.int64), positions, seqs, [checked[i][2] for i in group], at)
         end = max(positions) + 1
         split = cdiv(cdiv(end, PREFILL_SPLITS), PAGE_SIZE) * PAGE_SIZE
-        shape = StepShape(m=at, nseq=len(group), t=1, splits=cdiv(end, split), split=split, prefill=False)
+        # The projections by row count (a GEMM over a prompt chunk's rows, where GEMV blocks would
+        # read every weight once per 8 rows); the lm_head rows, at most `max_batch`, as decode's.
+        shape = StepShape(m=at, nseq=len(group), t=1, splits=cdiv(end, split), split=split, prefill=False,
+                          exact=False)
         heads = len(drafting)
         key = ("mtp", at, len(group), heads, shape.splits, split)
         for launch in self.steps.plans.get(key, lambda: self.bind(shape, st.buf["mtp_in"]) + (
