@@ -40,9 +40,10 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 
 
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
-                decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0) -> Any:
+                decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0,
+                mtp: bool = False) -> Any:
     """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`);
-    spare_slots: state slots past the lanes (verification snapshots)."""
+    spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format
@@ -51,7 +52,7 @@ def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
-                                weight_formats=fp8_recipe_format if weight_format == "fp8" else None,
+                                weight_formats=fp8_recipe_format if weight_format == "fp8" else None, mtp=mtp,
                                 **({"decode_split": decode_split} if decode_split else {}))
 
 
@@ -101,13 +102,14 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 
 
 def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
-        weight_format: str = "bf16", drafts: tuple[int, ...] = ()) -> dict[str, Any]:
-    from bench import verify_step
+        weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = ()) -> dict[str, Any]:
+    from bench import mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
-    spare = max(batches) * (max(drafts) + 1) if drafts else 0
+    most = max((*drafts, *mtp_drafts), default=-1)
+    spare = max(batches) * (most + 1) if most >= 0 else 0
     runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format,
-                         spare_slots=spare)
+                         spare_slots=spare, mtp=bool(mtp_drafts))
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -145,8 +147,12 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
                 breakdown[str(context)] = kernel_breakdown(runner, 1)
     verification = verify_step.run(runner, batches, list(drafts), min(contexts),
                                    -(-(max(contexts) + steps + 2) // 64), steps) if drafts else []
+    # Chained drafts write up to 2k - 1 positions past the context: the pages cover steps + 2 + 2k.
+    rounds = mtp_round.run(runner, batches, list(mtp_drafts), min(contexts),
+                           -(-(max(contexts) + steps + 2 + 2 * max(mtp_drafts, default=0)) // 64), steps) \
+        if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(),
-            "verification": verification,
+            "verification": verification, "mtp_rounds": rounds,
             "decode_split": runner.storage.decode_split,
             "results": results,
             "breakdown_us": breakdown}
@@ -173,6 +179,11 @@ def render(data: dict[str, Any]) -> str:
 
         lines += ["", "Verification rows against a decode step (`runner.step`, logits on the host):", "",
                   verify_step.render(data["verification"])]
+    if data.get("mtp_rounds"):
+        from bench import mtp_round
+
+        lines += ["", "Speculative rounds of k MTP drafts + verification + commit against a decode step:", "",
+                  mtp_round.render(data["mtp_rounds"])]
     return "\n".join(lines)
 
 
@@ -187,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
+    ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
+                    "MTP drafts + verification + commit against a decode step (bench/mtp_round.py)")
     ap.add_argument("--spec", choices=("mtp", "ngram"), help="measure speculative decoding instead: "
-                    "acceptance on the CPU tiny model (bench/speculative.py); the GPU cost of a round "
-                    "needs the CUDA runner's verification rows and MTP head")
+                    "acceptance on the CPU tiny model (bench/speculative.py); --mtp-rounds times a round on "
+                    "the GPU")
     ap.add_argument("--draft-tokens", type=int, default=3, help="drafts per round with --spec")
     ap.add_argument("--model", type=Path, help="with --spec: a .infernix model (default: a tiny one)")
     ap.add_argument("--requests", type=int, default=4, help="with --spec: requests to run")
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative.render(data))
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-               args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k))
+               args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k),
+               tuple(int(k) for k in args.mtp_rounds.split(",") if k))
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

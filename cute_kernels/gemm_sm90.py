@@ -49,6 +49,7 @@ SHAPES = [
     ("gate_up", 34816, 5120),
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
+    ("mtp_fc", 5120, 10240),  # the MTP head's fc (2H -> H) over a prompt chunk's catch-up rows
     ("test", 328, 192),  # small and ragged (N not a multiple of the tile) for tests
     # The tiny dense test model (tools/make_tiny.py: hidden 256, GDN 2/4 heads of 32, attention
     # 4/2 heads of 64, MLP 512, vocabulary 512), prefill and decode alike.
@@ -57,7 +58,7 @@ SHAPES = [
     ("tiny_attn_qkv", 768, 256),
     ("tiny_o_proj", 256, 256),
     ("tiny_gate_up", 1024, 256),
-    ("tiny_down", 256, 512),
+    ("tiny_down", 256, 512),  # also the MTP head's fc (2H -> H)
     ("tiny_lm_head", 512, 256),
 ]
 

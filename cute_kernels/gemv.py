@@ -41,7 +41,7 @@ SPREAD = {("o_proj", 8): 6}
 UNROLL = {("o_proj", 8): 12}
 CHUNK = 64  # K columns per warp step: 4 lanes x 32 bytes = one 128-byte line per row
 
-# (name, N, K): every linear layer of the 27B at decode (BF16 weights).
+# (name, N, K): every linear layer of the 27B (and of its MTP head) at decode (BF16 weights).
 SHAPES = [
     ("gdn_in", 16480, 5120),  # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a
     ("o_proj", 5120, 6144),  # GDN out_proj and attention o_proj
@@ -49,6 +49,7 @@ SHAPES = [
     ("gate_up", 34816, 5120),
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
+    ("mtp_fc", 5120, 10240),  # the MTP head's fc over [embedding | hidden] (2H -> H)
 ]
 
 

@@ -248,6 +248,18 @@ class CudaDevice:
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle)
 
+    def memcpy2d_dtod(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                      stream: Stream) -> None:
+        """`height` rows of `width` bytes from src to dst, rows `src_pitch` / `dst_pitch` bytes
+        apart (strided rows in one copy, graph-capturable)."""
+        drv = self._drv
+        copy = drv.CUDA_MEMCPY2D()
+        copy.srcMemoryType = copy.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice, copy.srcPitch = src, src_pitch
+        copy.dstDevice, copy.dstPitch = dst, dst_pitch
+        copy.WidthInBytes, copy.Height = width, height
+        call("cuMemcpy2DAsync", copy, stream.handle)
+
     def memset_d8(self, ptr: int, value: int, nbytes: int, stream: Stream) -> None:
         # Always the async form on our stream: the sync form runs on the legacy stream, which
         # does not order with non-blocking streams.

@@ -121,6 +121,12 @@ class NullDevice:
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         self._view(dst, nbytes)[:] = self._view(src, nbytes).copy()
 
+    def memcpy2d_dtod(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                      stream: Stream) -> None:
+        rows = [self._view(src + r * src_pitch, width).copy() for r in range(height)]
+        for r, row in enumerate(rows):
+            self._view(dst + r * dst_pitch, width)[:] = row
+
     def memset_d8(self, ptr: int, value: int, nbytes: int, stream: Stream) -> None:
         self._view(ptr, nbytes)[:] = value & 0xFF
 

@@ -92,7 +92,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
 
     num_lanes: sequences decoded together (the CUDA runner's batch bucket). num_slots: the lanes
     and their verification snapshots, then the prefix cache's snapshot slots. mtp: load the MTP
-    head (CPU backend; `speculative_settings` refuses speculative decoding on cuda). vision:
+    head (with --synthetic-weights a random one of the config's shape). vision:
     load the vision tower (CPU backend; `vision_settings` refuses it elsewhere). shape_config:
     `--synthetic-shape` as `synthetic_shape` read it."""
     synthetic, shape_name = settings.synthetic_weights, settings.synthetic_shape
@@ -117,12 +117,12 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
                                synthetic)
                 text = artifact.component("text")
                 if shape_config is not None:
-                    return module.CudaRunner.synthetic(shape_config, synthetic, **shape)
+                    return module.CudaRunner.synthetic(shape_config, synthetic, mtp=mtp, **shape)
                 config = ModelConfig.from_dict(text.config)
                 # The artifact's projection formats (an FP8 model gets random FP8 weights).
-                return module.CudaRunner.synthetic(config, synthetic, **shape,
+                return module.CudaRunner.synthetic(config, synthetic, mtp=mtp, **shape,
                                                    weight_formats=lambda name: text.entry(name).format)
-            return module.CudaRunner.from_artifact(artifact, progress=progress, **shape)
+            return module.CudaRunner.from_artifact(artifact, progress=progress, mtp=mtp, **shape)
         except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
             raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "
                               "reference") from None

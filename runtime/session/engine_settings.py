@@ -137,11 +137,8 @@ def speculative_settings(settings: Any, device: str, artifact: Any) -> Speculati
                                ngram_min_match=settings.ngram_min_match, adaptive=adaptive)
     if not config.enabled:
         return config
-    if device == "cuda" and config.mtp:
-        raise ConfigError("--spec mtp: the CUDA runner has no MTP head yet; on --device cuda "
-                          "--ngram-draft-tokens N drafts by n-gram copy, and --device cpu runs "
-                          "the MTP head")
-    if config.mtp and "mtp" not in artifact.all_component_names:
+    # Synthetic weights fill a random MTP head of the config's shape (CudaRunner), file or not.
+    if config.mtp and "mtp" not in artifact.all_component_names and settings.synthetic_weights is None:
         raise ConfigError("--spec mtp: this artifact has no MTP component (convert the "
                           "checkpoint with its mtp.* weights, or use --spec off)")
     return config

@@ -81,12 +81,15 @@ def test_draft_tokens_without_mtp_exits_2(model):
 
 def test_impossible_combinations_are_config_errors():
     settings = SimpleNamespace(spec="mtp", draft_tokens=None, ngram_draft_tokens=0,
-                               ngram_min_match=12)
+                               ngram_min_match=12, synthetic_weights=None)
     without_mtp = SimpleNamespace(all_component_names=("text",))
-    with pytest.raises(ConfigError, match="no MTP component"):
-        speculative_settings(settings, "cpu", without_mtp)
-    with pytest.raises(ConfigError, match="no MTP head yet.*--ngram-draft-tokens N.*--device cpu"):
-        speculative_settings(settings, "cuda", SimpleNamespace(all_component_names=("text", "mtp")))
+    for device in ("cpu", "cuda"):      # both runners have the MTP head; it must be in the file
+        with pytest.raises(ConfigError, match="no MTP component"):
+            speculative_settings(settings, device, without_mtp)
+        assert speculative_settings(settings, device, SimpleNamespace(all_component_names=("text", "mtp"))).mtp
+    # Synthetic weights fill a random head of the config's shape, whatever the file holds.
+    synthetic = SimpleNamespace(**{**vars(settings), "synthetic_weights": 3})
+    assert speculative_settings(synthetic, "cuda", without_mtp).draft_tokens == 3
     off = SimpleNamespace(spec="off", draft_tokens=None, ngram_draft_tokens=0, ngram_min_match=12)
     config = speculative_settings(off, "cuda", without_mtp)
     assert not config.enabled and config.max_drafts == 0

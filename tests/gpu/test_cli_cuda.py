@@ -8,9 +8,12 @@
   ids, another seed other ids.
 - `--synthetic-weights SEED` runs the artifact's shape with seeded random weights: the same seed
   gives the same ids, and they differ from the real weights' ids.
+- `--spec mtp` (the MTP head on the GPU) gives plain decoding's greedy ids.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -47,3 +50,15 @@ def test_synthetic_weights(tiny_dense_path):
     synthetic = _ids(tiny_dense_path, "--device", "cuda", "--greedy", "--synthetic-weights", "3")
     again = _ids(tiny_dense_path, "--device", "cuda", "--greedy", "--synthetic-weights", "3")
     assert synthetic == again and synthetic != real
+
+
+def test_spec_mtp_greedy_equals_plain_and_reports_rounds(tiny_dense_path):
+    """`--spec mtp` on cuda (the MTP head on the GPU) gives plain decoding's ids, with the real
+    weights and with a synthetic model (random head); the report counts its rounds."""
+    for extra in ((), ("--synthetic-weights", "3")):
+        plain = _ids(tiny_dense_path, "--device", "cuda", "--greedy", *extra)
+        code, _, err = run_cli(tiny_dense_path, "--prompt", "Say something.", "--no-thinking", "--max-new", "24",
+                               "--print-token-ids", "--device", "cuda", "--greedy", "--spec", "mtp",
+                               "--draft-tokens", "3", *extra)
+        assert code == 0, err
+        assert token_ids(err) == plain and re.search(r"^speculative [1-9]\d* rounds", err, re.M), err

@@ -36,7 +36,11 @@ class StepShape:
     `verify` kernels, one launch each over all rows, with the decode kernels' arithmetic per
     token; every other launch takes all m rows too, and projections and the head run the decode
     GEMV in blocks of `GEMV_ROWS` rows. So each position's numbers are those of a decode step
-    (reading the snapshot the position before wrote), and each weight is read once per block."""
+    (reading the snapshot the position before wrote), and each weight is read once per block.
+
+    exact: False lets the projections of a decode-kernel step pick the kernel by row count (the
+    GEMM for many rows) instead of decode GEMV blocks: the MTP head's catch-up over a prompt chunk,
+    whose drafts need no bit-exactness (`gpu.mtp`)."""
 
     m: int
     nseq: int
@@ -44,11 +48,12 @@ class StepShape:
     splits: int
     split: int
     prefill: bool
+    exact: bool = True
 
     @property
     def exact_rows(self) -> bool:
         """Decode and verification: the decode GEMV in blocks of `GEMV_ROWS` rows."""
-        return not self.prefill
+        return not self.prefill and self.exact
 
 
 class Forward:

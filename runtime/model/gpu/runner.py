@@ -15,6 +15,11 @@ position 0 reading the row's own slot and every position writing its state to it
 Decode kernels are batch-invariant, so every row equals the separate calls it stands for bit
 for bit. `commit(slot, snapshot)` swaps the two slots' physical storage (no copy), so
 the snapshot slot then holds the slot's old state.
+
+With an MTP head (`mtp=True`, `gpu.mtp`): after every prefill piece, decode row (a step computed
+ahead included, once used) and verification row, the final-normed hidden rows are copied from the
+workspace to the slot's kept rows (`_keep`), keyed by the engine slot (so `commit`'s swap of
+physical slots does not move them); `mtp_draft` runs the head from them.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from runtime.model.config import ModelConfig
 from runtime.model.gpu.kernels import KernelChoice
 from runtime.model.gpu.host_copies import HostCopies
 from runtime.model.gpu.layers import Forward
+from runtime.model.gpu.mtp import MtpHead
 from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
 from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, PrefillChunk, StepRow,
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
                                   speculative_round_cost)
 
@@ -47,6 +53,9 @@ from runtime.model.sampling import RowSampling
 class CudaRunner:
     """See the module docstring. Build with `from_artifact` or `synthetic`.
 
+    mtp: load the MTP head (its weights from `mtp_component`, the artifact's `mtp` component, or
+    random with the synthetic seed); without it `mtp_layers` is 0 and no hidden rows are kept.
+
     Besides the protocol, tests and benchmarks read the parts: `config`, `device`, `stream`,
     `library`, `kernels` (`KernelChoice`), `layout` (`WeightLayout`), `storage`, `slots`, `steps`,
     `copies` (`HostCopies`: the host copies' stream, pinned pool and staging slot),
@@ -58,11 +67,15 @@ class CudaRunner:
                  max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
                  cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
-                 weight_formats: Callable[[str], str] | None = None):
+                 weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
+                 mtp_component: Any = None):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
             raise ValueError("give exactly one of an artifact component or a synthetic seed")
+        if component is not None and mtp != (mtp_component is not None):
+            raise ValueError("an artifact runner loads the MTP head from the artifact's mtp component: give "
+                             "mtp_component exactly when mtp is True")
         if max_batch not in BUCKETS:
             raise ValueError(f"max_batch must be one of {BUCKETS}, got {max_batch}")
         c = self.config = config
@@ -86,17 +99,18 @@ class CudaRunner:
         # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
         # `weights.fp8_recipe_format` for an FP8 model).
         self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
-                                        else weight_formats)
+                                        else weight_formats, mtp=mtp)
         for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
             self.kernels.linear_fp8(n, nt, k)
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               max_context=self.max_context, decode_split=decode_split)
+                               max_context=self.max_context, decode_split=decode_split,
+                               mtp_layers=len(self.layout.mtp_layers))
         st = self.storage
         if component is not None:
-            upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress)
+            upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress, mtp_component)
         else:
             fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream)
         cos, sin = rope_tables(c, st.rope_positions)
@@ -113,17 +127,20 @@ class CudaRunner:
         self._ahead = None  # the decode step queued ahead (`step.Ahead`), if any
         self.lookahead_steps = {True: 0, False: 0}  # steps computed ahead: used, dropped
         self.samples_on_device = bool(self.kernels.sample_candidates)
-        self.mtp_layers = 0  # the MTP head does not run on the GPU yet (`mtp_draft` is never called)
         self.copies = HostCopies(device, self.stream, st)
+        self.mtp_layers = len(self.layout.mtp_layers)
+        self._mtp = MtpHead(self) if mtp else None
 
     @classmethod
-    def from_artifact(cls, path_or_artifact: Any, **kwargs: Any) -> "CudaRunner":
+    def from_artifact(cls, path_or_artifact: Any, mtp: bool = False, **kwargs: Any) -> "CudaRunner":
+        """mtp: load the artifact's `mtp` component as the MTP head."""
         from runtime.artifact import open_artifact
 
         artifact = open_artifact(path_or_artifact) if not hasattr(path_or_artifact, "component") \
             else path_or_artifact
         text = artifact.component("text")
-        runner = cls(ModelConfig.from_dict(text.config), component=text, **kwargs)
+        runner = cls(ModelConfig.from_dict(text.config), component=text, mtp=mtp,
+                     mtp_component=artifact.component("mtp") if mtp else None, **kwargs)
         runner._artifact = artifact  # keeps the mapped file open for the host embedding rows
         return runner
 
@@ -280,6 +297,9 @@ class CudaRunner:
             b = len(items)
             for logical, spare in zip(ahead.slots, ahead.spares):
                 self.slots.adopt_spare(logical, spare)
+            if self._mtp is not None:  # the hidden rows the step ahead left in `mtp_ahead`
+                for i, (logical, pos) in enumerate(zip(ahead.slots, ahead.positions)):
+                    self._keep(logical, pos, self.storage.buf["mtp_ahead"] + i * self._row_bytes, 1)
         else:
             b = self._queue_decode(items)
         rows = list(sampling())
@@ -287,6 +307,9 @@ class CudaRunner:
             raise ValueError(f"sampling gave {len(rows)} rows for {b} decode items")
         done = self.sampler.queue(rows)
         ahead = self.steps.launch_ahead(items) if lookahead else None
+        if ahead is not None and self._mtp is not None:  # its hidden rows, kept if the step is used
+            self.device.memcpy_dtod(self.storage.buf["mtp_ahead"], self.storage.buf["h"], b * self._row_bytes,
+                                    self.stream)
         done.synchronize()
         ids = self.sampler.ids(b)
         if ahead is not None:
@@ -307,6 +330,7 @@ class CudaRunner:
             rows = [o - lo for o in wanted if lo <= o < lo + len(piece)]
             outputs += self.steps.prefill_piece(self.slots.phys[slot], piece, start + lo, pages, rows,
                                                 sample=sample and last)
+            self._keep(slot, start + lo, self.storage.buf["h"], len(piece), append=lo > 0)
         return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, self.vocab_size), np.float32)
 
     def _launch_decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
@@ -332,6 +356,8 @@ class CudaRunner:
         tables = [checked_page_table(item.page_table, pos + 1, self.num_pages) for item, pos in zip(items, positions)]
         phys = [self.slots.phys[s] for s in slots]
         self.steps.decode(tokens, positions, tables, phys, phys)
+        for i, (s, pos) in enumerate(zip(slots, positions)):
+            self._keep(s, pos, self.storage.buf["h"] + i * self._row_bytes, 1)
         return b
 
     def _verify(self, rows: Sequence[StepRow], checked: Sequence[tuple]) -> list[np.ndarray]:
@@ -360,6 +386,9 @@ class CudaRunner:
                         [checked[r][1] + p0 for r in group], [checked[r][2] for r in group],
                         [phys[rows[r].slot if p0 == 0 else rows[r].snapshots[p0 - 1]] for r in group],
                         [[phys[rows[r].snapshots[p]] for p in span] for r in group])
+                    for b, r in enumerate(group):  # sequence b's rows are position-major, len(group) apart
+                        self._keep(rows[r].slot, checked[r][1] + p0, self.storage.buf["h"] + b * self._row_bytes,
+                                   len(span), src_pitch=len(group) * self._row_bytes, append=p0 > 0)
                     need = [(b, r, p) for b, r in enumerate(group) for p in span if p in wanted[r]]
                     if need:
                         block = self.steps.read_logits(len(span) * len(group))
@@ -367,6 +396,26 @@ class CudaRunner:
                             logits[r][p] = block[(p - p0) * len(group) + b]
         return [np.stack([by_pos[p] for p in sorted(by_pos)]) if by_pos else np.zeros((0, self.vocab_size), np.float32)
                 for by_pos in logits]
+
+    # ------------------------------------------------------------------ the MTP head
+
+    def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
+        """The protocol's MTP call (`gpu.mtp.MtpHead.draft`). The head's step overwrites the
+        workspace and logits, so a decode step computed ahead is dropped."""
+        if self._mtp is None:
+            raise ValueError("this runner was built without an MTP head (mtp=False)")
+        self._ahead = None
+        return self._mtp.draft(rows)
+
+    @property
+    def _row_bytes(self) -> int:
+        return self.config.hidden_size * 2
+
+    def _keep(self, slot: int, start: int, src: int, count: int, src_pitch: int = 0, append: bool = False) -> None:
+        """With an MTP head, keep `count` hidden rows at `src` as the slot's positions from `start`
+        (`gpu.mtp.KeptHidden.keep`)."""
+        if self._mtp is not None:
+            self._mtp.kept.keep(int(slot), start, src, count, src_pitch, append)
 
     # ------------------------------------------------------------------ checks and reads
 
@@ -413,5 +462,7 @@ class CudaRunner:
     def close(self) -> None:
         self.stream.synchronize()
         self.copies.close()
+        if self._mtp is not None:
+            self._mtp.close()
         self.steps.destroy_graphs()
         self.storage.release()

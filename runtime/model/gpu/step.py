@@ -161,11 +161,29 @@ class Steps:
         if self.cuda_graphs:
             graph = self.graphs.get(key)
             if graph is None:
-                graph = self.graphs[key] = self._record(self.verify_plan(shape))
+                graph = self.graphs[key] = self.record(self.verify_plan(shape))
             graph.replay(self.stream)
         else:
             for launch in self.verify_plan(shape):
                 launch(self.stream)
+
+    def upload_rows(self, tokens: np.ndarray, positions: Sequence[int], seqs: Sequence[int],
+                    tables: Sequence[np.ndarray], bucket: int) -> None:
+        """Upload the metadata of a step of attention rows without GDN state (the MTP head,
+        `gpu.mtp`): row r is token tokens[r] at positions[r] of sequence seqs[r], whose page table is
+        tables[seqs[r]]; rows len(tokens)..bucket-1 are padding (token 0 at position 0 of the pad
+        page, each its own sequence over a pad table row)."""
+        st = self.storage
+        n = len(tokens)
+        meta = self._meta_clear()
+        self._fill_tables(meta, tables)
+        meta["ids"][:n] = tokens
+        meta["pos"][:n] = positions
+        meta["wrow"][:n] = [kv_rows(tables[s], p) for s, p in zip(seqs, positions)]
+        meta["qseq"][:n] = seqs
+        meta["wrow"][n:bucket] = st.num_pages * PAGE_SIZE
+        meta["qseq"][n:bucket] = np.arange(len(tables), len(tables) + bucket - n)
+        self._upload_step(tokens, bucket)
 
     def verify_fits(self, nseq: int, t: int) -> bool:
         """Whether one verification step takes nseq sequences of t tokens (rows, logits, attention
@@ -226,11 +244,12 @@ class Steps:
                 launch(self.stream)
 
     def _capture(self, bucket: int) -> Any:
-        graph = self._record(self.decode_plan(bucket))
+        graph = self.record(self.decode_plan(bucket))
         self.graphs[bucket] = graph
         return graph
 
-    def _record(self, plan: list) -> Any:
+    def record(self, plan: list) -> Any:
+        """A CUDA graph of the launches of `plan`."""
         from runtime.cuda.device import capture_graph
 
         def record() -> None:

@@ -2,14 +2,18 @@
 
 Arenas (`runtime.cuda.memory.DeviceArenas`):
 - weights: `weights.WeightLayout.total` bytes, bf16 as stored in the artifact;
-- KV pages: per full-attention layer, K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and
-  post-RoPE (the paging contract of `runtime/model/runner.py`); page `num_pages` is a pad page
-  that padded decode rows write into;
+- KV pages: per full-attention layer, then per MTP layer (its own pool, read through the same page
+  tables), K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and post-RoPE (the paging
+  contract of `runtime/model/runner.py`); page `num_pages` is a pad page that padded decode rows
+  write into;
 - state slots: per GDN layer the fp32 recurrent state `[phys_slots, Hv, dv, dk]` (v-major) and the
   conv window `[phys_slots, Kc - 1, conv_dim]` bf16, over the physical slots of `StateSlots`;
 - workspace: activations for `rows = max(prefill_chunk, max_batch)` rows, attention split
   partials, the logits rows, RoPE tables, the device-sampling blocks and one int32 metadata
-  block (per-step values: token ids, positions, KV rows, slots, page tables).
+  block (per-step values: token ids, positions, KV rows, slots, page tables); with an MTP head its
+  rows (`mtp_x`: [embedding | hidden] rows of 2H, `mtp_in`: the hidden rows it reads, `mtp_chain`:
+  its own outputs when chaining drafts), the kept hidden rows (`mtp_kept`: `max_batch` entries of
+  `rows` rows, `gpu.mtp.KeptHidden`) and those of a decode step computed ahead (`mtp_ahead`).
 
 Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
 `logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding
@@ -75,7 +79,8 @@ class Storage:
     """
 
     def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
-                 phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int, decode_split: int):
+                 phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int, decode_split: int,
+                 mtp_layers: int = 0):
         c = self.config = config
         self.device = device
         self.num_pages = num_pages
@@ -86,7 +91,7 @@ class Storage:
         self.decode_splits = cdiv(max_context, decode_split)
         rows = self.rows = max(prefill_chunk, max_batch)
         h = c.hidden_size
-        n_gdn, n_attn = len(c.linear_layers), len(c.attention_layers)
+        n_gdn, n_kv = len(c.linear_layers), len(c.attention_layers) + mtp_layers
         self.page_bytes = PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2  # one layer's K (or V) rows
         kv_bytes = (num_pages + 1) * self.page_bytes
         self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
@@ -113,6 +118,9 @@ class Storage:
             "cos": self.rope_positions * (c.rotary_dim // 2) * 2, "sin": self.rope_positions * (c.rotary_dim // 2) * 2,
             "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
         }
+        if mtp_layers:
+            sizes.update({"mtp_x": rows * 2 * h * 2, "mtp_in": rows * h * 2, "mtp_chain": max_batch * h * 2,
+                          "mtp_kept": max_batch * rows * h * 2, "mtp_ahead": max_batch * h * 2})
         # Device sampling: each row's inputs (parameters, packed mask, penalty list) in one block
         # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
         self.mask_words = cdiv(c.vocab_size, 32)
@@ -144,13 +152,13 @@ class Storage:
         sizes["meta"] = off * 4
         workspace = sum(cdiv(v, 256) * 256 for v in sizes.values()) + 4096
         self.arenas = DeviceArenas.reserve(
-            device, weights=weight_bytes + 256, kv_pages=max(n_attn * 2 * kv_bytes, 256),
+            device, weights=weight_bytes + 256, kv_pages=max(n_kv * 2 * kv_bytes, 256),
             state_slots=max(n_gdn * (state_bytes + win_bytes), 256), workspace=workspace)
         ws = self.arenas["workspace"]
         self.buf = {name: ws.take(max(n, 16), name).ptr for name, n in sizes.items()}
         kv = self.arenas["kv_pages"]
-        self.k_pages = [kv.take(kv_bytes, f"k{i}").ptr for i in range(n_attn)]
-        self.v_pages = [kv.take(kv_bytes, f"v{i}").ptr for i in range(n_attn)]
+        self.k_pages = [kv.take(kv_bytes, f"k{i}").ptr for i in range(n_kv)]
+        self.v_pages = [kv.take(kv_bytes, f"v{i}").ptr for i in range(n_kv)]
         st = self.arenas["state_slots"]
         self.states = [st.take(state_bytes, f"state{i}").ptr for i in range(n_gdn)]
         self.windows = [st.take(win_bytes, f"window{i}").ptr for i in range(n_gdn)]

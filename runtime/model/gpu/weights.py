@@ -10,6 +10,12 @@ artifact tensor in any other format is refused by name. A fused projection whose
 format is an FP8 slot followed by a BF16 `tail` slot (Qwen's FP8 releases keep the GDN `in_proj_b`
 / `in_proj_a` in BF16 after the FP8 `in_proj_qkv` / `in_proj_z`; the FP8 GEMV reads both).
 
+With an MTP head (`plan(..., mtp=True)`, dense models) the head's tensors follow, named with the
+`mtp.` prefix of their artifact component (`mtp.fc.weight` is the component `mtp`'s `fc.weight`):
+`WeightLayout.mtp` (fc, the two pre-fc norms, the final norm) and `mtp_layers` (each a full-attention
+layer with a dense MLP, the same roles as a main attention layer). They are BF16 (the upload refuses
+another format by name).
+
 Two sources fill the same layout: an artifact component (`upload_artifact`, one host-to-device
 copy per tensor straight from the memory-mapped file) or a seed (`fill_synthetic`: random bf16
 values of the configured shapes generated once on the host in a block and tiled on the device,
@@ -24,9 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.model.config import LINEAR_ATTENTION, ModelConfig
+from runtime.model.config import DENSE_MLP, LINEAR_ATTENTION, ModelConfig
 
 FP8 = "fp8_e4m3"
+MTP_PREFIX = "mtp."  # layout names of the MTP component's tensors
 FP8_BLOCK = 128  # rows and columns per fp8 scale
 
 
@@ -73,6 +80,8 @@ class WeightLayout:
     total: int = 0
     globals: dict[str, Slot] = field(default_factory=dict)
     layers: list[dict[str, Slot]] = field(default_factory=list)
+    mtp: dict[str, Slot] = field(default_factory=dict)  # the MTP head's fc and norms (empty: no head)
+    mtp_layers: list[dict[str, Slot]] = field(default_factory=list)
     format_of: Callable[[str], str] = field(default=lambda name: "bf16", repr=False)  # see `plan`
 
     def _take(self, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...], kind: str = "linear",
@@ -86,8 +95,9 @@ class WeightLayout:
 
     def _projection(self, into: dict[str, Slot], role: str, k: int, parts: tuple[tuple[str, int], ...]) -> None:
         """into[role] = the fused projection of `parts` ([rows, k] each) in its format; a BF16 run of
-        parts after an FP8 run becomes `into[role + "_tail"]`, placed right after it."""
-        formats = [self.format_of(name) for name, _ in parts]
+        parts after an FP8 run becomes `into[role + "_tail"]`, placed right after it. The MTP head's
+        parts are BF16."""
+        formats = ["bf16" if name.startswith(MTP_PREFIX) else self.format_of(name) for name, _ in parts]
         for name, fmt in zip([name for name, _ in parts], formats):
             if fmt not in ("bf16", FP8):
                 raise NotImplementedError(f"tensor {name} is {fmt}; CudaRunner reads bf16 and {FP8} projections only")
@@ -108,9 +118,11 @@ class WeightLayout:
             into[role + "_tail"] = self._take((sum(r for _, r in tail), k), tail)
 
     @classmethod
-    def plan(cls, config: ModelConfig, format_of: Callable[[str], str] | None = None) -> "WeightLayout":
+    def plan(cls, config: ModelConfig, format_of: Callable[[str], str] | None = None, mtp: bool = False
+             ) -> "WeightLayout":
         """format_of(tensor name): the stored format of a projection weight (default all bf16); the
-        embedding and every non-projection tensor are bf16 (the upload checks)."""
+        embedding and every non-projection tensor are bf16 (the upload checks). mtp: place the MTP
+        head too (refused for a config without one, and for MoE heads until the MoE MLP exists)."""
         c = config
         if c.family != "dense":
             raise NotImplementedError(f"CudaRunner runs dense models only so far (this is {c.family!r})")
@@ -121,43 +133,61 @@ class WeightLayout:
         if not c.tie_word_embeddings:
             lay._projection(lay.globals, "lm_head", h, (("lm_head.weight", c.vocab_size),))
         for i, kind in enumerate(c.layer_types):
-            p = f"layers.{i}."
-            s: dict[str, Slot] = {
-                "input_norm": lay._take((h,), ((p + "input_layernorm.weight", 0),), "norm"),
-                "post_norm": lay._take((h,), ((p + "post_attention_layernorm.weight", 0),), "norm"),
-            }
-            if kind == LINEAR_ATTENTION:
-                q = p + "linear_attn."
-                hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
-                parts = ((q + "in_proj_qkv.weight", c.conv_dim), (q + "in_proj_z.weight", hv * dv),
-                         (q + "in_proj_b.weight", hv), (q + "in_proj_a.weight", hv))
-                lay._projection(s, "w_in", h, parts)
-                s["conv"] = lay._take((c.conv_dim, c.linear_conv_kernel_dim), ((q + "conv1d.weight", c.conv_dim),),
-                                      "vector")
-                s["a_log"] = lay._take((hv,), ((q + "A_log", 0),), "vector")
-                s["dt_bias"] = lay._take((hv,), ((q + "dt_bias", 0),), "vector")
-                s["gdn_norm"] = lay._take((dv,), ((q + "norm.weight", 0),), "plain")
-                lay._projection(s, "out_proj", hv * dv, ((q + "out_proj.weight", h),))
-            else:
-                q = p + "self_attn."
-                hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-                parts = ((q + "q_proj.weight", hq * 2 * d), (q + "k_proj.weight", hkv * d),
-                         (q + "v_proj.weight", hkv * d))
-                lay._projection(s, "w_qkv", h, parts)
-                lay._projection(s, "o_proj", hq * d, ((q + "o_proj.weight", h),))
-                s["q_norm"] = lay._take((d,), ((q + "q_norm.weight", 0),), "norm")
-                s["k_norm"] = lay._take((d,), ((q + "k_norm.weight", 0),), "norm")
-            m = p + "mlp."
-            inter = c.intermediate_size
-            assert inter is not None
-            parts = ((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter))
-            lay._projection(s, "w_gate_up", h, parts)
-            lay._projection(s, "down", inter, ((m + "down_proj.weight", h),))
-            lay.layers.append(s)
+            lay.layers.append(lay._layer(f"layers.{i}.", kind))
+        if mtp:
+            if c.mtp_num_hidden_layers < 1:
+                raise ValueError("an MTP head was asked for, but the config has mtp_num_hidden_layers = 0")
+            if c.mtp_mlp_type != DENSE_MLP:
+                raise NotImplementedError(f"CudaRunner has no MoE MLP yet, so no {c.mtp_mlp_type!r} MTP head; "
+                                          "--device cpu runs it")
+            p = MTP_PREFIX
+            lay.mtp["fc"] = lay._take((h, 2 * h), ((p + "fc.weight", h),))
+            for role in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+                lay.mtp[role] = lay._take((h,), ((f"{p}{role}.weight", 0),), "norm")
+            for j in range(c.mtp_num_hidden_layers):
+                lay.mtp_layers.append(lay._layer(f"{p}layers.{j}.", "full_attention"))
         return lay
 
+    def _layer(self, p: str, kind: str) -> dict[str, Slot]:
+        """The slots of one decoder layer named with prefix p: its norms, its mixer (GDN for
+        linear attention, else gated attention) and its dense MLP."""
+        c, h = self.config, self.config.hidden_size
+        s: dict[str, Slot] = {
+            "input_norm": self._take((h,), ((p + "input_layernorm.weight", 0),), "norm"),
+            "post_norm": self._take((h,), ((p + "post_attention_layernorm.weight", 0),), "norm"),
+        }
+        if kind == LINEAR_ATTENTION:
+            q = p + "linear_attn."
+            hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+            parts = ((q + "in_proj_qkv.weight", c.conv_dim), (q + "in_proj_z.weight", hv * dv),
+                     (q + "in_proj_b.weight", hv), (q + "in_proj_a.weight", hv))
+            self._projection(s, "w_in", h, parts)
+            s["conv"] = self._take((c.conv_dim, c.linear_conv_kernel_dim), ((q + "conv1d.weight", c.conv_dim),),
+                                   "vector")
+            s["a_log"] = self._take((hv,), ((q + "A_log", 0),), "vector")
+            s["dt_bias"] = self._take((hv,), ((q + "dt_bias", 0),), "vector")
+            s["gdn_norm"] = self._take((dv,), ((q + "norm.weight", 0),), "plain")
+            self._projection(s, "out_proj", hv * dv, ((q + "out_proj.weight", h),))
+        else:
+            q = p + "self_attn."
+            hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            parts = ((q + "q_proj.weight", hq * 2 * d), (q + "k_proj.weight", hkv * d),
+                     (q + "v_proj.weight", hkv * d))
+            self._projection(s, "w_qkv", h, parts)
+            self._projection(s, "o_proj", hq * d, ((q + "o_proj.weight", h),))
+            s["q_norm"] = self._take((d,), ((q + "q_norm.weight", 0),), "norm")
+            s["k_norm"] = self._take((d,), ((q + "k_norm.weight", 0),), "norm")
+        m = p + "mlp."
+        inter = c.intermediate_size
+        assert inter is not None
+        parts = ((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter))
+        self._projection(s, "w_gate_up", h, parts)
+        self._projection(s, "down", inter, ((m + "down_proj.weight", h),))
+        return s
+
     def all_slots(self) -> list[Slot]:
-        return list(self.globals.values()) + [s for layer in self.layers for s in layer.values()]
+        return [*self.globals.values(), *(s for layer in self.layers for s in layer.values()), *self.mtp.values(),
+                *(s for layer in self.mtp_layers for s in layer.values())]
 
     def fp8_shapes(self) -> set[tuple[int, int, int]]:
         """(N, NT, K) of every FP8 projection: its rows, its BF16 tail's rows (0 without) and K."""
@@ -171,30 +201,35 @@ class WeightLayout:
 
 
 def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int, stream: Any,
-                    progress: Callable[[int, int], None] | None = None) -> None:
-    """Copy every tensor of an artifact component to its place as stored (no repacking): bf16
-    values, or fp8 codes with their block scales after the slot's codes."""
+                    progress: Callable[[int, int], None] | None = None, mtp_component: Any = None) -> None:
+    """Copy every tensor of the artifact's text component (and of its `mtp` component for the
+    `mtp.` slots) to its place as stored (no repacking): bf16 values, or fp8 codes with their block
+    scales after the slot's codes."""
+    if layout.mtp and mtp_component is None:
+        raise ValueError("the layout has an MTP head: give the artifact's mtp component")
     slots = layout.all_slots()
     done = 0
     for slot in slots:
         offset = base + slot.offset
         scale_offset = base + slot.scale_offset
-        for name, rows in slot.parts:
-            entry = component.entry(name)
+        for layout_name, rows in slot.parts:
+            source, name = ((mtp_component, layout_name[len(MTP_PREFIX):]) if layout_name.startswith(MTP_PREFIX)
+                            else (component, layout_name))
+            entry = source.entry(name)
             if entry.format != slot.format:
-                raise NotImplementedError(f"tensor {name} is {entry.format}; CudaRunner reads {slot.format} "
-                                          "there")
+                raise NotImplementedError(f"tensor {layout_name} is {entry.format}; CudaRunner reads "
+                                          f"{slot.format} there")
             if slot.format == FP8:
                 if entry.row_groups != 1:
                     raise NotImplementedError(f"fp8 tensor {name} has {entry.row_groups} row groups; CudaRunner "
                                               "reads one scale grid per tensor")
-                scales = np.ascontiguousarray(component.raw(name, "scale"), dtype=np.float32)
+                scales = np.ascontiguousarray(source.raw(name, "scale"), dtype=np.float32)
                 if scales.shape != (-(-rows // FP8_BLOCK), slot.scale_shape[1]):
                     raise ValueError(f"tensor {name} has scales {scales.shape}, {rows} x {slot.shape[1]} needs "
                                      f"{(-(-rows // FP8_BLOCK), slot.scale_shape[1])}")
                 device.memcpy_htod(scale_offset, scales, stream)
                 scale_offset += scales.nbytes
-            raw = component.raw(name)
+            raw = source.raw(name)
             expect = int(np.prod(slot.shape[1:])) * rows if rows else int(np.prod(slot.shape))
             if raw.size != expect:
                 raise ValueError(f"tensor {name} has {raw.size} values, the {slot.shape} slot needs {expect}")

@@ -1,0 +1,169 @@
+"""The MTP head on `CudaRunner` against `NumpyRunner`'s, and `--spec mtp` on the GPU equal to plain decoding.
+
+Tolerance. The GPU runs the head in BF16 (activations rounded to 8 significant bits after every
+kernel, fp32 inside), on hidden rows that the BF16 main model produced; the reference is fp32
+throughout on the same BF16-valued weights. A BF16 rounding is a relative error of at most 2^-9;
+the head adds about a dozen of them (embedding and hidden norms, fc, norm, q/k/v, attention, o,
+norm, MLP, final norm, lm_head) on top of the hidden rows' own error, which the main model's logits
+at the same position measure in the same run. So the head's logits must agree to
+`REL_TOL` = 4 % of their largest magnitude (about 20 worst-case roundings), and never worse than
+3x the main model's own relative error there. Greedy ids are compared only where the reference's
+top-2 margin exceeds twice that bound (closer ones may flip under BF16 rounding); at least one
+such draft must be checked over the prompts so the comparison is not vacuous.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.api import EngineRequest, SamplingParams
+from runtime.engine.speculative import SpeculativeConfig
+from runtime.model.runner import DecodeItem, MtpRow, PrefillChunk
+
+from .engine_runs import run_engine
+from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 0.04
+DRAFTS = 4
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.numpy_runner import NumpyRunner
+
+    shape = dict(num_pages=48, num_slots=8)
+    cuda = CudaRunner.from_artifact(tiny_path, mtp=True, device=device, library=library, prefill_chunk=128, **shape)
+    ref = NumpyRunner.from_artifact(tiny_path, mtp=True, **shape)
+    yield cuda, ref
+    cuda.close()
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _reference_chain(ref, slot: int, hidden: np.ndarray, tokens: list[int], pages: list[int], k: int):
+    """NumPy's catch-up over every position, then k greedy drafts chained as `MtpDrafter.draft`
+    chains them; (drafts, each draft's logits row)."""
+    out = ref.mtp_prefill(hidden, tokens, 0, pages)
+    logits, h = out.logits[-1:], out.hidden[-1:]
+    position, drafts, rows = len(tokens), [], []
+    for j in range(k):
+        if j:
+            step = ref.mtp_decode([DecodeItem(slot, drafts[-1], position, pages)], h)
+            logits, h = step.logits, step.hidden
+            position += 1
+        drafts.append(int(np.argmax(logits[0])))
+        rows.append(logits[0])
+    return drafts, rows
+
+
+def _margin(row: np.ndarray) -> float:
+    top = np.sort(row)[-2:]
+    return float(top[1] - top[0])
+
+
+def test_catch_up_logits_and_chained_drafts_match_the_reference(runners):
+    cuda, ref = runners
+    rng = np.random.default_rng(21)
+    checked, report = 0, []
+    for n, slot in enumerate(range(8)):  # 8 prompts: a random head's top-2 gap is clear about half the time
+        pages = [slot * 4, slot * 4 + 1]
+        prompt = rng.integers(0, cuda.vocab_size, 40 + 9 * n).tolist()  # one prefill piece (kept rows <= 128)
+        gpu_main = cuda.prefill(PrefillChunk(slot, prompt, 0, pages))[0]
+        ref_out = ref.prefill_with_hidden(PrefillChunk(slot, prompt, 0, pages))
+        ref_main = ref_out.logits[-1]
+        nxt = int(np.argmax(ref_main))  # both heads catch up on the same tokens
+        tokens = prompt[1:] + [nxt]
+        main_err = _rel_err(gpu_main, ref_main)
+        # One draft: the logits of the last catch-up position stay in the logits buffer (the
+        # device sampler only reads them).
+        first = cuda.mtp_draft([MtpRow(slot, tokens, 0, pages, 1)])[0]
+        gpu_head = cuda.steps.read_logits(1)[0]
+        ref_drafts, ref_rows = _reference_chain(ref, slot, ref_out.hidden, tokens, pages, DRAFTS)
+        head_err = _rel_err(gpu_head, ref_rows[0])
+        report.append(f"prompt {n}: main rel err {main_err:.4f}, head rel err {head_err:.4f}")
+        assert head_err <= max(REL_TOL, 3 * main_err), "\n".join(report)
+        # The head's catch-up is rewritten, not accumulated: drafting again gives the same chain.
+        gpu_drafts = cuda.mtp_draft([MtpRow(slot, tokens, 0, pages, DRAFTS)])[0]
+        assert gpu_drafts[:1] == first
+        scale = np.abs(ref_rows[0]).max()
+        for j in range(DRAFTS):
+            if gpu_drafts[:j] != ref_drafts[:j]:
+                break  # the chains read different drafts from here on
+            if _margin(ref_rows[j]) > 2 * REL_TOL * scale:
+                assert gpu_drafts[j] == ref_drafts[j], (
+                    f"prompt {n} draft {j}: GPU {gpu_drafts} reference {ref_drafts}, margin "
+                    f"{_margin(ref_rows[j]):.4f} of scale {scale:.4f}\n" + "\n".join(report))
+                checked += 1
+    print("\n".join(report))
+    assert checked >= 1, "no draft had a clear top-2 margin: the comparison checked nothing\n" + "\n".join(report)
+
+
+def test_graphs_and_eager_launches_draft_the_same(runners):
+    cuda, _ = runners
+    slot, pages = 5, [30, 31]
+    prompt = np.random.default_rng(5).integers(0, cuda.vocab_size, 50).tolist()
+    cuda.prefill(PrefillChunk(slot, prompt, 0, pages))
+    row = MtpRow(slot, prompt[1:] + [7], 0, pages, DRAFTS)
+    graphed = cuda.mtp_draft([row])
+    graphed_logits = cuda.steps.read_logits(1)
+    cuda.steps.cuda_graphs = False
+    try:
+        eager = cuda.mtp_draft([row])
+        eager_logits = cuda.steps.read_logits(1)
+    finally:
+        cuda.steps.cuda_graphs = True
+    assert eager == graphed and np.array_equal(eager_logits, graphed_logits)
+
+
+def _requests(vocab: int) -> list[EngineRequest]:
+    rng = np.random.default_rng(6)
+    out = []
+    for i in range(4):
+        prompt = tuple(int(t) for t in rng.integers(0, vocab, 30 + 23 * i))
+        sampling = SamplingParams(greedy=True) if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9,
+                                                                               seed=40 + i)
+        out.append(EngineRequest(f"m{i}", prompt, sampling, 40))
+    return out
+
+
+SPECS = {"mtp3": SpeculativeConfig(method="mtp", draft_tokens=3),
+         "mtp-auto": SpeculativeConfig(method="mtp", draft_tokens=5, adaptive=True),
+         "mtp+ngram": SpeculativeConfig(method="mtp", draft_tokens=2, ngram_draft_tokens=5, ngram_min_match=2)}
+LANES = 4
+SLOTS = LANES * (1 + 5 + 1)
+
+
+@pytest.fixture(scope="module", params=["tiny", "27b-4-layers"])
+def spec_runner(request, tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    from runtime.model.gpu.runner import CudaRunner
+
+    shape = dict(num_pages=64, num_slots=SLOTS, max_batch=LANES, max_context=1024, prefill_chunk=128, device=device,
+                 library=library, mtp=True)
+    if request.param == "tiny":
+        r = CudaRunner.from_artifact(tiny_path, **shape)
+    else:
+        from bench.decode import QWEN36_27B
+        from runtime.model.config import ModelConfig
+
+        config = dict(QWEN36_27B, num_hidden_layers=4, layer_types=QWEN36_27B["layer_types"][:4])
+        r = CudaRunner.synthetic(ModelConfig.from_dict(config), 9, **shape)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_mtp_speculation_equals_plain_decoding(spec_runner, spec):
+    requests = _requests(spec_runner.vocab_size)
+    common = dict(num_lanes=LANES, max_context=1024, prefill_chunk=128)
+    plain, _ = run_engine(spec_runner, requests, **common)
+    speculative, counters = run_engine(spec_runner, requests, speculative=SPECS[spec], **common)
+    assert [len(t) for t in plain] == [40] * 4
+    assert speculative == plain, f"counters {counters}"
+    assert counters["spec_rounds"] > 0 and counters["spec_drafted_tokens"] > 0, counters
+    print(spec, {k: v for k, v in counters.items() if k.startswith("spec_")})
