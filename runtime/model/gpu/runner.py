@@ -53,7 +53,7 @@ class CudaRunner:
                  max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
                  cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
-                 weight_formats: Callable[[str], str] | None = None):
+                 weight_formats: Callable[[str], str] | None = None, synthetic_router: str = "balanced"):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -93,7 +93,8 @@ class CudaRunner:
         if component is not None:
             upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress)
         else:
-            fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream)
+            fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream,
+                           router=synthetic_router)
         cos, sin = rope_tables(c, st.rope_positions)
         device.memcpy_htod(st.buf["cos"], cos, self.stream)
         device.memcpy_htod(st.buf["sin"], sin, self.stream)
