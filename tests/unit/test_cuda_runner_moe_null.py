@@ -172,3 +172,20 @@ def test_what_the_moe_path_refuses_is_named():
         WeightLayout.plan(_moe_config(), lambda name: FP8 if "experts" in name else "bf16")
     with pytest.raises(NotImplementedError, match="dense and Qwen3.5-MoE models only so far \\(this is 'next'\\)"):
         WeightLayout.plan(ModelConfig.from_dict(tiny_config_dict("next")))
+
+
+def test_decode_bench_counts_only_the_experts_touched(runner):
+    """bench.decode's roofline bytes at context 0: every expert touched reads the whole layout
+    (less the embedding, plus the batch's hidden rows and GDN states); none touched leaves the shared expert only, one
+    expert's gate/up and down (3 x I x H bf16) per MoE layer less per expert."""
+    from bench.decode import experts_touched, step_bytes
+
+    c, lay = runner.config, runner.layout
+    batch = 2
+    full = lay.total - lay.globals["embed"].nbytes + batch * c.hidden_size * 2 \
+        + batch * len(c.linear_layers) * 2 * runner.storage.state_slot_bytes
+    expert = 3 * c.moe_intermediate_size * c.hidden_size * 2
+    assert step_bytes(runner, batch, 0, c.num_experts) == full
+    assert step_bytes(runner, batch, 0, 0) == full - c.num_experts * expert * c.num_hidden_layers
+    # The null device's routing buffer holds zeros: every row picked expert 0.
+    assert experts_touched(runner, batch) == 1
