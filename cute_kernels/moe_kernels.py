@@ -45,6 +45,14 @@ def _at(ptr: Any, index: Any) -> Any:
     return cute.make_tensor(ptr + cutlass.Int64(index), cute.make_layout(1))
 
 
+def _expert(ids: Any, slot: Any, e: int) -> Any:
+    """The expert id of a slot, clamped into the stack [0, E] (E: the shared expert), so a bad id
+    never reads outside the weights."""
+    import cutlass
+
+    return cutlass.max(cutlass.min(_at(ids, slot)[0], e), 0)
+
+
 def _launcher(variant: Variant, kernel: Any, nargs: int) -> Any:
     import cutlass
     import cutlass.cute as cute
@@ -186,7 +194,7 @@ def _up(variant: Variant) -> tuple[Any, list[Any]]:
         slot, tile, _ = cute.arch.block_idx()
         warp, lane = tid // 32, tid % 32
         row = slot // p
-        expert = cutlass.min(_at(ids, slot)[0], e)  # a bad id reads the shared expert, never past the stack
+        expert = _expert(ids, slot, e)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
         block = w + cutlass.Int64(expert) * (2 * inter * h)
         for t in cutlass.range_constexpr(per_warp):
@@ -226,7 +234,7 @@ def _down(variant: Variant) -> tuple[Any, list[Any]]:
         accs = [f32(0.0) for _ in range(iters)]
         for s in cutlass.range_constexpr(p):
             slot = row * p + s
-            expert = cutlass.min(_at(ids, slot)[0], e)
+            expert = _expert(ids, slot, e)
             weight = _at(wts, slot)[0]
             xs = _load_vecs(act + cutlass.Int64(slot) * inter, vecs, lanes, j)
             block = w + cutlass.Int64(expert) * (h * inter)
