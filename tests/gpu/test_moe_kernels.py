@@ -44,7 +44,7 @@ def _f32_poisoned(mem, count: int) -> int:
     return _f32(mem, np.full(count, np.nan, np.float32))
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=len(SHAPES))
 def _weights(name):
     """Router [E, H], shared gate [H], gate_up [E + 1, 2I, H], down [E + 1, H, I] (1/sqrt(fan_in)),
     drawn once per shape (the 35B-A3B's stacks are 0.8 G values)."""
@@ -159,20 +159,19 @@ def test_up_and_down(library, mem, stream, name, m):
 
 
 def _chain(library, mem, stream, name, x, weights):
-    """The four kernels over the rows of x; returns (ids, delta rows)."""
+    """The four kernels over the rows of x, weights as device pointers; returns (ids, delta rows)."""
     _, h, e, k, inter, _, _ = SHAPES[name]
     m, p = x.shape[0], k + 1
     router, w_sg, gate_up, down = weights
     bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
             "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
     run = library.kernel
-    run("moe", _key("logits", h)).launch(stream, {"x": bufs["x"], "w": mem.bf16(router), "out": bufs["logits"]},
-                                         {"M": m})
-    run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": mem.bf16(w_sg),
+    run("moe", _key("logits", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]}, {"M": m})
+    run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
                                                  "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
-    run("moe", _key("up", h)).launch(stream, {"x": bufs["x"], "w": mem.bf16(gate_up), "ids": bufs["ids"],
+    run("moe", _key("up", h)).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
                                               "act": bufs["act"]}, {"M": m})
-    run("moe", _key("down", h)).launch(stream, {"act": bufs["act"], "w": mem.bf16(down), "ids": bufs["ids"],
+    run("moe", _key("down", h)).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"],
                                                 "wts": bufs["wts"], "out": bufs["out"]}, {"M": m})
     return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
 
@@ -186,7 +185,8 @@ def test_chained_mlp_and_rows_alone(library, mem, stream, name):
     rng = np.random.default_rng(42)
     x = _bf(rng, (8, h))
     weights = _weights(name)
-    ids, got = _chain(library, mem, stream, name, x, weights)
+    on_device = [mem.bf16(w) for w in weights]
+    ids, got = _chain(library, mem, stream, name, x, on_device)
     router, w_sg, gate_up, down = weights
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
     np.testing.assert_array_equal(ids, want_ids)
@@ -194,5 +194,5 @@ def test_chained_mlp_and_rows_alone(library, mem, stream, name):
     assert_close_to_baseline(got, exact, moe.reference(x, router, w_sg, gate_up, down, k, renorm),
                              f"{name} chained")
     for r in (0, 3, 7):
-        _, alone = _chain(library, mem, stream, name, x[r:r + 1], weights)
+        _, alone = _chain(library, mem, stream, name, x[r:r + 1], on_device)
         np.testing.assert_array_equal(alone[0], got[r])
