@@ -189,3 +189,14 @@ def test_decode_bench_counts_only_the_experts_touched(runner):
     assert step_bytes(runner, batch, 0, 0) == full - c.num_experts * expert * c.num_hidden_layers
     # The null device's routing buffer holds zeros: every row picked expert 0.
     assert experts_touched(runner, batch) == 1
+
+
+def test_a_qwen3_next_model_is_refused_by_name_before_its_kernels_are_looked_for(tmp_path):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+    from tools.make_tiny import make_tiny
+
+    path = tmp_path / "tiny-next.infernix"
+    make_tiny(path, family="next", seed=0, vocab="small")
+    with pytest.raises(NotImplementedError, match="dense and Qwen3.5-MoE models only so far \\(this is 'next'\\)"):
+        built_or_skip(lambda: CudaRunner.from_artifact(path, num_pages=16, num_slots=4, device=NullDevice(2 << 30)))

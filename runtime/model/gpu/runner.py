@@ -75,13 +75,14 @@ class CudaRunner:
         self.device = device
         self.stream = device.create_stream()
         self.library = library or KernelLibrary.open(device, required=[])
+        # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
+        # `weights.fp8_recipe_format` for an FP8 model). Planned first: a model the runner cannot
+        # run yet is refused by name before its kernels are looked for.
+        self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
+                                        else weight_formats)
         self.kernels = KernelChoice(self.library, c)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
-        # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
-        # `weights.fp8_recipe_format` for an FP8 model).
-        self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
-                                        else weight_formats)
         for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
             self.kernels.linear_fp8(n, nt, k)
         self._component = component
