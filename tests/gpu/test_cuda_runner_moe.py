@@ -43,9 +43,9 @@ def test_the_model_is_moe_and_runs_the_moe_kernels(runners):
     assert cuda.config.family == "moe" and cuda.kernels.moe_down is not None
 
 
-def test_verification_rows_equal_decode_steps(runners):
-    """Rows of a decode step at batch 8 (the verification block size) equal each row decoded
-    alone: the MoE kernels reduce every row on its own."""
+def test_a_batch_of_eight_equals_each_row_alone(runners):
+    """A decode step of 8 sequences (the largest bucket, every expert slot of the grid in use)
+    equals each sequence decoded alone, bit for bit: the MoE kernels reduce every row on its own."""
     cuda, _ = runners
     vocab = cuda.vocab_size
     prompts = [np.random.default_rng(50 + i).integers(0, vocab, 9 + 3 * i).tolist() for i in range(8)]
