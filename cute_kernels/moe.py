@@ -56,7 +56,7 @@ def lanes_per_row(k: int) -> int:
     return lanes
 
 
-def _common(name: str, kind: str, key: str, config: dict, params: list, tensors: dict, grid: tuple,
+def _variant(name: str, kind: str, key: str, config: dict, params: list, tensors: dict, grid: tuple,
             block: int, note: str) -> Variant:
     return Variant(family=FAMILY, key=f"{kind}_{key}", config={"kind": kind, **config}, params=params,
                    tensors=tensors, sizes=("M",), block=(block, 1, 1), grid=grid,
@@ -67,31 +67,31 @@ def _common(name: str, kind: str, key: str, config: dict, params: list, tensors:
 def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_rows: int) -> list[Variant]:
     p = k + 1
     key = f"h{h}_e{e}_k{k}_i{inter}"
+    # H a multiple of 256: the logits, route and up kernels split a row of H over all 32 lanes.
     if e % WARPS or inter % UP_FEATURES or h % (WARPS * down_rows) or h % 256:
         raise ValueError(f"moe shape {name}: H={h}, E={e}, I={inter} do not tile")
     shape = {"H": h, "E": e, "K": k, "I": inter, "P": p}
     down_lanes = lanes_per_row(inter)
     if down_rows % (32 // down_lanes):
         raise ValueError(f"moe shape {name}: {down_rows} down rows per warp is not a multiple of {32 // down_lanes}")
-    lanes_per_row(h)
     fd = WARPS * down_rows
     return [
-        _common(name, "logits", f"e{e}_h{h}", {"E": e, "H": h},
+        _variant(name, "logits", f"e{e}_h{h}", {"E": e, "H": h},
                 [ptr("x"), ptr("w"), ptr("out"), i32("M")],
                 {"x": tensor("bf16", "M", h), "w": tensor("bf16", e, h), "out": tensor("f32", "M", e, role="out")},
                 ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32"),
-        _common(name, "route", key, {**shape, "renorm": renorm},
+        _variant(name, "route", key, {**shape, "renorm": renorm},
                 [ptr("logits"), ptr("x"), ptr("w_sg"), ptr("ids"), ptr("wts"), i32("M")],
                 {"logits": tensor("f32", "M", e), "x": tensor("bf16", "M", h), "w_sg": tensor("bf16", h),
                  "ids": tensor("i32", "M", p, role="out"), "wts": tensor("f32", "M", p, role="out")},
                 ("M", 1, 1), 32, f"top-{k} of {e} experts, fp32 weights, shared-expert gate"),
-        _common(name, "up", key, shape,
+        _variant(name, "up", key, shape,
                 [ptr("x"), ptr("w"), ptr("ids"), ptr("act"), i32("M")],
                 {"x": tensor("bf16", "M", h), "w": tensor("bf16", (e + 1) * 2 * inter, h),
                  "ids": tensor("i32", "M", p), "act": tensor("bf16", "M", p, inter, role="out")},
                 (f"M * {p}", inter // UP_FEATURES, 1), 32 * WARPS,
                 f"expert gate/up + SwiGLU, {p} slots per row, I={inter}"),
-        _common(name, "down", key, {**shape, "rows_per_warp": down_rows},
+        _variant(name, "down", key, {**shape, "rows_per_warp": down_rows},
                 [ptr("act"), ptr("w"), ptr("ids"), ptr("wts"), ptr("out"), i32("M")],
                 {"act": tensor("bf16", "M", p, inter), "w": tensor("bf16", (e + 1) * h, inter),
                  "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
