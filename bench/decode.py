@@ -168,7 +168,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
             nbytes = step_bytes(runner, batch, context, touched)
             floor_ms = nbytes / bw * 1e3
             best = min(wall.values())
-            row = {"batch": batch, "context": context, "experts_touched": touched, "graph_ms": graph_ms, "wall_ms": best * 1e3,
+            row = {"batch": batch, "context": context, "experts_touched": touched, "graph_ms": graph_ms,
+                   "wall_ms": best * 1e3,
                    "tok_s": batch / best, "host_ms": best * 1e3 - graph_ms, "bytes": nbytes,
                    "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
                    "roofline_fraction_wall": floor_ms / (best * 1e3),

@@ -53,34 +53,6 @@ def _expert(ids: Any, slot: Any, e: int) -> Any:
     return cutlass.max(cutlass.min(_at(ids, slot)[0], e), 0)
 
 
-def _launcher(variant: Variant, kernel: Any, nargs: int) -> Any:
-    import cutlass
-    import cutlass.cute as cute
-
-    from . import _dsl
-
-    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
-
-    if nargs == 5:
-        @cute.jit
-        def launch5(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer, m: cutlass.Int32, stream: Any):
-            kernel(a, b, c, d, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
-        return launch5
-
-    if nargs == 6:
-        @cute.jit
-        def launch6(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer, e: cute.Pointer, m: cutlass.Int32,
-                    stream: Any):
-            kernel(a, b, c, d, e, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
-                                            stream=stream)
-        return launch6
-
-    @cute.jit
-    def launch4(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, m: cutlass.Int32, stream: Any):
-        kernel(a, b, c, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
-    return launch4
-
-
 def _logits(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
@@ -101,7 +73,13 @@ def _logits(variant: Variant) -> tuple[Any, list[Any]]:
         if lane == 0:
             _at(out, row * e + expert)[0] = total
 
-    return _launcher(variant, kernel, 4), _dsl.example_args(variant)
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32, stream: Any):
+        kernel(x, w, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
 
 
 def _route(variant: Variant) -> tuple[Any, list[Any]]:
@@ -173,7 +151,15 @@ def _route(variant: Variant) -> tuple[Any, list[Any]]:
             _at(ids, base + k)[0] = i32_t(e)
             _at(wts, base + k)[0] = f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))
 
-    return _launcher(variant, kernel, 6), _dsl.example_args(variant)
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(logits: cute.Pointer, x: cute.Pointer, w_sg: cute.Pointer, ids: cute.Pointer, wts: cute.Pointer,
+               m: cutlass.Int32, stream: Any):
+        kernel(logits, x, w_sg, ids, wts, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
+                                                    stream=stream)
+
+    return launch, _dsl.example_args(variant)
 
 
 def _up(variant: Variant) -> tuple[Any, list[Any]]:
@@ -205,7 +191,14 @@ def _up(variant: Variant) -> tuple[Any, list[Any]]:
             if lane == 0:
                 _at(act, slot * inter + f)[0] = (s * u).to(bf16)
 
-    return _launcher(variant, kernel, 5), _dsl.example_args(variant)
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Pointer, w: cute.Pointer, ids: cute.Pointer, act: cute.Pointer, m: cutlass.Int32,
+               stream: Any):
+        kernel(x, w, ids, act, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
 
 
 def _down(variant: Variant) -> tuple[Any, list[Any]]:
@@ -245,4 +238,12 @@ def _down(variant: Variant) -> tuple[Any, list[Any]]:
             if j == 0:
                 _at(out, row * h + first + it * groups)[0] = accs[it].to(bf16)
 
-    return _launcher(variant, kernel, 6), _dsl.example_args(variant)
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(act: cute.Pointer, w: cute.Pointer, ids: cute.Pointer, wts: cute.Pointer, out: cute.Pointer,
+               m: cutlass.Int32, stream: Any):
+        kernel(act, w, ids, wts, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
+                                                stream=stream)
+
+    return launch, _dsl.example_args(variant)

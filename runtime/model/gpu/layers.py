@@ -5,8 +5,8 @@ one token per sequence) from the embedding to the final norm, reading per-step v
 ids, positions, KV rows, slots, page tables) from the metadata block, so the list is bound once
 and launched, or captured into a graph, for every step of that shape. `Forward.lm_head` is the
 head over a block of rows. Each layer is its mixer (`gdn` or `attention`), then its MLP
-(`dense_mlp`, or `moe_mlp` for a mixture-of-experts layer); every projection goes through `linear`, which picks the kernel by the weight's
-format and shape.
+(`dense_mlp`, or `moe_mlp` for a mixture-of-experts layer); every projection goes through
+`linear`, which picks the kernel by the weight's format and shape.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Arenas (`runtime.cuda.memory.DeviceArenas`):
   conv window `[phys_slots, Kc - 1, conv_dim]` bf16, over the physical slots of `StateSlots`;
 - workspace: activations for `rows = max(prefill_chunk, max_batch)` rows, attention split
   partials, the logits rows, RoPE tables, the MoE routing and expert activations, the
-  device-sampling blocks and one int32 metadata block (per-step values: token ids, positions, KV rows, slots, page tables).
+  device-sampling blocks and one int32 metadata block (per-step values: token ids, positions,
+  KV rows, slots, page tables).
 
 Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
 `logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding

@@ -3,7 +3,8 @@
 Linear weights that one GEMM reads together are placed back to back, so the fused matrix exists
 without repacking anything: the GDN input projection `[in_proj_qkv | in_proj_z | in_proj_b |
 in_proj_a]` (rows), the attention projection `[q_proj | k_proj | v_proj]` and the MLP's
-`[gate_proj | up_proj]`. Every other tensor is uploaded as stored. Each slot names the format the
+`[gate_proj | up_proj]`; a MoE layer's experts are stacked with its shared expert as one more
+expert (`WeightLayout._moe`). Every other tensor is uploaded as stored. Each slot names the format the
 kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3 codes, then the
 fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`); an
 artifact tensor in any other format is refused by name. A fused projection whose parts differ in
@@ -113,7 +114,8 @@ class WeightLayout:
         embedding and every non-projection tensor are bf16 (the upload checks)."""
         c = config
         if c.family not in ("dense", "moe"):
-            raise NotImplementedError(f"CudaRunner runs dense and Qwen3.5-MoE models only so far (this is {c.family!r})")
+            raise NotImplementedError(f"CudaRunner runs dense and Qwen3.5-MoE models only so far "
+                                      f"(this is {c.family!r})")
         lay = cls(config, **({"format_of": format_of} if format_of else {}))
         h = c.hidden_size
         lay.globals["embed"] = lay._take((c.vocab_size, h), (("embed_tokens.weight", c.vocab_size),))
