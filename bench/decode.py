@@ -1,6 +1,9 @@
-"""Decode speed of `CudaRunner` on the Qwen3.6-27B shape with synthetic BF16 weights.
+"""Decode speed of `CudaRunner` on a released model's shape with synthetic BF16 weights.
+
+The shape is Qwen3.6-27B unless `--synthetic-shape` names another (qwen3.6-35b-a3b).
 
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
+        [--synthetic-shape qwen3.6-35b-a3b [--router balanced|skewed]]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -9,6 +12,8 @@ host sampler, or the GPU sampling kernels and the ids download; both reported, t
 the better wall time). Contexts are set by position
 (the KV pages and states hold synthetic contents; decode cost does not depend on their values).
 The roofline is bytes that must move per step (every weight read once, embedding rows excepted;
+for a MoE model only the experts the step's routing touched, counted from the last layer's
+routing after the timed steps (at batch 1 every layer touches k experts), plus the shared expert;
 KV read for the context; the GDN state read and written) over the device-to-device copy bandwidth
 measured in the same run. A per-kernel breakdown of one step (events between eager launches) and
 the host overhead per step are reported too. Writes `decode.json` and prints a Markdown table.
@@ -25,7 +30,8 @@ from typing import Any
 
 from bench.timing import median_event_seconds, plan_breakdown_us
 
-from runtime.model.shapes import QWEN36_27B  # the GPU tests take the shape from here too
+from runtime.model.shapes import QWEN36_27B  # noqa: F401 (the GPU tests take the shape from here)
+
 
 
 def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
@@ -41,24 +47,49 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
                 decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0,
-                mtp: bool = False) -> Any:
+                mtp: bool = False, shape: str = "qwen3.6-27b", router: str = "balanced") -> Any:
     """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`);
-    spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head."""
+    spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head;
+    shape: a name of `runtime.model.shapes.SHAPES` or a JSON text config; router: the synthetic
+    MoE router (`weights.fill_synthetic`)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format
+    from runtime.model.shapes import shape_config
 
-    config = ModelConfig.from_dict(QWEN36_27B)
+    config = ModelConfig.from_dict(shape_config(shape))
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
                                 weight_formats=fp8_recipe_format if weight_format == "fp8" else None, mtp=mtp,
-                                **({"decode_split": decode_split} if decode_split else {}))
+                                synthetic_router=router, **({"decode_split": decode_split} if decode_split else {}))
 
 
-def step_bytes(runner: Any, batch: int, context: int) -> int:
+def experts_touched(runner: Any, batch: int) -> int:
+    """Distinct routed experts among the batch rows of the last MoE layer of the last step (0 for a
+    dense model): the routing is on the device (`moe_ids`, k routed slots then the shared one)."""
+    import numpy as np
+
+    c = runner.config
+    if not runner.kernels.moe_route:
+        return 0
+    p = c.num_experts_per_tok + 1
+    ids = np.empty(batch * p, np.int32)
+    runner.stream.synchronize()
+    runner.device.memcpy_dtoh(ids, runner.storage.buf["moe_ids"], runner.stream)
+    runner.stream.synchronize()
+    return len(np.unique(ids.reshape(batch, p)[:, :-1]))
+
+
+def step_bytes(runner: Any, batch: int, context: int, touched: int = 0) -> int:
+    """touched: routed experts one MoE layer reads (`experts_touched`); each MoE layer is counted
+    as reading them and the shared expert instead of its whole expert stack."""
     c = runner.config
     weights = runner.layout.total - runner.layout.globals["embed"].nbytes + batch * c.hidden_size * 2
+    for layer in runner.layout.layers:
+        if "experts_gate_up" in layer:
+            stacks = layer["experts_gate_up"].nbytes + layer["experts_down"].nbytes
+            weights += stacks * (touched + 1) // (c.num_experts + 1) - stacks
     kv = batch * context * len(c.attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
     state = batch * len(c.linear_layers) * 2 * runner.storage.state_slot_bytes
     return weights + kv + state
@@ -102,14 +133,15 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 
 
 def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
-        weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = ()) -> dict[str, Any]:
+        weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
+        shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
     from bench import mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
     most = max((*drafts, *mtp_drafts), default=-1)
     spare = max(batches) * (most + 1) if most >= 0 else 0
     runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format,
-                         spare_slots=spare, mtp=bool(mtp_drafts))
+                         spare_slots=spare, mtp=bool(mtp_drafts), shape=shape, router=router)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -133,10 +165,12 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
             end.record(s)
             end.synchronize()
             graph_ms = end.elapsed_ms(start) / steps
-            nbytes = step_bytes(runner, batch, context)
+            touched = experts_touched(runner, batch)
+            nbytes = step_bytes(runner, batch, context, touched)
             floor_ms = nbytes / bw * 1e3
             best = min(wall.values())
-            row = {"batch": batch, "context": context, "graph_ms": graph_ms, "wall_ms": best * 1e3,
+            row = {"batch": batch, "context": context, "experts_touched": touched, "graph_ms": graph_ms,
+                   "wall_ms": best * 1e3,
                    "tok_s": batch / best, "host_ms": best * 1e3 - graph_ms, "bytes": nbytes,
                    "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
                    "roofline_fraction_wall": floor_ms / (best * 1e3),
@@ -151,7 +185,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
     rounds = mtp_round.run(runner, batches, list(mtp_drafts), min(contexts),
                            -(-(max(contexts) + steps + 2 + 2 * max(mtp_drafts, default=0)) // 64), steps) \
         if mtp_drafts else []
-    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(),
+    return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
             "verification": verification, "mtp_rounds": rounds,
             "decode_split": runner.storage.decode_split,
             "results": results,
@@ -193,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--synthetic-shape", default="qwen3.6-27b",
+                    help="model shape: a name of runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON "
+                    "text config")
+    ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
+                    help="synthetic MoE router: near-uniform routing, or a few hot experts")
     ap.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
                     help="projection weights: bf16, or fp8 with 128x128 block scales (Qwen's FP8 release)")
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
@@ -219,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
                args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k),
-               tuple(int(k) for k in args.mtp_rounds.split(",") if k))
+               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

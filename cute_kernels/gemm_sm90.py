@@ -50,6 +50,11 @@ SHAPES = [
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
     ("mtp_fc", 5120, 10240),  # the MTP head's fc (2H -> H) over a prompt chunk's catch-up rows
+    # Qwen3.5/3.6-35B-A3B (hidden 2048; its MoE MLP is the moe family's).
+    ("a3b_gdn_in", 12352, 2048),  # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a
+    ("a3b_o_proj", 2048, 4096),  # GDN out_proj and attention o_proj
+    ("a3b_attn_qkv", 9216, 2048),
+    ("a3b_lm_head", 248320, 2048),
     ("test", 328, 192),  # small and ragged (N not a multiple of the tile) for tests
     # The tiny dense test model (tools/make_tiny.py: hidden 256, GDN 2/4 heads of 32, attention
     # 4/2 heads of 64, MLP 512, vocabulary 512), prefill and decode alike.

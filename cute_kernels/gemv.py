@@ -50,6 +50,11 @@ SHAPES = [
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
     ("mtp_fc", 5120, 10240),  # the MTP head's fc over [embedding | hidden] (2H -> H)
+    # Qwen3.5/3.6-35B-A3B (hidden 2048; its MoE MLP is the moe family's).
+    ("a3b_gdn_in", 12352, 2048),  # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a
+    ("a3b_o_proj", 2048, 4096),  # GDN out_proj and attention o_proj
+    ("a3b_attn_qkv", 9216, 2048),
+    ("a3b_lm_head", 248320, 2048),
 ]
 
 

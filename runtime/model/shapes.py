@@ -19,7 +19,19 @@ QWEN36_27B: dict[str, Any] = {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
 
-SHAPES: dict[str, dict[str, Any]] = {"qwen3.6-27b": QWEN36_27B}
+QWEN36_35B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+SHAPES: dict[str, dict[str, Any]] = {"qwen3.6-27b": QWEN36_27B, "qwen3.6-35b-a3b": QWEN36_35B_A3B}
 
 
 def shape_config(name_or_file: str) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d",
-                        "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling"}
+                        "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
@@ -125,7 +125,9 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d", "gdn", "gdn_chunked",
-                 "attention", "attention_prefill"}),
+                 "attention", "attention_prefill", "moe"}),
+    # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
+    ("moe_kernels.py", {"moe"}),
 ])
 def test_fingerprint_covers_the_package_modules_a_family_imports(tmp_path, touched, affected):
     root = _copy_of_the_sources(tmp_path)

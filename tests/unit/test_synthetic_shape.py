@@ -21,6 +21,18 @@ def test_the_named_shape_is_the_27b_text_config():
     assert len(config.attention_layers) == 16 and len(config.linear_layers) == 48
 
 
+def test_the_35b_a3b_shape_is_its_text_config():
+    """qwen-arch.md 1.2: 40 layers of 2048 (30 GDN : 10 attention), 256 experts of width 512, top 8,
+    a shared expert of width 512, renormalised routing."""
+    c = synthetic_shape("qwen3.6-35b-a3b", REAL_VOCAB)
+    assert (c.family, c.hidden_size, c.num_hidden_layers) == ("moe", 2048, 40)
+    assert len(c.attention_layers) == 10 and len(c.linear_layers) == 30
+    assert (c.num_attention_heads, c.num_key_value_heads, c.linear_num_value_heads) == (16, 2, 32)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size,
+            c.norm_topk_prob) == (256, 8, 512, 512, True)
+    assert set(c.mlp_types) == {"moe"}
+
+
 def test_a_json_file_gives_its_config(tmp_path):
     path = tmp_path / "shape.json"
     path.write_text(json.dumps(dict(QWEN36_27B, num_hidden_layers=4,
@@ -30,7 +42,7 @@ def test_a_json_file_gives_its_config(tmp_path):
 
 @pytest.mark.parametrize("name, artifact, message", [
     ("qwen3.6-27b", {"vocab_size": 512}, "vocabulary of 248320 tokens, the model's tokenizer has 512"),
-    ("no-such-shape", REAL_VOCAB, "'no-such-shape' is neither a known shape (qwen3.6-27b) nor a file"),
+    ("no-such-shape", REAL_VOCAB, "'no-such-shape' is neither a known shape (qwen3.6-27b, qwen3.6-35b-a3b) nor a file"),
 ])
 def test_what_cannot_run_is_a_config_error(name, artifact, message):
     with pytest.raises(ConfigError, match="--synthetic-shape") as err:

@@ -5,6 +5,7 @@ variant of every family that matches its shapes; a shape nobody compiled is an e
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
 fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 weights use the
 FP8 GEMV at every row count (`linear_fp8`); `layers.Forward.linear` picks by the weight's format.
+MoE layers run the `moe` family at every row count (its kernels take any M).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.cuda.errors import KernelMissing
-from runtime.model.config import ModelConfig
+from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -51,8 +52,18 @@ class KernelChoice:
         self.norm = _need(lib, "rmsnorm", "the hidden norms", mode="zc", H=h)
         self.add_norm = _need(lib, "rmsnorm", "the residual-add norms", mode="add_zc", H=h)
         self.embedding = _find(lib, "embedding", V=c.vocab_size, H=h)  # None: gather on the host
-        assert c.intermediate_size is not None
-        self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
+        self.silu_mul = None
+        if DENSE_MLP in c.mlp_types:
+            assert c.intermediate_size is not None
+            self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
+        # MoE layers: router logits, top-k, expert gate/up, expert down + combine (cute_kernels/moe.py).
+        self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
+        if MOE_MLP in c.mlp_types:
+            shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
+            self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
+            self.moe_route = _need(lib, "moe", "MoE top-k routing", kind="route", renorm=c.norm_topk_prob, **shape)
+            self.moe_up = _need(lib, "moe", "the MoE experts' gate/up", kind="up", **shape)
+            self.moe_down = _need(lib, "moe", "the MoE experts' down", kind="down", **shape)
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -146,5 +157,6 @@ class KernelChoice:
                   ("gdn", self.gdn_verify), ("conv1d", self.conv_verify),
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
-                  ("sampling", self.sample_pick)]
+                  ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
+                  ("moe", self.moe_up), ("moe", self.moe_down)]
         return [(family, key) for family, key in chosen if key]

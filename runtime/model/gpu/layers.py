@@ -5,8 +5,8 @@ one token per sequence) from the embedding to the final norm, reading per-step v
 ids, positions, KV rows, slots, page tables) from the metadata block, so the list is bound once
 and launched, or captured into a graph, for every step of that shape. `Forward.lm_head` is the
 head over a block of rows. Each layer is its mixer (`gdn` or `attention`), then its MLP
-(`dense_mlp`); every projection goes through `linear`, which picks the kernel by the weight's
-format and shape.
+(`dense_mlp`, or `moe_mlp` for a mixture-of-experts layer); every projection goes through
+`linear`, which picks the kernel by the weight's format and shape.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.model.config import LINEAR_ATTENTION
+from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
 from runtime.model.gpu.weights import FP8, Slot
 
@@ -86,9 +86,10 @@ class Forward:
                 self.attention(out, shape, attn_index, layer)
                 attn_index += 1
             self.add_norm(out, shape, layer["post_norm"])
-            # The MoE MLP builder goes here (router, top-k, expert GEMMs, shared expert), chosen
-            # by the config's family; `WeightLayout.plan` refuses MoE models until it exists.
-            self.dense_mlp(out, shape, layer)
+            if self.config.mlp_types[i] == MOE_MLP:
+                self.moe_mlp(out, shape, layer)
+            else:
+                self.dense_mlp(out, shape, layer)
         self.add_norm(out, shape, self.layout.globals["norm"])
         return out
 
@@ -260,3 +261,21 @@ class Forward:
         self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": shape.m})
         self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m, exact_rows=exact)
         self.all_reduce(out, shape.m)
+
+    def moe_mlp(self, out: list, shape: StepShape, layer: dict[str, Slot]) -> None:
+        """h -> delta through the router logits, top-k routing (plus the shared expert's gate), the
+        experts' gate/up + SwiGLU and their down projections weighted and summed per row
+        (cute_kernels/moe.py). Every launch takes all m rows: each row's experts come from the
+        device (no host read, so the step captures in a graph) and each row is reduced on its own,
+        in a fixed order, so a row's numbers do not depend on the others (prefill included)."""
+        k, buf, m = self.kernels, self.storage.buf, shape.m
+        route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
+        self.launch(out, "moe", k.moe_logits, {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]},
+                    {"M": m})
+        self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
+                                              "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
+        self.launch(out, "moe", k.moe_up, {"x": buf["h"], "w": self.w(layer["experts_gate_up"]), "ids": route["ids"],
+                                           "act": buf["moe_act"]}, {"M": m})
+        self.launch(out, "moe", k.moe_down, {"act": buf["moe_act"], "w": self.w(layer["experts_down"]), **route,
+                                             "out": buf["delta"]}, {"M": m})
+        self.all_reduce(out, m)

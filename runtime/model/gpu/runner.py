@@ -68,7 +68,7 @@ class CudaRunner:
                  cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
                  weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
-                 mtp_component: Any = None):
+                 mtp_component: Any = None, synthetic_router: str = "balanced"):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -93,13 +93,14 @@ class CudaRunner:
         self.device = device
         self.stream = device.create_stream()
         self.library = library or KernelLibrary.open(device, required=[])
+        # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
+        # `weights.fp8_recipe_format` for an FP8 model). Planned first: a model the runner cannot
+        # run yet is refused by name before its kernels are looked for.
+        self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
+                                        else weight_formats, mtp=mtp)
         self.kernels = KernelChoice(self.library, c)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
-        # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
-        # `weights.fp8_recipe_format` for an FP8 model).
-        self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
-                                        else weight_formats, mtp=mtp)
         for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
             self.kernels.linear_fp8(n, nt, k)
         self._component = component
@@ -112,7 +113,8 @@ class CudaRunner:
         if component is not None:
             upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress, mtp_component)
         else:
-            fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream)
+            fill_synthetic(self.layout, int(synthetic_seed), device, st.weights_base, self.stream,
+                           router=synthetic_router)
         cos, sin = rope_tables(c, st.rope_positions)
         device.memcpy_htod(st.buf["cos"], cos, self.stream)
         device.memcpy_htod(st.buf["sin"], sin, self.stream)

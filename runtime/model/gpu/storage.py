@@ -9,11 +9,12 @@ Arenas (`runtime.cuda.memory.DeviceArenas`):
 - state slots: per GDN layer the fp32 recurrent state `[phys_slots, Hv, dv, dk]` (v-major) and the
   conv window `[phys_slots, Kc - 1, conv_dim]` bf16, over the physical slots of `StateSlots`;
 - workspace: activations for `rows = max(prefill_chunk, max_batch)` rows, attention split
-  partials, the logits rows, RoPE tables, the device-sampling blocks and one int32 metadata
-  block (per-step values: token ids, positions, KV rows, slots, page tables); with an MTP head its
-  rows (`mtp_x`: [embedding | hidden] rows of 2H, `mtp_in`: the hidden rows it reads, `mtp_chain`:
-  its own outputs when chaining drafts), the kept hidden rows (`mtp_kept`: `max_batch` entries of
-  `rows` rows, `gpu.mtp.KeptHidden`) and those of a decode step computed ahead (`mtp_ahead`).
+  partials, the logits rows, RoPE tables, the MoE routing and expert activations, the
+  device-sampling blocks and one int32 metadata block (per-step values: token ids, positions, KV
+  rows, slots, page tables); with an MTP head its rows (`mtp_x`: [embedding | hidden] rows of 2H,
+  `mtp_in`: the hidden rows it reads, `mtp_chain`: its own outputs when chaining drafts), the kept
+  hidden rows (`mtp_kept`: `max_batch` entries of `rows` rows, `gpu.mtp.KeptHidden`) and those of
+  a decode step computed ahead (`mtp_ahead`).
 
 Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
 `logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding
@@ -121,6 +122,11 @@ class Storage:
         if mtp_layers:
             sizes.update({"mtp_x": rows * 2 * h * 2, "mtp_in": rows * h * 2, "mtp_chain": max_batch * h * 2,
                           "mtp_kept": max_batch * rows * h * 2, "mtp_ahead": max_batch * h * 2})
+        if k.moe_route:
+            # MoE (cute_kernels/moe.py): router logits, then per row k routed slots + the shared one.
+            p = c.num_experts_per_tok + 1
+            sizes.update({"moe_logits": rows * c.num_experts * 4, "moe_ids": rows * p * 4, "moe_wts": rows * p * 4,
+                          "moe_act": rows * p * (c.moe_intermediate_size or 0) * 2})
         # Device sampling: each row's inputs (parameters, packed mask, penalty list) in one block
         # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
         self.mask_words = cdiv(c.vocab_size, 32)

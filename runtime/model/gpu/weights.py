@@ -3,7 +3,8 @@
 Linear weights that one GEMM reads together are placed back to back, so the fused matrix exists
 without repacking anything: the GDN input projection `[in_proj_qkv | in_proj_z | in_proj_b |
 in_proj_a]` (rows), the attention projection `[q_proj | k_proj | v_proj]` and the MLP's
-`[gate_proj | up_proj]`. Every other tensor is uploaded as stored. Each slot names the format the
+`[gate_proj | up_proj]`; a MoE layer's experts are stacked with its shared expert as one more
+expert (`WeightLayout._moe`). Every other tensor is uploaded as stored. Each slot names the format the
 kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3 codes, then the
 fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`); an
 artifact tensor in any other format is refused by name. A fused projection whose parts differ in
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.model.config import DENSE_MLP, LINEAR_ATTENTION, ModelConfig
+from runtime.model.config import DENSE_MLP, LINEAR_ATTENTION, MOE_MLP, ModelConfig
 
 FP8 = "fp8_e4m3"
 MTP_PREFIX = "mtp."  # layout names of the MTP component's tensors
@@ -124,8 +125,9 @@ class WeightLayout:
         embedding and every non-projection tensor are bf16 (the upload checks). mtp: place the MTP
         head too (refused for a config without one, and for MoE heads until the MoE MLP exists)."""
         c = config
-        if c.family != "dense":
-            raise NotImplementedError(f"CudaRunner runs dense models only so far (this is {c.family!r})")
+        if c.family not in ("dense", "moe"):
+            raise NotImplementedError(f"CudaRunner runs dense and Qwen3.5-MoE models only so far "
+                                      f"(this is {c.family!r})")
         lay = cls(config, **({"format_of": format_of} if format_of else {}))
         h = c.hidden_size
         lay.globals["embed"] = lay._take((c.vocab_size, h), (("embed_tokens.weight", c.vocab_size),))
@@ -133,24 +135,24 @@ class WeightLayout:
         if not c.tie_word_embeddings:
             lay._projection(lay.globals, "lm_head", h, (("lm_head.weight", c.vocab_size),))
         for i, kind in enumerate(c.layer_types):
-            lay.layers.append(lay._layer(f"layers.{i}.", kind))
+            lay.layers.append(lay._layer(f"layers.{i}.", kind, c.mlp_types[i]))
         if mtp:
             if c.mtp_num_hidden_layers < 1:
                 raise ValueError("an MTP head was asked for, but the config has mtp_num_hidden_layers = 0")
             if c.mtp_mlp_type != DENSE_MLP:
-                raise NotImplementedError(f"CudaRunner has no MoE MLP yet, so no {c.mtp_mlp_type!r} MTP head; "
+                raise NotImplementedError(f"the GPU MTP head runs a dense MLP only so far, not {c.mtp_mlp_type!r}; "
                                           "--device cpu runs it")
             p = MTP_PREFIX
             lay.mtp["fc"] = lay._take((h, 2 * h), ((p + "fc.weight", h),))
             for role in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
                 lay.mtp[role] = lay._take((h,), ((f"{p}{role}.weight", 0),), "norm")
             for j in range(c.mtp_num_hidden_layers):
-                lay.mtp_layers.append(lay._layer(f"{p}layers.{j}.", "full_attention"))
+                lay.mtp_layers.append(lay._layer(f"{p}layers.{j}.", "full_attention", DENSE_MLP))
         return lay
 
-    def _layer(self, p: str, kind: str) -> dict[str, Slot]:
+    def _layer(self, p: str, kind: str, mlp: str) -> dict[str, Slot]:
         """The slots of one decoder layer named with prefix p: its norms, its mixer (GDN for
-        linear attention, else gated attention) and its dense MLP."""
+        linear attention, else gated attention) and its MLP (dense, or MoE: `_moe`)."""
         c, h = self.config, self.config.hidden_size
         s: dict[str, Slot] = {
             "input_norm": self._take((h,), ((p + "input_layernorm.weight", 0),), "norm"),
@@ -178,12 +180,39 @@ class WeightLayout:
             s["q_norm"] = self._take((d,), ((q + "q_norm.weight", 0),), "norm")
             s["k_norm"] = self._take((d,), ((q + "k_norm.weight", 0),), "norm")
         m = p + "mlp."
+        if mlp == MOE_MLP:
+            self._moe(s, m)
+            return s
         inter = c.intermediate_size
         assert inter is not None
         parts = ((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter))
         self._projection(s, "w_gate_up", h, parts)
         self._projection(s, "down", inter, ((m + "down_proj.weight", h),))
         return s
+
+    def _moe(self, into: dict[str, Slot], m: str) -> None:
+        """The MoE MLP's slots (`cute_kernels/moe.py` reads them): the router [E, H], the shared
+        expert's gate row [1, H], and the experts stacked with the shared expert as expert E (so one
+        launch covers the k routed slots and the shared one): `experts_gate_up` [(E + 1) * 2I, H]
+        (per expert gate rows, then up rows) and `experts_down` [(E + 1) * H, I]."""
+        c = self.config
+        h, e, inter, shared = (c.hidden_size, c.num_experts, c.moe_intermediate_size,
+                               c.shared_expert_intermediate_size)
+        if shared != inter:
+            raise NotImplementedError(f"the shared expert's width ({shared}) differs from the routed experts' "
+                                      f"({inter}); CudaRunner stacks it as one more expert")
+        parts = {"router": ((m + "gate.weight", e),), "shared_gate": ((m + "shared_expert_gate.weight", 1),),
+                 "experts_gate_up": ((m + "experts.gate_up_proj", e * 2 * inter),
+                                     (m + "shared_expert.gate_proj.weight", inter),
+                                     (m + "shared_expert.up_proj.weight", inter)),
+                 "experts_down": ((m + "experts.down_proj", e * h), (m + "shared_expert.down_proj.weight", h))}
+        for role, named in parts.items():
+            for name, _ in named:
+                if self.format_of(name) != "bf16":
+                    raise NotImplementedError(f"tensor {name} is {self.format_of(name)}; CudaRunner reads bf16 "
+                                              "MoE weights only so far")
+            k = inter if role == "experts_down" else h
+            into[role] = self._take((sum(rows for _, rows in named), k), named)
 
     def all_slots(self) -> list[Slot]:
         return [*self.globals.values(), *(s for layer in self.layers for s in layer.values()), *self.mtp.values(),
@@ -249,8 +278,19 @@ def _tile(device: Any, dst: int, src: int, src_bytes: int, nbytes: int, stream: 
         nbytes -= n
 
 
-def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stream: Any) -> None:
+SYNTHETIC_ROUTERS = ("balanced", "skewed")
+HOT_EXPERTS = 8  # experts the skewed synthetic router favours
+HOT_SCALE = 4.0  # their router rows' scale: a logit ~ N(0, 16) is in the top k about half the time
+
+
+def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stream: Any,
+                   router: str = "balanced") -> None:
     """Random weights of the right shapes and formats, without a file.
+
+    MoE routers (`router`): "balanced" leaves them random like every projection, which routes each
+    token to k experts close to uniformly at random (the load of a router trained to balance it);
+    "skewed" scales the router rows of the first `HOT_EXPERTS` experts by `HOT_SCALE`, so a few
+    experts are hot (each picked by about half the tokens), as in real traffic.
 
     BF16 linear weights get uniform values of std ~ 1/sqrt(fan_in) (a 16 MiB block drawn once and
     tiled across the arena: speed does not depend on the values); FP8 ones e4m3 codes of values
@@ -260,6 +300,8 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
     """
     from runtime.artifact.formats import FP8_MAX, f32_to_bf16, f32_to_e4m3
 
+    if router not in SYNTHETIC_ROUTERS:
+        raise ValueError(f"synthetic router {router!r}: one of {', '.join(SYNTHETIC_ROUTERS)}")
     rng = np.random.default_rng(seed)
     block_elems = 8 << 20
     block = rng.uniform(-1.0, 1.0, block_elems).astype(np.float32)
@@ -295,6 +337,14 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
                     values = rng.normal(0.0, 0.3, count)
                 device.memcpy_htod(base + slot.offset, f32_to_bf16(values.astype(np.float32)), stream)
                 stream.synchronize()
+        if router == "skewed":
+            for slots in layout.layers:
+                if "router" in slots:
+                    e, h = slots["router"].shape
+                    hot = min(HOT_EXPERTS, e) * h  # the rows the tiling put there, scaled up
+                    rows = block[:hot] * np.float32(np.sqrt(3.0 / h) * HOT_SCALE)
+                    device.memcpy_htod(base + slots["router"].offset, f32_to_bf16(rows), stream)
+                    stream.synchronize()
         stream.synchronize()
     finally:
         device.mem_free(scratch)

@@ -1,0 +1,68 @@
+"""`CudaRunner` on the tiny MoE model (`tools/make_tiny.py --moe`: 8 experts, top 2, a shared
+expert) against `NumpyRunner`, by the rules the dense model is held to.
+
+The checks are those of test_cuda_runner.py, run here with this module's `tiny_path` (pytest
+resolves a test's fixtures in the module that collects it): logits within 2x of a torch BF16
+forward's error (tests/gpu/torch_forward.py computes the MoE MLP as Hugging Face rounds it), top-1
+agreement, greedy continuations whose misses are near-ties, several sequences batched equal to
+each alone and graph replay equal to eager launches (bit for bit), prefill in pieces, decode equal
+to prefill.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.model.runner import DecodeItem, PrefillChunk
+
+from .test_cuda_runner import (runners, test_batched_equals_alone_and_graph_equals_eager,  # noqa: F401
+                               test_decode_matches_prefill, test_greedy_continuation_matches_reference,
+                               test_prefill_in_pieces, test_prefill_logits_match_reference)
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = Path(os.environ.get("INFERNIX_TINY_MOE", REPO / "build" / "tiny-moe.infernix"))
+    if not path.exists():
+        from tools.make_tiny import make_tiny
+
+        path = tmp_path_factory.mktemp("tiny") / "tiny-moe.infernix"
+        make_tiny(path, family="moe", seed=0, vocab="small")
+    return path
+
+
+def test_the_model_is_moe_and_runs_the_moe_kernels(runners):
+    cuda, _ = runners
+    assert cuda.config.family == "moe" and cuda.kernels.moe_down is not None
+
+
+def test_a_batch_of_eight_equals_each_row_alone(runners):
+    """A decode step of 8 sequences (the largest bucket, every expert slot of the grid in use)
+    equals each sequence decoded alone, bit for bit: the MoE kernels reduce every row on its own."""
+    cuda, _ = runners
+    vocab = cuda.vocab_size
+    prompts = [np.random.default_rng(50 + i).integers(0, vocab, 9 + 3 * i).tolist() for i in range(8)]
+    slots = list(range(8))
+
+    def prefill(slot, ids):
+        cuda.reset_slot(slot)
+        cuda.prefill(PrefillChunk(slot=slot, token_ids=ids, start_pos=0, page_table=[slot * 8]))
+
+    def item(slot, ids):
+        return DecodeItem(slot=slot, token_id=11 + slot, pos=len(ids), page_table=[slot * 8])
+
+    for slot, ids in zip(slots, prompts):
+        prefill(slot, ids)
+    batched = cuda.decode([item(slot, ids) for slot, ids in zip(slots, prompts)])
+    alone = []
+    for slot, ids in zip(slots, prompts):
+        prefill(slot, ids)
+        alone.append(cuda.decode([item(slot, ids)])[0])
+    np.testing.assert_array_equal(batched, np.stack(alone))

@@ -1,0 +1,198 @@
+"""The `moe` kernels (cute_kernels/moe.py) against their NumPy references on a real GPU.
+
+Per MoE shape we serve (the tiny test model's and the 35B-A3B's): router logits; routing with tied
+logits, a row of equal logits and renormalised weights; the experts' gate/up and down with ids
+that leave experts without a row and with one expert taking every row; the four kernels chained,
+each row computed alone equal to the batch bit for bit. Outputs are poisoned with NaN first (an
+element a kernel forgets stays NaN) with one poisoned row past M that must stay untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from cute_kernels import moe
+from cute_kernels.bf16 import round_bf16
+
+from .conftest import assert_close_to_baseline, rel_err
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {shape[0]: shape for shape in moe.SHAPES}
+
+
+def _key(kind: str, h: int) -> str:
+    return next(v.key for v in moe.variants() if v.config["kind"] == kind and v.config["H"] == h)
+
+
+def _bf(rng, shape, scale=1.0):
+    return round_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def _f32(mem, values) -> int:
+    arr = np.ascontiguousarray(values, np.float32)
+    ptr = mem.alloc(arr.nbytes)
+    mem.device.memcpy_htod(ptr, arr, mem.stream)
+    mem.stream.synchronize()
+    return ptr
+
+
+def _f32_poisoned(mem, count: int) -> int:
+    return _f32(mem, np.full(count, np.nan, np.float32))
+
+
+@functools.lru_cache(maxsize=len(SHAPES))
+def _weights(name):
+    """Router [E, H], shared gate [H], gate_up [E + 1, 2I, H], down [E + 1, H, I] (1/sqrt(fan_in)),
+    drawn once per shape (the 35B-A3B's stacks are 0.8 G values)."""
+    _, h, e, _, inter, _, _ = SHAPES[name]
+    rng = np.random.default_rng(99)
+    return (_bf(rng, (e, h), h ** -0.5), _bf(rng, (h,), h ** -0.5), _bf(rng, (e + 1, 2 * inter, h), h ** -0.5),
+            _bf(rng, (e + 1, h, inter), inter ** -0.5))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_logits(library, mem, stream, name, m):
+    _, h, e, _, _, _, _ = SHAPES[name]
+    rng = np.random.default_rng(m)
+    x = _bf(rng, (m, h))
+    router = _bf(rng, (e, h), h ** -0.5)
+    out = _f32_poisoned(mem, (m + 1) * e)
+    library.kernel("moe", _key("logits", h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
+                                                    {"M": m})
+    got = mem.read_f32(out, np.empty((m + 1, e))).astype(np.float64)
+    assert np.isnan(got[m]).all(), "the row past M was written"
+    want = moe.reference_logits(x, router)
+    # fp32 sums of H bf16 products against float64: a few fp32 ulps of the row's magnitude.
+    assert rel_err(got[:m], want) < 1e-5, rel_err(got[:m], want)
+
+
+def _route(library, mem, stream, name, logits, x, w_sg):
+    _, h, e, k, _, _, _ = SHAPES[name]
+    m = logits.shape[0]
+    ids = mem.i32(np.full((m + 1) * (k + 1), -7))
+    wts = _f32_poisoned(mem, (m + 1) * (k + 1))
+    library.kernel("moe", _key("route", h)).launch(
+        stream, {"logits": _f32(mem, logits), "x": mem.bf16(x), "w_sg": mem.bf16(w_sg), "ids": ids, "wts": wts},
+        {"M": m})
+    got_ids = mem.read_i32(ids, (m + 1) * (k + 1)).reshape(m + 1, k + 1)
+    got_wts = mem.read_f32(wts, np.empty((m + 1, k + 1)))
+    assert (got_ids[m] == -7).all() and np.isnan(got_wts[m]).all(), "the row past M was written"
+    return got_ids[:m], got_wts[:m]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_route_ties_and_weights(library, mem, stream, name):
+    _, h, e, k, _, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(7)
+    m = 6
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    logits[1] = 0.25  # every expert tied: the first k ids win
+    logits[2, [3, 1, e - 1, e // 2]] = 9.0  # a four-way tie at the top: ascending ids
+    logits[3, ::2] = logits[3, 1::2]  # pairs of equal logits everywhere
+    x = _bf(rng, (m, h))
+    w_sg = _bf(rng, (h,), h ** -0.5)
+    ids, wts = _route(library, mem, stream, name, logits, x, w_sg)
+    want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
+    print("ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
+    np.testing.assert_array_equal(ids, want_ids)
+    assert ids[1, :k].tolist() == list(range(k))
+    # Weights: fp32 with the fast exp (ex2.approx on x * log2 e: a few 1e-7 relative for the
+    # logit gaps here) and one division; the shared gate: an fp32 dot product over H terms, then a
+    # sigmoid. 1e-5 leaves a margin and is far below what the bf16 model notices.
+    np.testing.assert_allclose(wts[:, :k], want_wts[:, :k], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(wts[:, k], want_wts[:, k], rtol=1e-5)
+    if renorm:
+        np.testing.assert_allclose(wts[:, :k].sum(-1), 1.0, rtol=1e-5)
+
+
+def _exact_act(x, gate_up, ids):
+    """silu(gate) * up of every (row, slot) in float64, nothing rounded."""
+    inter = gate_up.shape[1] // 2
+    full = np.stack([[gate_up[ex].astype(np.float64) @ x[r].astype(np.float64) for ex in row]
+                     for r, row in enumerate(ids)])
+    g, u = full[..., :inter], full[..., inter:]
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def _ids_cases(rng, m, e, k):
+    """Routed ids per row (distinct within a row), then the shared expert E: random (several
+    experts get no row), and one expert set taking every row."""
+    rand = np.stack([rng.permutation(e)[:k] for _ in range(m)])
+    same = np.broadcast_to(rng.permutation(e)[:k], (m, k))
+    shared = np.full((m, 1), e)
+    return {"random": np.concatenate([rand, shared], 1), "all_rows_one_set": np.concatenate([same, shared], 1)}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_up_and_down(library, mem, stream, name, m):
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    rng = np.random.default_rng(100 + m)
+    p = k + 1
+    _, _, gate_up, down = _weights(name)
+    x = _bf(rng, (m, h))
+    d_gate_up, d_down, d_x = mem.bf16(gate_up), mem.bf16(down), mem.bf16(x)
+    for case, ids in _ids_cases(rng, m, e, k).items():
+        act = mem.poisoned((m + 1) * p * inter)
+        d_ids = mem.i32(ids)
+        library.kernel("moe", _key("up", h)).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act},
+                                                    {"M": m})
+        got = mem.read_bf16(act, (m + 1, p, inter))
+        assert np.isnan(got[m]).all(), "the row past M was written"
+        assert_close_to_baseline(got[:m], _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids),
+                                 f"{name} up {case} M={m}")
+
+        wts = rng.uniform(0.05, 1.0, (m, p)).astype(np.float32)
+        act_in = _bf(rng, (m, p, inter))
+        out = mem.poisoned((m + 1) * h)
+        library.kernel("moe", _key("down", h)).launch(
+            stream, {"act": mem.bf16(act_in), "w": d_down, "ids": d_ids, "wts": _f32(mem, wts), "out": out}, {"M": m})
+        got = mem.read_bf16(out, (m + 1, h))
+        assert np.isnan(got[m]).all(), "the row past M was written"
+        assert_close_to_baseline(got[:m], moe.reference_down(act_in, down, ids, wts, exact=True),
+                                 moe.reference_down(act_in, down, ids, wts), f"{name} down {case} M={m}")
+
+
+def _chain(library, mem, stream, name, x, weights):
+    """The four kernels over the rows of x, weights as device pointers; returns (ids, delta rows)."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    m, p = x.shape[0], k + 1
+    router, w_sg, gate_up, down = weights
+    bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
+            "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
+    run = library.kernel
+    run("moe", _key("logits", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]}, {"M": m})
+    run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
+                                                 "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
+    run("moe", _key("up", h)).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
+                                              "act": bufs["act"]}, {"M": m})
+    run("moe", _key("down", h)).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"],
+                                                "wts": bufs["wts"], "out": bufs["out"]}, {"M": m})
+    return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_chained_mlp_and_rows_alone(library, mem, stream, name):
+    """Logits -> route -> up -> down on 8 rows against `moe.reference` (same routing expected:
+    fp32 logits, so a flip needs two logits within fp32 rounding), and each row alone equal to
+    its row in the batch bit for bit."""
+    _, h, e, k, inter, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(42)
+    x = _bf(rng, (8, h))
+    weights = _weights(name)
+    on_device = [mem.bf16(w) for w in weights]
+    ids, got = _chain(library, mem, stream, name, x, on_device)
+    router, w_sg, gate_up, down = weights
+    want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
+    np.testing.assert_array_equal(ids, want_ids)
+    exact = moe.reference_down(_exact_act(x, gate_up, want_ids), down, want_ids, want_wts, exact=True)
+    assert_close_to_baseline(got, exact, moe.reference(x, router, w_sg, gate_up, down, k, renorm),
+                             f"{name} chained")
+    for r in (0, 3, 7):
+        _, alone = _chain(library, mem, stream, name, x[r:r + 1], on_device)
+        np.testing.assert_array_equal(alone[0], got[r])
