@@ -17,7 +17,8 @@ import pytest
 
 from runtime.model.runner import DecodeItem, PrefillChunk
 
-from .test_cuda_runner import _pages, _prompt, _rel, _torch_bf16_logits
+from .test_cuda_runner import _pages, _prompt, _rel
+from .torch_forward import torch_bf16_logits as _torch_bf16_logits
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,8 @@ import pytest
 
 from tools.quality import perplexity as ppl
 
-from .test_cuda_runner import _torch_bf16_logits, tiny_path  # noqa: F401 - the module fixture
+from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
+from .torch_forward import torch_bf16_logits as _torch_bf16_logits
 
 pytestmark = pytest.mark.gpu
 

@@ -83,9 +83,10 @@ def test_joining_and_leaving_mid_decode_equal_each_alone(runner):
     assert not diverged, {i: (staggered[i], alone[i]) for i in diverged}
 
 
-REPLAY = pytest.mark.xfail(strict=True, reason="without a host tier a preempted request replays its "
-                           "output by prefill, which rounds differently from the decode steps that first "
-                           "computed it")
+REPLAY = pytest.mark.xfail(strict=False, reason="without a host tier a preempted request replays its output "
+                           "by prefill, which may round differently from the decode steps that first computed it: "
+                           "not guaranteed (docs/serving.md); on the H200 the 4-layer model happened to match, the "
+                           "64-layer one diverged")
 
 
 @pytest.mark.parametrize("host_tier", [pytest.param(False, marks=REPLAY), True], ids=["replay", "host-tier"])
