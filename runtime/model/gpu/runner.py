@@ -40,14 +40,14 @@ from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables,
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
                                   speculative_round_cost)
+from runtime.model.sampling import RowSampling
 
 # What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
-# conv and recurrent step and the head's rows are not). Measured on the H200 at the 27B shape,
-# batch 1: 1 + 3 tokens cost 1.19 decode steps, 1 + 7 tokens 1.45 (docs/performance.md), with the
-# GDN conv and recurrent step still launched once per position; not measured yet with their
-# `verify` kernels (one launch each per layer).
-VERIFY_TOKEN_COST = 0.064
-from runtime.model.sampling import RowSampling
+# conv and recurrent step are one `verify` launch each per layer, the head's rows are not
+# shared). Measured on the H200 at the 27B shape, batch 1: 1 + 3 tokens cost 1.16 decode steps
+# (0.053 a token), 1 + 7 tokens 1.32 (0.046) (docs/performance.md, "Verify kernels, the MTP
+# head and MoE").
+VERIFY_TOKEN_COST = 0.05
 
 
 class CudaRunner:
