@@ -80,7 +80,7 @@ def expand_pads(ids: Sequence[int], items: Sequence[Prepared], image_pad: int,
                 ) -> tuple[tuple[int, ...], tuple[MediaSpan, ...]]:
     """Each `image_pad` of the rendered ids, in order, widened to its image's merged tokens;
     each `video_pad` (one per frame group after `video_replacements`) to its group's."""
-    blocks = []                          # (pad id, grid, patches, digest, tokens) in order
+    blocks = []                          # (pad id, patches, grid, digest, tokens) in order
     for item in items:
         if isinstance(item, PreparedVideo):
             if video_pad is None:
@@ -89,7 +89,7 @@ def expand_pads(ids: Sequence[int], items: Sequence[Prepared], image_pad: int,
             blocks += [(video_pad, *item.group(g), item.group_tokens(merge))
                        for g in range(item.grid[0])]
         else:
-            blocks.append((image_pad, item.grid, item.patches, item.digest,
+            blocks.append((image_pad, item.patches, item.grid, item.digest,
                            item.merged_tokens(merge)))
     for pad, noun, want in ((image_pad, "image", "image part(s)"),
                             (video_pad, "video frame group", "video frame group(s)")):
@@ -105,7 +105,7 @@ def expand_pads(ids: Sequence[int], items: Sequence[Prepared], image_pad: int,
         if token not in (image_pad, video_pad):
             out.append(token)
             continue
-        pad, grid, patches, digest, tokens = next(remaining)
+        pad, patches, grid, digest, tokens = next(remaining)
         if pad != token:
             raise MediaError("messages", "the chat template placed the media in another order "
                                          "than the parts")

@@ -124,15 +124,16 @@ def decode_video(data: bytes, where: str, rules: VideoRules) -> DecodedVideo:
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
-                raise MediaError(where, "the file holds no video stream")
+                # An MP4 whose video track has no samples shows no stream at all.
+                raise MediaError(where, "the file holds no video frames (no video stream)")
             stream = container.streams.video[0]
             if stream.codec_context.width * stream.codec_context.height > MAX_DECODED_PIXELS:
                 raise MediaError(where, f"a frame is larger than {MAX_DECODED_PIXELS} pixels")
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else DEFAULT_FPS
-            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            total = stream.frames or _count_packets(container, stream)
             if total == 0:
-                raise MediaError(where, "the video holds no frames")
+                raise MediaError(where, "the file holds no video frames")
             if total / fps > rules.max_seconds:
                 raise MediaError(where, f"the video lasts {total / fps:.1f} s, over the "
                                         f"{rules.max_seconds:g} s limit")
@@ -151,6 +152,20 @@ def decode_video(data: bytes, where: str, rules: VideoRules) -> DecodedVideo:
                                 f"frames could be decoded (truncated or corrupt video)")
     return DecodedVideo(frames=np.stack([frames[int(i)] for i in wanted]),
                         indices=tuple(int(i) for i in wanted), fps=fps)
+
+
+def _count_packets(container, stream) -> int:
+    """Frames of a stream whose container states no count (WebM, Matroska): its packets, up
+    to the end of the file or of what is left of it."""
+    import av
+
+    count = 0
+    try:
+        for packet in container.demux(stream):
+            count += bool(packet.size)         # the demuxer ends with an empty flush packet
+    except av.error.EOFError:                  # a cut file ends inside a cluster
+        pass
+    return count
 
 
 def _decode_frames(container, stream, wanted: set[int], where: str) -> dict[int, np.ndarray]:
@@ -175,6 +190,8 @@ def smart_resize_video(frames: int, height: int, width: int, rules: VideoRules,
     """Target (height, width) of every frame: multiples of `rules.factor`, with
     frames (rounded to the temporal patch) * height * width within the pixel budget."""
     factor, temporal = rules.factor, rules.temporal_patch_size
+    # The reference refuses a clip shorter than one temporal patch; its padded pair is budgeted.
+    frames = max(frames, temporal)
     if height < factor or width < factor:          # tiny clips are first scaled up to one factor
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
