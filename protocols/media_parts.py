@@ -38,8 +38,8 @@ def image_part(source: str, where: str, kind: str = "image") -> dict:
     scheme = source.partition(":")[0].lower()
     if scheme not in ("data", "http", "https"):
         example = "data:image/png;base64" if kind == "image" else "data:video/mp4;base64"
-        raise invalid(where, f"an {kind} source must be a base64 data URI ({example},...) or an "
-                             "http(s) URL")
+        raise invalid(where, f"{'an image' if kind == 'image' else 'a video'} source must be a "
+                             f"base64 data URI ({example},...) or an http(s) URL")
     return {"type": kind, kind: source, "where": where}
 
 
