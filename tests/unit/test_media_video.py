@@ -180,3 +180,24 @@ def test_a_video_in_a_tool_result_without_vision_becomes_a_note():
     with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[0\]: video input needs "
                                          r"vision: start with --vision"):
         resolve_media([dict(messages[0], role="user")], None, SourceLimits())
+
+
+def test_the_converter_keeps_the_video_processor_and_vision_max_merged_caps_it(tmp_path):
+    from runtime.artifact import open_artifact
+    from runtime.config import parse_settings
+    from runtime.engine.speculative import SpeculativeConfig
+    from runtime.session.engine_settings import vision_settings
+    from tools.make_tiny import make_tiny
+
+    path = make_tiny(tmp_path / "v.infernix", vision=True)
+    with open_artifact(path) as artifact:
+        assert artifact.component("vision").config["video_processor"] == {
+            "min_pixels": 8 * 32 * 32 * 2, "max_pixels": 128 * 32 * 32 * 2, "fps": 2,
+            "min_frames": 4, "max_frames": 16, "mean": [0.5] * 3, "std": [0.5] * 3}
+        for flags, max_frames, max_pixels in (((), 16, 128 * 2048),
+                                              (("--vision-max-merged", "64"), 16, 64 * 2048)):
+            settings = parse_settings("serve", [str(path), "--device", "cpu", "--vision", *flags])
+            tower, rules = vision_settings(settings, "cpu", artifact, SpeculativeConfig())
+            assert tower.video_token_id == artifact.component("text").config["video_token_id"]
+            assert (rules.video.fps, rules.video.min_frames, rules.video.max_frames,
+                    rules.video.max_pixels) == (2.0, 4, max_frames, max_pixels)
