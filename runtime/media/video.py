@@ -27,6 +27,7 @@ from runtime.media.sources import MediaError
 
 DEFAULT_FPS = 24.0          # a stream that states no rate: the reference assumes 24
 VIDEO_BLOCK = ("<|vision_start|>", "<|video_pad|>", "<|vision_end|>")
+MAX_SAMPLED_BYTES = 1 << 31  # the sampled frames are kept decoded (RGB) until resized: 2 GiB
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def decode_video(data: bytes, where: str, rules: VideoRules) -> DecodedVideo:
                 # An MP4 whose video track has no samples shows no stream at all.
                 raise MediaError(where, "the file holds no video frames (no video stream)")
             stream = container.streams.video[0]
-            if stream.codec_context.width * stream.codec_context.height > MAX_DECODED_PIXELS:
+            pixels = stream.codec_context.width * stream.codec_context.height
+            if pixels > MAX_DECODED_PIXELS:
                 raise MediaError(where, f"a frame is larger than {MAX_DECODED_PIXELS} pixels")
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else DEFAULT_FPS
@@ -138,6 +140,12 @@ def decode_video(data: bytes, where: str, rules: VideoRules) -> DecodedVideo:
                 raise MediaError(where, f"the video lasts {total / fps:.1f} s, over the "
                                         f"{rules.max_seconds:g} s limit")
         wanted = sample_indices(total, fps, rules)
+        decoded_bytes = len(wanted) * pixels * 3
+        if decoded_bytes > MAX_SAMPLED_BYTES:
+            raise MediaError(where, f"the {len(wanted)} sampled frames need "
+                                    f"{decoded_bytes / (1 << 30):.1f} GiB decoded, over the "
+                                    f"{MAX_SAMPLED_BYTES / (1 << 30):.0f} GiB limit (send a "
+                                    "shorter or smaller video)")
         with av.open(io.BytesIO(data)) as container:      # anew: counting consumed the packets
             frames = _decode_frames(container, container.streams.video[0],
                                     set(wanted.tolist()), where)
@@ -224,13 +232,12 @@ def prepare_video(video: DecodedVideo, rules: VideoRules, where: str = "video") 
     """Sampled frames -> the tower's patches (see `PreparedVideo`)."""
     count, height, width, _ = video.frames.shape
     new_h, new_w = smart_resize_video(count, height, width, rules, where)
-    # All frames resized at once: the resampler treats frames x channels as channels.
-    stacked = video.frames.transpose(1, 2, 0, 3).reshape(height, width, count * 3)
-    resized = np.clip(np.round(resize(stacked, new_h, new_w)), 0, 255)
-    resized = resized.reshape(new_h, new_w, count, 3).transpose(2, 3, 0, 1)   # [n, 3, H, W]
-    mean = np.asarray(rules.mean, np.float64)[:, None, None]
-    std = np.asarray(rules.std, np.float64)[:, None, None]
-    clip = ((resized / 255.0 - mean) / std).astype(np.float32)
+    mean = np.asarray(rules.mean, np.float64)
+    std = np.asarray(rules.std, np.float64)
+    clip = np.empty((count, 3, new_h, new_w), np.float32)
+    for i, frame in enumerate(video.frames):     # frame by frame: float64 copies stay small
+        resized = np.clip(np.round(resize(frame, new_h, new_w)), 0, 255)
+        clip[i] = ((resized / 255.0 - mean) / std).transpose(2, 0, 1)
     p, tp, m = rules.patch_size, rules.temporal_patch_size, rules.merge_size
     if count % tp:                                   # odd count: repeat the last frame
         clip = np.concatenate([clip, np.repeat(clip[-1:], tp - count % tp, axis=0)])

@@ -142,7 +142,9 @@ def bad(data: bytes, rules: MediaRules = RULES, limits: SourceLimits = SourceLim
     return caught.value.reason
 
 
-def test_every_bad_video_is_refused_naming_the_part(tmp_path):
+def test_every_bad_video_is_refused_naming_the_part(tmp_path, monkeypatch):
+    from runtime.media import video as video_module
+
     import av
 
     good = video_bytes(moving_square(20))
@@ -158,6 +160,10 @@ def test_every_bad_video_is_refused_naming_the_part(tmp_path):
         "media is larger than the 1000 byte limit"
     short = MediaRules(RULES.image, VideoRules(max_seconds=2.0))
     assert bad(good, rules=short) == "the video lasts 2.5 s, over the 2 s limit"
+    monkeypatch.setattr(video_module, "MAX_SAMPLED_BYTES", 4 * 48 * 64 * 3)    # 4 frames' worth
+    assert bad(good) == "the 5 sampled frames need 0.0 GiB decoded, over the 0 GiB limit " \
+                        "(send a shorter or smaller video)"
+    monkeypatch.undo()
     assert bad(b"", source="https://example.invalid/clip.mp4").startswith(
         "remote media URLs are off; start with --allow-remote-media")
     # An MP4 with its index first states 20 frames; cut, the later sampled frames are missing.

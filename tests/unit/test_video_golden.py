@@ -34,7 +34,8 @@ def golden():
 
 def spans(golden) -> tuple[MediaSpan, ...]:
     """One one-frame block per frame group, on the processor's patches."""
-    video = PreparedVideo(patches=golden["pixel_values"], grid=tuple(int(v) for v in golden["grid"]),
+    grid = tuple(int(v) for v in golden["grid"])
+    video = PreparedVideo(patches=golden["pixel_values"], grid=grid,
                           timestamps=tuple(golden["timestamps"]), digest="golden-video")
     starts = [i + 1 for i in np.flatnonzero(golden["ids"] == VISION_START)]
     out = []
