@@ -18,8 +18,10 @@ golden.npz:
         (decoded by av here, independently of runtime.media); indices [5]; fps [];
     pixel_values [72, 1536] float32, grid [3]: the processor's tower input (3 groups of 4 x 6);
     timestamps [3]; video_embeds [18, 64]: the merger's outputs;
-    ids [T] int64: text, then per group <t seconds> (stand-in text ids) <|vision_start|> 6 pads
-        <|vision_end|>, then text; positions [3, T]; logits [T, V]; decode_logits [V].
+    ids [T] int64: text, <|vision_start|>, per group <t seconds> (stand-in text ids)
+        <|vision_start|> 6 pads <|vision_end|>, <|vision_end|>, text (the processor keeps the
+        template's outer markers and replaces its one pad); positions [3, T]; logits [T, V];
+        decode_logits [V].
 
 Made on the CPU (2 cores, torch 2.13.0+cpu, transformers 5.24.0, av 18.1.0, a few seconds):
 
@@ -120,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(SEED + 1)
     text = lambda n: rng.integers(0, 490, n).tolist()  # noqa: E731 (ids below the specials)
     per_group = int(grid[0, 1] * grid[0, 2]) // 4
-    ids = text(5)
+    ids = text(5) + [VISION_START]
     for _ in range(int(grid[0, 0])):
         ids += text(3) + [VISION_START] + [VIDEO_TOKEN] * per_group + [VISION_END]
-    ids += text(6)
+    ids += [VISION_END] + text(6)
     input_ids = torch.tensor([ids])
     types = (input_ids == VIDEO_TOKEN).int() * 2
     with torch.no_grad():

@@ -8,9 +8,11 @@ The rules are those of Qwen's video processor (qwen-arch section 4):
   budget counted over all frames (`frames * height * width` within [min_pixels, max_pixels]);
 - time: an odd frame count is padded by repeating the last frame, then each pair of frames
   (temporal patch 2) is one frame group of the tower's grid;
-- prompt: each group is its own block `<{t:.1f} seconds><|vision_start|>` + pads +
-  `<|vision_end|>`, t the mean timestamp of the group's two frames; the tower and the MRoPE
-  positions treat each group as a one-frame image (attention never crosses a frame).
+- prompt: the template's `<|vision_start|><|video_pad|><|vision_end|>` keeps its outer markers
+  and its pad becomes one block per group, `<{t:.1f} seconds><|vision_start|>` + pads +
+  `<|vision_end|>`, t the mean timestamp of the group's two frames (what transformers' processor
+  writes: it replaces the pad only); the tower and the MRoPE positions treat each group as a
+  one-frame image (attention never crosses a frame).
 """
 
 from __future__ import annotations
@@ -105,9 +107,11 @@ class PreparedVideo:
         return self.patches[g * rows:(g + 1) * rows], (1, *self.grid[1:]), f"{self.digest}:{g}"
 
     def prompt_text(self) -> str:
-        """The blocks that replace the template's one `VIDEO_BLOCK`, one pad per group
-        (`placement.expand_pads` widens each)."""
-        return "".join(f"<{t:.1f} seconds>" + "".join(VIDEO_BLOCK) for t in self.timestamps)
+        """What replaces the template's one `VIDEO_BLOCK`: its outer markers around one block
+        per group, one pad each (`placement.expand_pads` widens each)."""
+        start, _, end = VIDEO_BLOCK
+        return start + "".join(f"<{t:.1f} seconds>" + "".join(VIDEO_BLOCK)
+                               for t in self.timestamps) + end
 
 
 def sample_indices(total: int, fps: float, rules: VideoRules) -> np.ndarray:

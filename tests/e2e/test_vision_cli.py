@@ -89,10 +89,12 @@ def test_video_through_the_cli(model, tmp_path):
     assert token_ids(by_path[2]) == token_ids(by_uri[2]) != token_ids(text_only[2])
     # 2.5 s at 2 fps: frames 0, 5, 10, 14, 19 of 48 x 64 px -> 3 groups of 64 x 64 px (inside
     # the tiny model's video budget), at (0 + 5) / 2 / 8 = 0.3 s, 1.5 s and 19 / 8 = 2.4 s: each
-    # is <t seconds>, <|vision_start|>, 2 x 2 pads, <|vision_end|>.
+    # is <t seconds>, <|vision_start|>, 2 x 2 pads, <|vision_end|>, all inside the template's
+    # <|vision_start|> ... <|vision_end|>.
     tokens = [int(re.search(r"prompt tokens (\d+)", run[2]).group(1))
               for run in (by_path, text_only)]
-    assert tokens[0] == tokens[1] + timestamp_tokens(model, ("0.3", "1.5", "2.4")) + 3 * (2 + 4)
+    stamps = timestamp_tokens(model, ("0.3", "1.5", "2.4"))
+    assert tokens[0] == tokens[1] + 2 + stamps + 3 * (2 + 4)
 
 
 def test_vision_max_merged_caps_a_video(model, tmp_path):

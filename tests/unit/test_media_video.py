@@ -121,8 +121,10 @@ def test_resolve_and_expand_a_video_into_frame_group_blocks():
     assert video.grid == (3, 4, 4)
     (old, new), = video_replacements(items)
     assert old == "<|vision_start|><|video_pad|><|vision_end|>"
-    assert new == "".join(f"<{t} seconds><|vision_start|><|video_pad|><|vision_end|>"
-                          for t in ("0.3", "1.5", "2.4"))
+    # The template's outer markers stay around the groups (as transformers' processor does).
+    assert new == "<|vision_start|>" + "".join(
+        f"<{t} seconds><|vision_start|><|video_pad|><|vision_end|>"
+        for t in ("0.3", "1.5", "2.4")) + "<|vision_end|>"
     # The template's rendering with one pad per group (ids: start 3, pad 9, end 4).
     ids, spans = expand_pads([1, 3, 9, 4, 7, 3, 9, 4, 7, 3, 9, 4, 2], items, image_pad=8,
                              merge=2, video_pad=9)

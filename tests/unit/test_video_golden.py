@@ -23,7 +23,7 @@ from tests.unit.test_vision_golden import artifact  # noqa: F401 (the shared mod
 
 GOLDEN = VISION_GOLDEN.parent / "video"
 RULES = VideoRules(min_pixels=4 * 32 * 32 * 2, max_pixels=16 * 32 * 32 * 2)  # as the generator's
-VIDEO_PAD, VISION_START = 506, 503
+VIDEO_PAD = 506
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,8 @@ def spans(golden) -> tuple[MediaSpan, ...]:
     grid = tuple(int(v) for v in golden["grid"])
     video = PreparedVideo(patches=golden["pixel_values"], grid=grid,
                           timestamps=tuple(golden["timestamps"]), digest="golden-video")
-    starts = [i + 1 for i in np.flatnonzero(golden["ids"] == VISION_START)]
+    ids = golden["ids"]
+    starts = [i for i in np.flatnonzero(ids == VIDEO_PAD) if ids[i - 1] != VIDEO_PAD]
     out = []
     for g, start in enumerate(starts):
         patches, grid, digest = video.group(g)
@@ -56,7 +57,8 @@ def test_decoding_sampling_and_preprocessing_match_the_processor(golden):
     # Both resizes round to uint8 before normalising, so values agree to float32 rounding
     # (a one-level difference would be 2/255 ~ 8e-3).
     np.testing.assert_allclose(video.patches, golden["pixel_values"], rtol=0, atol=1e-6)
-    assert video.prompt_text().startswith("<0.3 seconds><|vision_start|><|video_pad|>")
+    assert video.prompt_text().startswith("<|vision_start|><0.3 seconds><|vision_start|>"
+                                          "<|video_pad|><|vision_end|><1.5 seconds>")
 
 
 def test_expand_pads_gives_the_golden_layout(golden):
