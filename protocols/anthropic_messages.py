@@ -27,7 +27,8 @@ from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice
                            get_dict, get_effort, get_int, get_list, get_stop,
                            get_str, template_kwargs, text_of_parts,
                            thinking_from_kwargs)
-from protocols.media_parts import anthropic_image, content_with_images, image_part, joined
+from protocols.media_parts import (VIDEO_TYPES, anthropic_image, content_with_images, image_part,
+                                   joined)
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
 
@@ -213,7 +214,7 @@ def _user(blocks: list, where: str, messages: list[dict]) -> None:
         if kind == "text":
             parts.append({"type": "text",
                           "text": get_str(block, "text", f"{block_where}.text", required=True)})
-        elif kind == "image":
+        elif kind == "image" or kind in VIDEO_TYPES:
             parts.append(image_part(anthropic_image(block, block_where), block_where))
         elif kind == "tool_result":
             call_id = get_str(block, "tool_use_id", f"{block_where}.tool_use_id", required=True)

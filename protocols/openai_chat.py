@@ -24,7 +24,7 @@ from protocols.job import (Capabilities, GenerationJob, OutputFormat, ToolChoice
                            get_dict, get_effort, get_int, get_list, get_number, get_stop,
                            get_str, get_verbosity, parse_arguments, template_kwargs,
                            text_of_parts, thinking_from_kwargs)
-from protocols.media_parts import chat_image, content_with_images
+from protocols.media_parts import chat_image, chat_video, content_with_images
 from runtime.text.events import (ContentDelta, ParserEvent, ReasoningDelta, ToolCallArgsDelta,
                                  ToolCallEnd, ToolCallStart)
 
@@ -154,7 +154,7 @@ def _messages(raw: list) -> list[dict]:
                 message.get("content"), f"{where}.content")})
         elif role == "user":
             messages.append({"role": "user", "content": content_with_images(
-                message.get("content"), f"{where}.content", chat_image)})
+                message.get("content"), f"{where}.content", chat_image, video_source=chat_video)})
         elif role == "assistant":
             messages.append(_assistant(message, where))
         elif role in ("tool", "function"):
@@ -162,10 +162,11 @@ def _messages(raw: list) -> list[dict]:
             if not isinstance(call_id, str):
                 key = "tool_call_id" if role == "tool" else "name"
                 raise invalid(f"{where}.{key}", "is required and must be a string")
-            # Images in a tool result: passed with vision on, a short note with it off.
+            # Media in a tool result: passed with vision on, a short note with it off.
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": content_with_images(message.get("content"),
-                                                            f"{where}.content", chat_image)})
+                                                            f"{where}.content", chat_image,
+                                                            video_source=chat_video)})
         else:
             raise invalid(f"{where}.role", f"unknown role {role!r}")
     return messages

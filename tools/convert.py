@@ -321,8 +321,9 @@ def read_resources(src: Path, family: str, chat_template: Optional[Path],
 
 
 def vision_config(ck: Checkpoint, src: Path) -> Optional[dict]:
-    """The vision component's config (HF `vision_config`, the media token ids and the image
-    processor's pixel budget and normalisation), or None when the checkpoint has no tower."""
+    """The vision component's config (HF `vision_config`, the media token ids, the image
+    processor's pixel budget and normalisation, the video processor's frame rule and budget),
+    or None when the checkpoint has no tower."""
     config = ck.config.get("vision_config")
     if not config or not any(n.startswith(VISION_PREFIXES) for n in ck.where):
         return None
@@ -338,6 +339,16 @@ def vision_config(ck: Checkpoint, src: Path) -> Optional[dict]:
         merged["image_processor"] = {
             "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
             "max_pixels": size.get("longest_edge", values.get("max_pixels")),
+            "mean": values.get("image_mean"), "std": values.get("image_std")}
+    processor = src / "video_preprocessor_config.json"
+    if processor.is_file():
+        values = json.loads(processor.read_text())
+        size = values.get("size") or {}
+        merged["video_processor"] = {
+            "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
+            "max_pixels": size.get("longest_edge", values.get("max_pixels")),
+            "fps": values.get("fps"), "min_frames": values.get("min_frames"),
+            "max_frames": values.get("max_frames"),
             "mean": values.get("image_mean"), "std": values.get("image_std")}
     return merged
 

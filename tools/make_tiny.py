@@ -152,6 +152,14 @@ TINY_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_siz
                      "temporal_patch_size": 2, "merge_size": 2,
                      "size": {"shortest_edge": 64 * 32 * 32, "longest_edge": 1024 * 32 * 32},
                      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+# Video: Qwen3.5's frame rule (2 fps, 4..768 frames, here at most 16) and a budget of 8 to 128
+# merged tokens per video (frames * pixels, a frame group being 2 frames).
+TINY_VIDEO_PREPROCESSOR = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+                           "temporal_patch_size": 2, "merge_size": 2, "fps": 2,
+                           "min_frames": 4, "max_frames": 16,
+                           "size": {"shortest_edge": 8 * 32 * 32 * 2,
+                                    "longest_edge": 128 * 32 * 32 * 2},
+                           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def vision_tensors(rng: np.random.Generator, config: dict) -> dict[str, np.ndarray]:
@@ -303,6 +311,8 @@ def make_hf_dir(hf_dir: Path, *, family: str = "dense", seed: int = 0,
     hf_dir.mkdir(parents=True, exist_ok=True)
     if vision:
         (hf_dir / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2))
+        (hf_dir / "video_preprocessor_config.json").write_text(
+            json.dumps(TINY_VIDEO_PREPROCESSOR, indent=2))
     write_hf_weights(hf_dir / "model.safetensors", hf)
     (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
     (hf_dir / "tokenizer.json").write_bytes(tokenizer_json)

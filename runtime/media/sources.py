@@ -1,8 +1,8 @@
-"""Image sources of content parts -> bytes, with limits, and the error that names the part.
+"""Media sources of content parts -> bytes, with limits, and the error that names the part.
 
 A part is `{"type": "image", "image": SOURCE}` or `{"type": "image_url", "image_url": SOURCE}`
-where SOURCE is a string or `{"url": string}` (OpenAI's shape); the protocols translate their
-own part types into these. A source is a local path (or `file://` URL), a base64 data URI, or an
+(video: `video` / `video_url` likewise) where SOURCE is a string or `{"url": string}` (OpenAI's
+shape); the protocols translate their own part types into these. A source is a local path (or `file://` URL), a base64 data URI, or an
 HTTP(S) URL, fetched only when the settings allow remote media.
 """
 
@@ -65,7 +65,8 @@ def part_source(part: Mapping[str, Any], where: str) -> str:
                 return value
             raise MediaError(where, f"`{key}` must be a non-empty string or an object with a "
                                     "string `url`")
-    raise MediaError(where, "a media part needs an `image` or `image_url` source")
+    raise MediaError(where, "a media part needs an `image`, `image_url`, `video` or `video_url` "
+                            "source")
 
 
 def read_source(source: str, where: str, limits: SourceLimits) -> bytes:
@@ -116,7 +117,7 @@ def _local(path: Path, where: str, limits: SourceLimits) -> bytes:
 def _remote(url: str, where: str, limits: SourceLimits) -> bytes:
     if not limits.allow_remote:
         raise MediaError(where, "remote media URLs are off; start with --allow-remote-media to "
-                                "fetch them, or send the image as a base64 data URI")
+                                "fetch them, or send the media as a base64 data URI")
     try:
         with urllib.request.urlopen(url, timeout=limits.timeout_s) as response:
             data = response.read(limits.max_bytes + 1)

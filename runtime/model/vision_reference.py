@@ -40,6 +40,7 @@ class VisionConfig:
     image_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    video_token_id: int | None = None      # artifacts converted before video support lack it
 
     @property
     def head_dim(self) -> int:
@@ -74,7 +75,9 @@ class VisionConfig:
                    rope_theta=float(rope.get("rope_theta", 10000.0)),
                    image_token_id=int(need("image_token_id")),
                    vision_start_token_id=int(need("vision_start_token_id")),
-                   vision_end_token_id=int(need("vision_end_token_id")))
+                   vision_end_token_id=int(need("vision_end_token_id")),
+                   video_token_id=(int(config["video_token_id"])
+                                   if config.get("video_token_id") is not None else None))
         side = math.isqrt(made.num_position_embeddings)
         if side * side != made.num_position_embeddings:
             raise ConfigError("vision config: num_position_embeddings must be a square")
@@ -228,8 +231,9 @@ class VisionTower:
         return x + h @ w[b + "mlp.linear_fc2.weight"].T + w[b + "mlp.linear_fc2.bias"]
 
 
-ENCODER_CACHE_ITEMS = 8
-"""Encoded images kept by digest: a prompt's chunks and a preempted sequence's replay reuse them."""
+ENCODER_CACHE_ITEMS = 64
+"""Encoded images and video frame groups kept by digest (a video is many groups): a prompt's
+chunks and a preempted sequence's replay reuse them."""
 
 
 class MediaEmbedder:
@@ -246,6 +250,7 @@ class MediaEmbedder:
         from runtime.model.mrope import span_layout
 
         merge = self.tower.config.spatial_merge_size
+        pads = [self.tower.config.image_token_id, self.tower.config.video_token_id]
         x = x.copy()
         for b, spans in enumerate(media):
             for span in spans:
@@ -253,9 +258,9 @@ class MediaEmbedder:
                 inside = (positions[b] >= span.offset) & (positions[b] < span.offset + count)
                 if not inside.any():
                     continue
-                if np.any(tokens[b][inside] != self.tower.config.image_token_id):
+                if not np.all(np.isin(tokens[b][inside], pads)):
                     raise ValueError(f"the media block at {span.offset} covers tokens that are "
-                                     "not image pads")
+                                     "not image or video pads")
                 x[b, inside] = self.encode(span)[positions[b][inside] - span.offset]
         return x
 

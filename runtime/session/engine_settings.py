@@ -98,10 +98,12 @@ def cache_fingerprint(model_name: str, model_path: Path, runner: Any, kv_dtype: 
 
 def vision_settings(settings: Any, device: str, artifact: Any,
                     speculative: SpeculativeConfig) -> Optional[tuple[Any, Any]]:
-    """(VisionConfig, ImageRules) for --vision, None without it; refuses what cannot run."""
+    """(VisionConfig, MediaRules) for --vision, None without it; refuses what cannot run."""
     if not settings.vision:
         return None
     from runtime.media.image import ImageRules
+    from runtime.media.placement import MediaRules
+    from runtime.media.video import VideoRules
     from runtime.model.vision_reference import VisionConfig
 
     if "vision" not in artifact.all_component_names:
@@ -114,15 +116,27 @@ def vision_settings(settings: Any, device: str, artifact: Any,
         raise ConfigError("--vision with speculative decoding is not supported yet")
     config = artifact.component("vision").config
     tower = VisionConfig.from_dict(config)
+    shape = dict(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
+                 merge_size=tower.spatial_merge_size)
     processor = config.get("image_processor") or {}
     defaults = ImageRules()
-    rules = ImageRules(patch_size=tower.patch_size, temporal_patch_size=tower.temporal_patch_size,
-                       merge_size=tower.spatial_merge_size,
+    image = ImageRules(**shape,
                        min_pixels=int(processor.get("min_pixels") or defaults.min_pixels),
                        max_pixels=int(processor.get("max_pixels") or defaults.max_pixels),
                        mean=tuple(processor.get("mean") or defaults.mean),
                        std=tuple(processor.get("std") or defaults.std))
-    return tower, rules.capped(settings.vision_max_merged)
+    # Without a video processor config (older artifacts) Qwen3.5's published values apply.
+    processor = config.get("video_processor") or {}
+    fallback = VideoRules()
+    video = VideoRules(**shape, fps=float(processor.get("fps") or fallback.fps),
+                       min_frames=int(processor.get("min_frames") or fallback.min_frames),
+                       max_frames=int(processor.get("max_frames") or fallback.max_frames),
+                       min_pixels=int(processor.get("min_pixels") or fallback.min_pixels),
+                       max_pixels=int(processor.get("max_pixels") or fallback.max_pixels),
+                       mean=tuple(processor.get("mean") or fallback.mean),
+                       std=tuple(processor.get("std") or fallback.std))
+    return tower, MediaRules(image=image.capped(settings.vision_max_merged),
+                             video=video.capped(settings.vision_max_merged))
 
 
 def speculative_settings(settings: Any, device: str, artifact: Any) -> SpeculativeConfig:

@@ -96,7 +96,7 @@ class ModelSession:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.num_lanes = num_lanes
         self.load_seconds = load_seconds
-        # (VisionConfig, ImageRules) with --vision, else None; sources' limits always apply.
+        # (VisionConfig, MediaRules) with --vision, else None; sources' limits always apply.
         self.vision = vision
         self.media_limits = SourceLimits(allow_remote=settings.allow_remote_media)
         self.max_context = engine.config.max_context
@@ -229,20 +229,21 @@ class ModelSession:
         template's defaults; `reasoning_effort="none"` means thinking off."""
         if reasoning_effort == "none" and enable_thinking is None:
             enable_thinking = False
-        from runtime.media.placement import expand_pads, resolve_media
+        from runtime.media.placement import expand_pads, resolve_media, video_replacements
 
         # Media parts are decoded here (raising MediaError naming the part), before the template.
         rules = self.vision[1] if self.vision is not None else None
-        messages, images = resolve_media(messages, rules, self.media_limits)
+        messages, items = resolve_media(messages, rules, self.media_limits)
         ids = self.chat_template.render_ids(
             self.tokenizer, messages, tools=list(tools) if tools else None,
             enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
             preserve_thinking=preserve_thinking, add_generation_prompt=add_generation_prompt,
-            **template_kwargs)
+            replacements=video_replacements(items), **template_kwargs)
         media: tuple = ()
-        if images:
-            ids, media = expand_pads(ids, images, self.vision[0].image_token_id,
-                                     self.vision[0].spatial_merge_size)
+        if items:
+            tower = self.vision[0]
+            ids, media = expand_pads(ids, items, tower.image_token_id,
+                                     tower.spatial_merge_size, tower.video_token_id)
         return RenderedPrompt(ids=tuple(ids), thinking=self.ends_in_thinking(ids), media=media)
 
     def ends_in_thinking(self, ids: Sequence[int]) -> bool:

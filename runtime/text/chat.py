@@ -187,7 +187,13 @@ class ChatTemplate:
         noncharacters before rendering; the rendered text is then cut only at unbracketed
         special tokens, and each piece in between is encoded without special parsing. This gives
         the same ids as encoding the rendered text whole whenever the messages spell no special
-        token."""
+        token.
+
+        `replacements` (old, new): text the template wrote that is replaced before encoding,
+        each once, in order, at or after the previous one (a video's one block by its frame
+        groups' blocks, `runtime.media.placement.video_replacements`); bracketed message text
+        never matches."""
+        replacements = options.pop("replacements", ())
         pattern = _special_pattern(tokenizer)
         marked_messages = _mark(prepare_messages(messages), pattern)
         marked_tools = _mark(options.pop("tools", None), pattern)
@@ -196,7 +202,20 @@ class ChatTemplate:
                                options.pop("enable_thinking", None),
                                options.pop("preserve_thinking", False),
                                options.pop("reasoning_effort", None), options)
-        return encode_rendered(tokenizer, _render(_compile(self.source), variables))
+        text = _render(_compile(self.source), variables)
+        return encode_rendered(tokenizer, _replace_in_order(text, replacements))
+
+
+def _replace_in_order(text: str, replacements: Sequence[tuple[str, str]]) -> str:
+    pieces, position = [], 0
+    for index, (old, new) in enumerate(replacements):
+        found = text.find(old, position)
+        if found < 0:
+            raise ChatTemplateError(f"the chat template did not write {old!r} for media part "
+                                    f"{index} (a template without video support?)")
+        pieces += [text[position:found], new]
+        position = found + len(old)
+    return "".join(pieces) + text[position:]
 
 
 def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -283,3 +283,69 @@ def test_remote_image_with_allow_remote_media(vision_model, clients, cli_answer)
     prompt_tokens, _, text = cli_answer
     assert answer.usage.prompt_tokens == prompt_tokens
     assert answer.choices[0].message.content == text
+
+
+# --- video: Chat `video_url` parts; the Responses and Anthropic APIs have no video part -------
+
+def clip_uri() -> str:
+    from tests.unit.test_media_video import moving_square, video_bytes
+
+    return "data:video/mp4;base64," + base64.b64encode(video_bytes(moving_square(20))).decode()
+
+
+def test_chat_video_answers_as_the_cli(vision_model, vision_server, clients, tmp_path):
+    uri = clip_uri()
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps([{"role": "user", "content": [
+        {"type": "video", "video": uri}, {"type": "text", "text": QUESTION}]}]))
+    code, out, err = run_cli(vision_model, "--device", "cpu", "--vision", "--messages",
+                             messages, "--max-new", MAX_NEW, "--no-thinking", "--greedy",
+                             "--print-token-ids")
+    assert code == 0, err
+    answer = clients.openai(vision_server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": uri}},
+            {"type": "text", "text": QUESTION}]}],
+        max_tokens=MAX_NEW, temperature=0, extra_body=NO_THINKING)
+    assert answer.usage.prompt_tokens == int(err.split("prompt tokens ")[1].split()[0])
+    assert answer.choices[0].message.content == out.removesuffix("\n")
+
+
+@pytest.mark.parametrize("api, part, where, name", [
+    ("responses", {"type": "input_video", "video_url": "data:video/mp4;base64,AAAA"},
+     "input[0].content[1].type", "Responses"),
+    ("messages", {"type": "video", "source": {"type": "base64", "media_type": "video/mp4",
+                                              "data": "AAAA"}},
+     "messages[0].content[1].type", "Anthropic Messages")])
+def test_video_outside_chat_is_a_400_pointing_to_chat(vision_server, api, part, where, name):
+    if api == "responses":
+        path, body = "/v1/responses", {"model": "tiny", "max_output_tokens": 2, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": QUESTION}, part]}]}
+    else:
+        path, body = "/v1/messages", {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": QUESTION}, part]}]}
+    response = httpx.post(vision_server.base_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == (
+        f"{where}: video input is not part of the {name} API; send it to /v1/chat/completions "
+        "as a video_url part")
+
+
+@pytest.mark.parametrize("case, source, reason", [
+    ("corrupt", "data:video/mp4;base64," + base64.b64encode(b"\0\0\0\x18ftypmp42" * 9).decode(),
+     "not a decodable video"),
+    ("a path on the server", "/etc/hostname", "a video source must be a base64 data URI"),
+    ("remote without the flag", "https://example.invalid/a.mp4",
+     "remote media URLs are off; start with --allow-remote-media"),
+    ("vision off", None, "video input needs vision: start with --vision")])
+def test_bad_chat_video_is_a_400_naming_the_part(case, source, reason, vision_server,
+                                                 plain_server):
+    server = plain_server if source is None else vision_server
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": QUESTION},
+            {"type": "video_url", "video_url": {"url": source or clip_uri()}}]}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"].startswith(f"messages[0].content[1]: {reason}"), error["message"]
+    assert error["param"] == "messages[0].content[1]"

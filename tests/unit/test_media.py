@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from runtime.media.image import ImageRules, decode_image, prepare_image, resize, smart_resize
-from runtime.media.placement import VISION_OFF_NOTE, expand_pads, resolve_media
+from runtime.media.placement import VISION_OFF_NOTE, MediaRules, expand_pads, resolve_media
 from runtime.media.sources import MediaError, SourceLimits, read_source
+from runtime.media.video import VideoRules
 
 RULES = ImageRules(min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32)
 
@@ -95,15 +96,15 @@ def test_resolve_media_and_vision_off_rules(tmp_path):
     messages = [{"role": "user", "content": [{"type": "text", "text": "see"},
                                              {"type": "image_url", "image_url": {"url": data_uri(data)}}]},
                 {"role": "tool", "content": [{"type": "image", "image": data_uri(data)}]}]
-    resolved, images = resolve_media(messages, RULES, SourceLimits())
+    resolved, images = resolve_media(messages, MediaRules(RULES, VideoRules()), SourceLimits())
     assert [p["type"] for p in resolved[0]["content"]] == ["text", "image"] and len(images) == 2
     off, none = resolve_media(messages[1:], None, SourceLimits())
     assert off[0]["content"] == [{"type": "text", "text": VISION_OFF_NOTE}] and none == []
     with pytest.raises(MediaError, match=r"^messages\[0\]\.content\[1\]: image input needs vision"):
         resolve_media(messages, None, SourceLimits())
-    with pytest.raises(MediaError, match=r"^input\[3\]: video input is not supported"):
+    with pytest.raises(MediaError, match=r"^input\[3\]: video input needs vision"):
         resolve_media([{"role": "user", "content": [{"type": "video", "video": "v.mp4",
-                                                      "where": "input[3]"}]}], RULES, SourceLimits())
+                                                      "where": "input[3]"}]}], None, SourceLimits())
 
 
 def test_expand_pads_places_each_image_in_order():

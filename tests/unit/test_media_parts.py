@@ -1,6 +1,6 @@
-"""Each API's image parts become `{"type": "image", "image": SOURCE, "where": WIRE_PATH}` in the
-job's messages, in the client's order and with the client's own path; content without images
-stays one string."""
+"""Each API's image parts (and Chat's video parts) become `{"type": "image", "image": SOURCE,
+"where": WIRE_PATH}` (`"video"` likewise) in the job's messages, in the client's order and with
+the client's own path; content without media stays one string."""
 
 from __future__ import annotations
 
@@ -103,3 +103,25 @@ def test_sources_other_than_data_uris_and_http_are_refused_naming_the_part(sourc
             parse(body)
         assert (error.value.status, error.value.param) == (400, where)
         assert "must be a base64 data URI" in error.value.message
+
+
+def test_chat_video_url_parts_and_no_video_in_the_other_apis():
+    video = "data:video/mp4;base64,AAAAGGZ0eXA="
+    job, _ = parse_chat_request({"messages": [
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video}},
+                                     {"type": "image_url", "image_url": URI},
+                                     {"type": "text", "text": "same?"}]}]})
+    assert job.messages[0]["content"] == [
+        {"type": "video", "video": video, "where": "messages[0].content[0]"},
+        image("messages[0].content[1]"), {"type": "text", "text": "same?"}]
+    with pytest.raises(ApiError, match=r"a video source must be a base64 data URI"):
+        parse_chat_request({"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "/srv/clip.mp4"}}]}]})
+    with pytest.raises(ApiError, match=r"video input is not part of the Responses API; send it "
+                                       r"to /v1/chat/completions as a video_url part"):
+        parse_responses_request({"input": [{"role": "user", "content": [
+            {"type": "input_video", "video_url": video}]}]})
+    with pytest.raises(ApiError, match=r"video input is not part of the Anthropic Messages API"):
+        parse_messages_request({"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "video", "source": {"type": "base64", "media_type": "video/mp4",
+                                         "data": "AAAA"}}]}]})

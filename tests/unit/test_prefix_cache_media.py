@@ -87,3 +87,35 @@ def test_the_key_ids_of_a_picture():
     assert media_cache_keys([5, 6, 9, 9, 9, 7], [span]) == ((2, 3, media_key_ids(digest)),)
     with pytest.raises(ValueError, match="the image at position 2 has no content digest"):
         media_cache_keys([5, 6, 9], [type("Span", (), {"offset": 2, "digest": ""})()])
+
+
+def prompt_with_video(model, seed: int, tail: int):
+    """70 text tokens, a 2.5 s clip (5 seeded 64 x 64 frames: 3 frame groups, each a block of
+    2 text ids for its timestamp, <|vision_start|>, 4 pads, <|vision_end|>), `tail` more."""
+    from runtime.media.placement import expand_pads
+    from runtime.media.video import DecodedVideo, VideoRules, prepare_video
+
+    artifact, rules, merge = model
+    config = artifact.component("text").config
+    rng = np.random.default_rng(3)
+    text = [int(t) for t in rng.integers(0, 400, 70 + tail)]
+    frames = np.random.default_rng(seed).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
+    video = prepare_video(DecodedVideo(frames, (0, 5, 10, 14, 19), 8.0),
+                          VideoRules(min_pixels=16, max_pixels=6 * 64 * 64))
+    start, pad = config["vision_start_token_id"], config["video_token_id"]
+    ids = text[:70] + [7, 8, start, pad, start + 1] * 3 + text[70:]
+    return expand_pads(ids, [video], config["image_token_id"], merge, pad)
+
+
+def test_the_same_video_resumes_past_it_and_another_reuses_nothing_past_its_start(model):
+    first, follow = prompt_with_video(model, 1, 100), prompt_with_video(model, 1, 180)
+    other = prompt_with_video(model, 2, 180)
+    assert len(first[1]) == 3 and follow[0][:len(first[0])] == first[0] and other[0] == follow[0]
+    outputs = run(model[0], [first, follow, other], **CACHE)
+    cold = run(model[0], [first, follow, other])
+    assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in cold]
+    # The first prompt (70 + 3 * 8 + 100 = 194 tokens) left snapshots at 64, 128 and 192: the
+    # follow-up resumes at 192, past the clip; the other clip's first pads start at 73, inside
+    # the second block, so only the first block (0..63) is reused.
+    assert len(first[0]) == 194 and outputs[1][1] == 192 > first[1][-1].offset
+    assert other[1][0].offset == 73 and outputs[2][1] == 64
