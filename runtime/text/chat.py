@@ -188,6 +188,12 @@ class ChatTemplate:
         special tokens, and each piece in between is encoded without special parsing. This gives
         the same ids as encoding the rendered text whole whenever the messages spell no special
         token."""
+        return encode_rendered(tokenizer, self.render_marked(tokenizer, messages, **options))
+
+    def render_marked(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                      **options: Any) -> str:
+        """`render_ids`' first half: the rendered text, with every special-token spelling that
+        comes from the messages or tools bracketed (`encode_rendered` is the second half)."""
         pattern = _special_pattern(tokenizer)
         marked_messages = _mark(prepare_messages(messages), pattern)
         marked_tools = _mark(options.pop("tools", None), pattern)
@@ -196,7 +202,7 @@ class ChatTemplate:
                                options.pop("enable_thinking", None),
                                options.pop("preserve_thinking", False),
                                options.pop("reasoning_effort", None), options)
-        return encode_rendered(tokenizer, _render(_compile(self.source), variables))
+        return _render(_compile(self.source), variables)
 
 
 def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
