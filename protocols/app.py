@@ -320,7 +320,8 @@ class App:
         parsed_at = time.monotonic()
         try:
             generation = await self.backend.start(job, request_id, request.received_at)
-            generation.phases["parse"] = parsed_at - request.received_at
+            generation.phases.update(receive=request.received_at - request.head_at,
+                                     parse=parsed_at - request.received_at)
             return generation
         except asyncio.CancelledError:
             # The client left while the prompt was prepared: still a request, counted and

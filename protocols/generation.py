@@ -20,14 +20,16 @@ from runtime.text.events import ContentDelta, ParserEvent, ReasoningDelta, ToolC
 
 FINISH_REASONS = ("stop", "length", "context", "cancelled", "error")
 
-PHASES = ("parse", "prepare_wait", "render", "tokenize", "setup", "submit", "queue", "match",
+PHASES = ("receive", "parse", "prepare_wait", "render", "tokenize", "setup", "submit", "queue", "match",
           "resume", "prefill", "deliver", "first_write")
 """Where a request's time to its first output goes, in order (`Generation.phases`: seconds per
 phase, each measured once with `time.perf_counter()` / `monotonic()` at its boundaries; they
-follow each other, so they sum to at most the time from the request received to its first
+follow each other, so they sum to at most the time from the request's head parsed to its first
 output written):
 
-parse: the JSON body and the API's validation into a job (from the body's last byte).
+receive: the body, from the head parsed to its last byte (the client sending it, the server
+    reading it).
+parse: the JSON body and the API's validation into a job.
 prepare_wait: the context pre-check and waiting for an executor thread.
 render: the chat template rendered to text (images decoded).
 tokenize: that text tokenized.
