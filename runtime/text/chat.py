@@ -210,7 +210,7 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
     works too): bracketed spellings are literal text, bare special tokens become their ids."""
     pattern = _special_pattern(tokenizer)
     splitter = re.compile(f"{_LITERAL_OPEN}(.*?){_LITERAL_CLOSE}|({pattern.pattern})", re.S)
-    ids: list[int] = []
+    segments: list[str | int] = []      # text pieces to encode, and special ids, in order
     pending: list[str] = []
     position = 0
 
@@ -218,7 +218,7 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
         piece = "".join(pending).replace(_LITERAL_OPEN, "").replace(_LITERAL_CLOSE, "")
         pending.clear()
         if piece:
-            ids.extend(tokenizer.encode(piece, parse_special=False))
+            segments.append(piece)
 
     for match in _matches(splitter, text, _first_characters(_special_spellings(tokenizer))):
         pending.append(text[position:match.start()])
@@ -226,10 +226,19 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
             pending.append(match.group(1))
         else:
             flush()
-            ids.append(tokenizer.id_of(match.group(2)))
+            segments.append(tokenizer.id_of(match.group(2)))
         position = match.end()
     pending.append(text[position:])
     flush()
+    # All pieces in one call: the messages of a long conversation are encoded in parallel.
+    encoded = iter(tokenizer.encode_many([s for s in segments if isinstance(s, str)],
+                                         parse_special=False))
+    ids: list[int] = []
+    for segment in segments:
+        if isinstance(segment, str):
+            ids.extend(next(encoded))
+        else:
+            ids.append(segment)
     return ids
 
 
