@@ -27,8 +27,8 @@ QWEN_SPLIT_PATTERNS = frozenset({
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 })
-# Pieces are at least this many characters: shorter ones cost more in per-piece overhead than
-# their share of the parallel work saves.
+# Pieces are at least this many characters (thousands of tokens): work enough for a thread each,
+# and few pieces per prompt.
 PIECE_CHARS = 16384
 _CUT = re.compile(r"\n(?=[!-~])")
 

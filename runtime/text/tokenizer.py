@@ -181,7 +181,8 @@ class Tokenizer:
         # `encode_batch_fast` lets go of the GIL while it works, `encode` does not: a long
         # prompt tokenized on a server worker thread would otherwise stall the event loop for
         # seconds. Each input gives the same ids as `encode`; "fast" skips the character
-        # offsets we never read (a 105K-token prompt: 145 ms with them, 120 ms without).
+        # offsets we never read (with the batching in `encode_many`, a 105K-token prompt took
+        # 56 ms instead of 155 ms on 2 cores: docs/performance.md, Host side).
         return self._hf.encode_batch_fast(texts, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
