@@ -16,6 +16,12 @@ paused request keeps its state in the host tier; without it (`--no-prefix-cache
 --host-context-mib 0`) it is recomputed. Reports wall time, preemptions and host-tier bytes
 from /metrics, and whether every answer equals the same request sent alone to an idle server.
 
+Where each turn's time to first token goes: the conversation's servers write a request log
+(`--request-log OUT/requests-ARM.jsonl`); each turn's phases (docs/serving.md, request log:
+receive, parse, render, tokenize, setup, queue, match, resume, prefill with its steps and runner time,
+deliver, first write) are joined to it by its `x-request-tag` and printed per turn, with what
+is left of the client's TTFT (the HTTP round trip, the client's own parsing).
+
 Restart (`--restart`): the file tier brings a conversation back after a restart; turn 2's time
 to first token on a restarted server with `--prefix-cache-file` against a server without the
 cache, and whether their answers are equal.
@@ -84,14 +90,17 @@ class Server:
         self.log.close()
 
 
-def chat(base: str, messages: list[dict], max_new: int, seed: int) -> dict:
-    """One streamed chat request: answer text, TTFT and the usage block."""
+def chat(base: str, messages: list[dict], max_new: int, seed: int, tag: str = "") -> dict:
+    """One streamed chat request: answer text, TTFT and the usage block. tag: its
+    `x-request-tag` (the request log's `tag`)."""
     body = {"model": "m", "messages": messages, "max_tokens": max_new, "seed": seed,
             "stream": True, "stream_options": {"include_usage": True},
             "chat_template_kwargs": {"enable_thinking": False}}
+    headers = {"x-request-tag": tag} if tag else {}
     sent = time.perf_counter()
     first, text, usage = None, [], {}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=3600) as reply:
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=3600) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -123,15 +132,56 @@ def user_turn(turn: int, grow: int, history: int) -> dict:
     return {"role": "user", "content": text}
 
 
-def conversation(base: str, turns: int, grow: int, max_new: int, history: int = 0) -> list[dict]:
+def conversation(base: str, turns: int, grow: int, max_new: int, history: int = 0,
+                 log: Path | None = None) -> list[dict]:
+    """The growing conversation; with the server's request log, each turn's row also has its
+    logged phases (`phases`, `prefill_steps`, `prefill_compute_s`, `resume_path`)."""
     messages = [{"role": "system", "content": SYSTEM}]
     rows = []
     for turn in range(turns):
         messages.append(user_turn(turn, grow, history))
-        result = chat(base, messages, max_new, seed=turn)
+        result = chat(base, messages, max_new, seed=turn, tag=f"turn-{turn + 1}")
         messages.append({"role": "assistant", "content": result["text"] or "ok"})
         rows.append(result)
+    if log is not None:
+        logged = logged_requests(log)
+        for turn, row in enumerate(rows):
+            record = logged.get(f"turn-{turn + 1}", {})
+            row.update({key: record.get(key) for key in (
+                "phases", "prefill_steps", "prefill_compute_s", "resume_path")})
     return rows
+
+
+def logged_requests(log: Path) -> dict[str, dict]:
+    """The `request_done` lines of a server's request log, by tag (the line is written as the
+    response ends, before the client sees the end of the stream)."""
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return {line["tag"]: line for line in lines
+            if line.get("event") == "request_done" and line.get("tag")}
+
+
+PHASE_COLUMNS = ("receive", "parse", "prepare_wait", "render", "tokenize", "setup", "submit", "queue",
+                 "match", "resume", "prefill", "deliver", "first_write")
+
+
+def phase_table(turns: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows: per arm and turn, the client's TTFT, each phase in ms, the prefill's
+    steps and runner time, and what is left of the TTFT outside the server's phases."""
+    head = ["arm", "turn", "TTFT ms", *PHASE_COLUMNS, "prefill steps", "prefill runner ms",
+            "rest ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for arm, rows in turns.items():
+        for n, row in enumerate(rows):
+            phases = row.get("phases") or {}
+            cells = [f"{phases[name] * 1e3:.1f}" if name in phases else "" for name in
+                     PHASE_COLUMNS]
+            compute = row.get("prefill_compute_s")
+            lines.append("| " + " | ".join([
+                arm, str(n + 1), f"{row['ttft_s'] * 1e3:.1f}", *cells,
+                str(row.get("prefill_steps") or ""),
+                f"{compute * 1e3:.1f}" if compute is not None else "",
+                f"{(row['ttft_s'] - sum(phases.values())) * 1e3:.1f}" if phases else ""]) + " |")
+    return lines
 
 
 def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, history: int) -> dict:
@@ -191,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"server": args.server, "turns": {}, "pressure": {}, "restart": {}}
     for arm, flags in ARMS.items():
-        server = Server(args.server, ["--max-context", str(args.max_context)] + flags,
+        log = args.out / f"requests-{arm}.jsonl"
+        log.unlink(missing_ok=True)                  # the server appends to it
+        server = Server(args.server, ["--max-context", str(args.max_context),
+                                      "--request-log", str(log)] + flags,
                         args.out / f"serve-{arm}.log")
         try:
             report["turns"][arm] = conversation(server.base, args.turns, args.grow, args.max_new,
-                                                args.history)
+                                                args.history, log)
         finally:
             server.close()
     if args.pressure:
@@ -226,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, (on, off) in enumerate(zip(report["turns"]["cache"], report["turns"]["no-cache"])):
         print(f"| {n + 1} | {on['prompt_tokens']} | {on['cached_tokens']} | {on['ttft_s']:.3f} "
               f"| {off['ttft_s']:.3f} | {'yes' if on['text'] == off['text'] else 'NO'} |")
+    print("\nWhere each turn's time to first token goes (server phases from its request log, ms):\n")
+    print("\n".join(phase_table(report["turns"])))
     if report["pressure"]:
         print("\n| arm | wall s | preemptions | pauses kept | device->host MiB | equal alone |")
         print("|---|---:|---:|---:|---:|:---:|")

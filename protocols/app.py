@@ -317,8 +317,12 @@ class App:
             raise ApiError(503, f"the server is busy ({self.running} requests running or "
                                 "queued); retry later", code="server_overloaded", retry_after=1)
         self.running += 1
+        parsed_at = time.monotonic()
         try:
-            return await self.backend.start(job, request_id, request.received_at)
+            generation = await self.backend.start(job, request_id, request.received_at)
+            generation.phases.update(receive=request.received_at - request.head_at,
+                                     parse=parsed_at - request.received_at)
+            return generation
         except asyncio.CancelledError:
             # The client left while the prompt was prepared: still a request, counted and
             # logged like one that left during generation.
@@ -364,6 +368,11 @@ class App:
                 payloads = encoder.events(cap.filter(batch, generation))
                 if payloads:
                     yield b"".join(api.frame(p) for p in payloads)
+                    # Resumed: the HTTP layer has written it (the first output on the wire).
+                    if "first_write" not in generation.phases \
+                            and generation.first_token_at is not None:
+                        generation.phases["first_write"] = \
+                            time.monotonic() - generation.first_token_at
         except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
             log.exception("stream %s failed", generation.request_id)
             generation.cancel()
@@ -420,8 +429,10 @@ class App:
         if generation.last_token_at is not None:
             total_s = generation.last_token_at - request.received_at
         outcome = result.finish_reason
+        phases = generation.ordered_phases()
         self.metrics.count_request(api, outcome)
         self.metrics.observe_generation(result, total_s)
+        self.metrics.observe_phases(phases, result.prefill_steps)
         self.request_log.write(
             "request_done", id=generation.request_id, api=api, stream=stream,
             seed=generation.seed, tag=request.header("x-request-tag") or None,
@@ -434,6 +445,10 @@ class App:
             decode_tok_s=rounded(result.decode_tokens_per_s, 2),
             spec_rounds=result.spec_rounds, drafted_tokens=result.drafted_tokens,
             accepted_tokens=result.accepted_tokens,
+            phases={name: rounded(seconds, 6) for name, seconds in phases.items()},
+            prefill_steps=result.prefill_steps,
+            prefill_compute_s=rounded(result.prefill_compute_s, 6),
+            first_decode_s=rounded(result.first_decode_s, 6),
             total_s=rounded(time.monotonic() - request.received_at),
             finish_reason=result.finish_reason, stop_sequence=result.stop_sequence,
             error=(error.message if error else result.error))

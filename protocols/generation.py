@@ -20,6 +20,29 @@ from runtime.text.events import ContentDelta, ParserEvent, ReasoningDelta, ToolC
 
 FINISH_REASONS = ("stop", "length", "context", "cancelled", "error")
 
+PHASES = ("receive", "parse", "prepare_wait", "render", "tokenize", "setup", "submit", "queue", "match",
+          "resume", "prefill", "deliver", "first_write")
+"""Where a request's time to its first output goes, in order (`Generation.phases`: seconds per
+phase, each measured once with `time.perf_counter()` / `monotonic()` at its boundaries; they
+follow each other, so they sum to at most the time from the request's head parsed to its first
+output written):
+
+receive: the body, from the head parsed to its last byte (the client sending it, the server
+    reading it).
+parse: the JSON body and the API's validation into a job.
+prepare_wait: the context pre-check and waiting for an executor thread.
+render: the chat template rendered to text (images decoded).
+tokenize: that text tokenized.
+setup: the output constraint compiled, the output parser, sampling and the engine request.
+submit: back to the event loop, up to `Engine.submit`.
+queue, match, resume, prefill: the engine's (`runtime.engine.api.RequestStats`): waiting for a
+    lane, the prefix-cache lookup, resuming from what matched, the prefill to the first token.
+deliver: the first token from the engine thread to the event loop, through the output parser.
+first_write: from there to the first output bytes handed to the socket (streams only; a first
+    token that makes no text yet, such as `<think>`, waits for the next).
+
+A phase a request did not reach (cancelled, an error, a backend without an engine) is absent."""
+
 
 @dataclass(frozen=True)
 class LogprobsDelta:
@@ -60,6 +83,9 @@ class GenerationResult:
     accepted_tokens: int = 0
     prefilled_tokens: int = 0         # prompt tokens computed (the rest came from the cache)
     resume_path: str = "cold"         # cold, prefix, snapshot or replay (RequestStats)
+    prefill_steps: int = 0            # engine steps and runner time of its prefill, and its
+    prefill_compute_s: Optional[float] = None   # first decode step (RequestStats)
+    first_decode_s: Optional[float] = None
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
@@ -87,6 +113,7 @@ class Generation:
         # its client (no final result from the engine) is still accounted for.
         self.reasoning_tokens = 0
         self.queue_wait_s: Optional[float] = None
+        self.phases: dict[str, float] = {}      # `PHASES` reached so far: name -> seconds
         self.result: Optional[GenerationResult] = None
         self._cancel = cancel
         self._pending: list[ParserEvent] = []
@@ -116,6 +143,11 @@ class Generation:
             result.decode_s = (self.last_token_at or self.first_token_at) - self.first_token_at
         self.result = result
         self._wakeup.set()
+
+    def ordered_phases(self) -> dict[str, float]:
+        """`phases` in `PHASES` order (they are recorded out of order: first_write before the
+        engine's, which come with its final output)."""
+        return {name: self.phases[name] for name in PHASES if name in self.phases}
 
     # --- consumer ---------------------------------------------------------------------------
 

@@ -285,7 +285,7 @@ class _Connection:
                                       "bytes)", path)
                 request = HttpRequest(event.method.decode("ascii", "replace"), path, query,
                                       headers, b"", event.http_version.decode("ascii"),
-                                      self.peer)
+                                      self.peer, head_at=time.monotonic())
                 has_body = bool(declared_body) or "transfer-encoding" in headers
                 if has_body and self.server.head_check is not None:
                     refusal = self.server.head_check(request)

@@ -31,6 +31,8 @@ class HttpRequest:
     body: bytes
     http_version: str = "1.1"
     peer: str = ""
+    # time.monotonic() when the head was parsed / the body's last byte arrived.
+    head_at: float = field(default_factory=time.monotonic)
     received_at: float = field(default_factory=time.monotonic)
 
     def header(self, name: str, default: str = "") -> str:

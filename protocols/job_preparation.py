@@ -7,6 +7,8 @@ output parser; the result is the engine request `SessionBackend.start` submits.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,11 @@ class _Prepared:
     thinking: bool
     tools: tuple = ()
     parser: Any = None
+    # Request phases (`protocols.generation.PHASES`): render, tokenize, setup in seconds, and
+    # when the preparation began and ended (time.monotonic, on the executor thread).
+    phases: dict = dataclasses.field(default_factory=dict)
+    started_at: float = 0.0
+    done_at: float = 0.0
 
 
 class JobPreparation:
@@ -78,12 +85,23 @@ class JobPreparation:
                 ids = ids[:index]
                 break
         # The images stay where they were: only the end of the prompt was cut.
-        return RenderedPrompt(ids=tuple(ids), thinking=self.session.ends_in_thinking(ids),
-                              media=prompt.media)
+        return dataclasses.replace(prompt, ids=tuple(ids),
+                                   thinking=self.session.ends_in_thinking(ids))
 
     def _prepare(self, job: GenerationJob, request_id: str) -> _Prepared:
+        started = time.monotonic()
+        prepared = self._build_prepared(job, request_id)
+        prepared.started_at, prepared.done_at = started, time.monotonic()
+        # setup: everything after tokenizing (the context check, the parser, the constraint,
+        # sampling, the engine request with its snapshot hints).
+        prepared.phases["setup"] = max(0.0, prepared.done_at - started - sum(
+            prepared.phases.values()))
+        return prepared
+
+    def _build_prepared(self, job: GenerationJob, request_id: str) -> _Prepared:
         session, settings = self.session, self.settings
         prompt = self._render(job)
+        phases = {"render": prompt.render_s, "tokenize": prompt.tokenize_s}
         prompt_tokens = len(prompt.ids)
         if prompt_tokens >= self.max_context:
             raise ApiError(400, f"prompt is too long: {prompt_tokens} tokens > "
@@ -92,7 +110,7 @@ class JobPreparation:
         room = self.max_context - prompt_tokens
         wanted = job.max_tokens if job.max_tokens is not None else settings.max_new
         if wanted == 0:
-            return _Prepared(None, prompt_tokens, prompt.thinking, job.tools)
+            return _Prepared(None, prompt_tokens, prompt.thinking, job.tools, phases=phases)
         # Built here, off the event loop: stop strings compile into regular expressions.
         parser = self._parser(job, prompt.thinking, job.tools)
         max_new = min(wanted, room)
@@ -114,7 +132,7 @@ class JobPreparation:
             stop_token_ids=settings.stop_token_id, thinking_budget=budget,
             loop_guard=settings.reasoning_loop, constraint=constraint, logprobs=logprobs,
             request_id=request_id)
-        return _Prepared(request, prompt_tokens, prompt.thinking, job.tools, parser)
+        return _Prepared(request, prompt_tokens, prompt.thinking, job.tools, parser, phases)
 
     def _constraint(self, job: GenerationJob, thinking: bool):
         from runtime.text.constraints import ConstraintError

@@ -10,10 +10,15 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from protocols.generation import PHASES
+
 PREFIX = "infernix"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+# Request phases run from microseconds (a cache lookup) to minutes (a cold long prefill).
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 30.0, 120.0)
 
 
 @dataclass
@@ -33,17 +38,44 @@ class Histogram:
         self.total += value
         self.count += 1
 
+    def render(self, lines: list[str], labels: str = "") -> None:
+        """labels: `name="value",` pairs of a histogram family's member (its header is the
+        family's)."""
+        full = f"{PREFIX}_{self.name}"
+        if not labels:
+            lines.append(f"# HELP {full} {self.help}")
+            lines.append(f"# TYPE {full} histogram")
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            lines.append(f'{full}_bucket{{{labels}le="{_num(bound)}"}} {cumulative}')
+        lines.append(f'{full}_bucket{{{labels}le="+Inf"}} {self.count}')
+        suffix = f"{{{labels[:-1]}}}" if labels else ""
+        lines.append(f"{full}_sum{suffix} {_num(self.total)}")
+        lines.append(f"{full}_count{suffix} {self.count}")
+
+
+@dataclass
+class PhaseHistograms:
+    """One histogram per request phase (`protocols.generation.PHASES`), exported as one
+    family with a `phase` label."""
+
+    name: str
+    help: str
+    members: dict[str, Histogram] = field(default_factory=dict)
+
+    def observe(self, phase: str, value: float) -> None:
+        if phase not in self.members:
+            self.members[phase] = Histogram(self.name, self.help, PHASE_BUCKETS)
+        self.members[phase].observe(value)
+
     def render(self, lines: list[str]) -> None:
         full = f"{PREFIX}_{self.name}"
         lines.append(f"# HELP {full} {self.help}")
         lines.append(f"# TYPE {full} histogram")
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{full}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines.append(f'{full}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{full}_sum {_num(self.total)}")
-        lines.append(f"{full}_count {self.count}")
+        for phase in PHASES:
+            if phase in self.members:
+                self.members[phase].render(lines, f'phase="{phase}",')
 
 
 def _num(value: float) -> str:
@@ -74,6 +106,9 @@ class Metrics:
         self.queue_wait = Histogram("queue_wait_seconds",
                                     "Time from submission to admission into a lane.",
                                     TTFT_BUCKETS)
+        self.phases = PhaseHistograms("request_phase_seconds",
+                                      "Where time to first token goes, per request phase.")
+        self.prefill_steps = 0
 
     def count_request(self, api: str, outcome: str) -> None:
         key = (api, outcome)
@@ -93,6 +128,12 @@ class Metrics:
             self.decode_rate.observe(rate)
         if result.queue_wait_s is not None:
             self.queue_wait.observe(result.queue_wait_s)
+
+    def observe_phases(self, phases: dict[str, float], prefill_steps: int) -> None:
+        """A finished request's phases (`Generation.ordered_phases`) and its prefill steps."""
+        for phase, seconds in phases.items():
+            self.phases.observe(phase, seconds)
+        self.prefill_steps += prefill_steps
 
     def render(self, gauges: Callable[[], dict[str, float]], max_concurrency: int,
                max_context: int) -> str:
@@ -120,6 +161,8 @@ class Metrics:
                [("", self.generation_tokens)])
         metric("reasoning_tokens_total", "counter", "Output tokens inside thinking.",
                [("", self.reasoning_tokens)])
+        metric("prefill_steps_total", "counter", "Engine steps that computed a prompt chunk "
+               "before the request's first token.", [("", self.prefill_steps)])
         metric("requests_running", "gauge", "Generations submitted and not finished.",
                [("", self.running)])
         metric("http_connections", "gauge", "Open client connections.",
@@ -135,6 +178,7 @@ class Metrics:
             metric(name, kind, f"Engine {kind} {name.replace('_', ' ')}.", [("", value)])
         for histogram in (self.ttft, self.duration, self.decode_rate, self.queue_wait):
             histogram.render(lines)
+        self.phases.render(lines)
         return "\n".join(lines) + "\n"
 
 

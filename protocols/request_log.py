@@ -5,7 +5,8 @@ Lines (`event` field):
 - `request_done`: id, api, stream, seed, tag (the `x-request-tag` header, if any), status,
   prompt / cached / completion / reasoning tokens, queue wait, TTFT, decode time and tok/s,
   speculative rounds / drafted / accepted tokens (0 without speculation), total time, finish
-  reason, error;
+  reason, error, and the request's phases (`protocols.generation.PHASES`) with its prefill
+  steps, their runner time and its first decode step;
 - `request_rejected`: id, api, HTTP status, error code, param, message.
 
 `bench/agentic_ab` joins `request_done` lines with its client log on `seed`. Lines are written

@@ -116,6 +116,7 @@ class SessionBackend(JobPreparation):
                     received_at: float) -> Generation:
         if self._closing:
             raise ApiError(503, "the server is shutting down", retry_after=1)
+        handed_at = time.monotonic()
         self._refuse_beyond(job, self.max_context)
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(None, _releasing_memory, job, self._prepare, job,
@@ -127,12 +128,14 @@ class SessionBackend(JobPreparation):
                                 max_tokens=prepared.request.max_new_tokens if prepared.request
                                 else 0, cancel=lambda: session.engine.cancel(request_id),
                                 started_at=received_at)
+        generation.phases.update(prepare_wait=prepared.started_at - handed_at, **prepared.phases)
         if prepared.request is None:  # max tokens 0: the prompt is checked, nothing generated
             generation.finish(GenerationResult(finish_reason="length",
                                                prompt_tokens=prepared.prompt_tokens))
             return generation
         running = _Running(generation, parser, time.monotonic(), received_at,
                            top_logprobs=job.top_logprobs)
+        generation.phases["submit"] = running.submitted_at - prepared.done_at
 
         def sink(output: EngineOutput) -> None:  # engine thread
             loop.call_soon_threadsafe(self._on_output, running, output)
@@ -204,6 +207,8 @@ class SessionBackend(JobPreparation):
             generation.publish(tail)
         stats = output.stats
         delay = running.submitted_at - running.received_at
+        if stats is not None:
+            _engine_phases(generation, stats, running.submitted_at)
         generation.finish(GenerationResult(
             finish_reason=reason, stop_sequence=stop_sequence,
             prompt_tokens=output.prompt_tokens or generation.prompt_tokens,
@@ -218,7 +223,10 @@ class SessionBackend(JobPreparation):
             prefilled_tokens=stats.prefilled_tokens if stats else 0,
             resume_path=stats.resume_path if stats else "cold",
             ttft_s=(stats.ttft_s + delay) if stats and stats.output_tokens else None,
-            decode_s=stats.decode_s if stats else None))
+            decode_s=stats.decode_s if stats else None,
+            prefill_steps=stats.prefill_steps if stats else 0,
+            prefill_compute_s=stats.prefill_compute_s if stats else None,
+            first_decode_s=stats.first_decode_s if stats and stats.output_tokens > 1 else None))
 
     def _logprobs(self, entries, top: int) -> LogprobsDelta:
         token_bytes = self.session.tokenizer.token_bytes
@@ -228,6 +236,19 @@ class SessionBackend(JobPreparation):
                                             [(alt["token_id"], alt["logprob"])
                                              for alt in entry.get("top_logprobs", [])[:top]]))
         return LogprobsDelta(tuple(converted))
+
+
+def _engine_phases(generation: Generation, stats, submitted_at: float) -> None:
+    """The engine's phases (`RequestStats`) and the hop of its first token to the event loop:
+    the engine's clock starts at its `submit`, just after `submitted_at` (so `deliver` may
+    include a few microseconds of it, never less than the hop)."""
+    if not stats.output_tokens:             # it never got to a first token: no phase ended
+        return
+    generation.phases.update(queue=stats.queue_s, match=stats.match_s, resume=stats.resume_s,
+                             prefill=stats.prefill_s)
+    if generation.first_token_at is not None:
+        generation.phases["deliver"] = max(
+            0.0, generation.first_token_at - submitted_at - stats.ttft_s)
 
 
 def _logprob_entry(token_bytes, token_id: int, logprob: float, top: list) -> dict:

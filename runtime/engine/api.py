@@ -112,10 +112,25 @@ class RequestRejected(Exception):
 class RequestStats:
     """Timings and counters of one finished request (on its final `EngineOutput`).
 
-    Times are seconds from `time.perf_counter()`; durations are derived from them.
-    queue_s: submit -> first admission to a lane.
+    Times are seconds from `time.perf_counter()`; durations are derived from them. The phases
+    to the first token follow each other (their sum is at most `ttft_s`; what is left is the
+    admitting step's planning): queue_s, match_s, resume_s, prefill_s.
+    queue_s: `Engine.submit` -> the scheduler admits it into a lane (prompt id checks, waiting
+        for the engine thread's current step, waiting for a lane or pages); its first admission.
+    match_s: looking up its prompt in the prefix cache at that admission (hashing the prompt's
+        64-token blocks, finding the deepest snapshot; a disk-tier read included). 0 without a
+        cache.
+    resume_s: resuming from what matched: mapping the blocks and queuing the copies, then the
+        copies themselves (snapshot state into the lane, host blocks promoted), run before the
+        step's first chunk. 0 on a cold start.
+    prefill_s: the resume's end (admission's, cold) -> first output token: its prefill chunks
+        and the sampling of the first token, with everything else those steps run.
+    prefill_steps / prefill_compute_s: the steps that computed a chunk of its prompt before its
+        first token, and the time of those chunks' runner calls (the rest of prefill_s is the
+        steps' host work: scheduling, cache bookkeeping, other requests' rows).
     ttft_s: submit -> first output token committed.
-    prefill_s: first admission -> first output token (prompt computation).
+    first_decode_s: first -> second output token committed (its first decode step); 0 with
+        fewer than two.
     decode_s: first output token -> finish.
     output_tokens: committed output tokens (inserted ones included).
     inserted_tokens: tokens the engine inserted without sampling.
@@ -135,8 +150,13 @@ class RequestStats:
     output_tokens: int = 0
     inserted_tokens: int = 0
     queue_s: float = 0.0
-    ttft_s: float = 0.0
+    match_s: float = 0.0
+    resume_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_compute_s: float = 0.0
+    ttft_s: float = 0.0
+    first_decode_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
     preemptions: int = 0

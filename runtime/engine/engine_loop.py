@@ -163,6 +163,7 @@ class Engine:
         """Queue a request. Raises `RequestRejected` (nothing queued) when it can never run,
         the queue is full, or the engine is unavailable. Outputs go to `on_output` (called on
         the engine thread) or, by default, to the returned stream."""
+        submitted_at = time.perf_counter()
         self._validate(request)
         stream = RequestStream(self, request.request_id)
         sink = on_output if on_output is not None else stream.put
@@ -180,7 +181,7 @@ class Engine:
                                       f"flight (limit {limit})")
             self._in_flight.add(request.request_id)
             # Under the lock: once the loop stops accepting, no submit can slip in behind it.
-            self._commands.put(("submit", request, sink))
+            self._commands.put(("submit", request, sink, submitted_at))
         return stream
 
     def cancel(self, request_id: str) -> None:
@@ -192,7 +193,8 @@ class Engine:
             raise RequestRejected("invalid_request", "max_new_tokens must be at least 1")
         self.scheduler.check_admissible(len(request.prompt_ids))   # reads config only
         vocab = self.runner.vocab_size
-        if any(t < 0 or t >= vocab for t in request.prompt_ids):
+        ids = request.prompt_ids        # (not empty: checked above) min / max: C loops
+        if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected("invalid_request", f"a prompt token id is outside the "
                                   f"vocabulary (0..{vocab - 1})")
         message = budget_room_error(request.thinking, request.max_new_tokens,
@@ -212,12 +214,14 @@ class Engine:
                 if not self._drain_commands(block=not self.scheduler.has_work(),
                                             timeout=self.cache.save_due_in()):
                     break
+                started = time.perf_counter()    # phase boundaries of the requests it admits
                 if self.speculation is not None:
                     batch = self.scheduler.schedule(self.speculation.draft_room(self._live))
                 else:
                     batch = self.scheduler.schedule()
+                scheduled_at = time.perf_counter()
                 self.cache.apply_ops()
-                self._after_schedule(batch)
+                self._after_schedule(batch, started, scheduled_at)
                 if not batch.is_empty:
                     self._execute(batch)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
@@ -245,7 +249,7 @@ class Engine:
             except queue.Empty:
                 return
             if command[0] == "submit":
-                live = LiveRequest(command[1], command[2], self.config.max_context)
+                live = LiveRequest(command[1], command[2], self.config.max_context, command[3])
                 self._end(live, reason, in_scheduler=False, error=error)
 
     def _drain_commands(self, block: bool, timeout: Optional[float]) -> bool:
@@ -261,14 +265,14 @@ class Engine:
             if kind == "stop":
                 return False
             if kind == "submit":
-                self._accept(command[1], command[2])
+                self._accept(command[1], command[2], command[3])
             elif kind == "cancel":
                 live = self._live.get(command[1])
                 if live is not None:
                     self._end(live, FinishReason.CANCELLED)
 
-    def _accept(self, request: EngineRequest, sink: OutputSink) -> None:
-        live = LiveRequest(request, sink, self.config.max_context)
+    def _accept(self, request: EngineRequest, sink: OutputSink, submitted_at: float) -> None:
+        live = LiveRequest(request, sink, self.config.max_context, submitted_at)
         self._live[request.request_id] = live
         try:
             media_keys = media_cache_keys(request.prompt_ids, request.media)
@@ -280,13 +284,21 @@ class Engine:
         if self.speculation is not None:
             self.speculation.add(request.request_id, request.prompt_ids)
 
-    def _after_schedule(self, batch: ScheduledBatch) -> None:
+    def _after_schedule(self, batch: ScheduledBatch, started: float, scheduled_at: float) -> None:
+        """started / scheduled_at: when this step's `schedule()` began / ended (the cache's
+        queued copies ran since): the phase boundaries of the requests it admitted."""
         now = time.perf_counter()
         for request_id in batch.admitted:
             live = self._live[request_id]
-            if live.admitted_at is None:
-                live.admitted_at = now
             record = self.scheduler.get(request_id)
+            if live.admitted_at is None and record is not None:
+                live.admitted_at = started
+                live.prefill_from = now
+                live.match_s = record.match_s
+                # The copies this step ran are the resume's (the snapshot into the lane, host
+                # blocks promoted), beside whatever the admission evicted or demoted.
+                live.resume_s = record.resume_s + (
+                    now - scheduled_at if record.resume_path != "cold" else 0.0)
             if record is not None:            # (None: the scheduler also failed it this step)
                 live.cached_tokens = record.cached_tokens or 0
                 live.resume_path = record.resume_path

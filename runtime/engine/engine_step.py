@@ -22,6 +22,7 @@ ends with `error`, the others continue.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -94,6 +95,7 @@ class StepExecutor:
         sampling_errors: dict[str, Exception] = {}
         for work in batch.prefills:
             live = self._live[work.request_id]
+            started = time.perf_counter()
             try:
                 if self.speculation is not None:
                     self.speculation.catch_up(work.request_id, work.slot, work.start_pos,
@@ -110,6 +112,9 @@ class StepExecutor:
             except Exception as exc:  # noqa: BLE001 - isolate this request
                 self._fail(live, "prefill", exc)
                 continue
+            if live.first_token_at is None:     # a chunk on the way to its first token
+                live.prefill_steps += 1
+                live.prefill_compute_s += time.perf_counter() - started
             self._counters["prefill_tokens"] += work.num_tokens
             live.prefilled_tokens += work.num_tokens
             if work.replay:

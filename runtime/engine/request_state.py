@@ -36,7 +36,9 @@ class StepResult:
 class LiveRequest:
     """Engine-thread state of one submitted request (never touched by other threads)."""
 
-    def __init__(self, request: EngineRequest, sink: OutputSink, max_context: int):
+    def __init__(self, request: EngineRequest, sink: OutputSink, max_context: int,
+                 submitted_at: Optional[float] = None):
+        """submitted_at: `time.perf_counter()` when `Engine.submit` took it (now if None)."""
         self.request = request
         self.sink = sink
         self.max_context = max_context
@@ -46,9 +48,18 @@ class LiveRequest:
         self.inserted_count = 0
         self.finished = False
         self.suspect = False              # its decode batch failed: decode it alone (isolation)
-        self.submitted_at = time.perf_counter()
+        # Phase boundaries (perf_counter; `RequestStats` documents the phases): submitted, the
+        # admitting step began, its match and resume done (prefill begins), first and second
+        # output tokens committed.
+        self.submitted_at = time.perf_counter() if submitted_at is None else submitted_at
         self.admitted_at: Optional[float] = None
+        self.prefill_from: Optional[float] = None
         self.first_token_at: Optional[float] = None
+        self.second_token_at: Optional[float] = None
+        self.match_s = 0.0
+        self.resume_s = 0.0
+        self.prefill_steps = 0            # steps with a chunk of its prompt before its first token
+        self.prefill_compute_s = 0.0      # their chunks' runner calls
         self.preemptions = 0
         self.replayed_tokens = 0
         self.cached_tokens = 0            # prompt tokens its first admission took from the cache
@@ -110,6 +121,8 @@ class LiveRequest:
         request = self.request
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        elif self.second_token_at is None:
+            self.second_token_at = time.perf_counter()
         self._commit(token)
         tokens, inserted = [token], [False]
         action = self.thinking.on_model_token(token)
@@ -147,7 +160,9 @@ class LiveRequest:
     def stats(self) -> RequestStats:
         now = time.perf_counter()
         admitted = self.admitted_at if self.admitted_at is not None else now
+        prefill_from = self.prefill_from if self.prefill_from is not None else admitted
         first = self.first_token_at
+        second = self.second_token_at
         closed_by = ""
         if self.thinking.inserted_close:
             closed_by = "loop" if self.thinking.loop_detected else "budget"
@@ -158,8 +173,13 @@ class LiveRequest:
             output_tokens=len(self.output_ids),
             inserted_tokens=self.inserted_count,
             queue_s=admitted - self.submitted_at,
+            match_s=self.match_s,
+            resume_s=self.resume_s,
+            prefill_s=(first - prefill_from) if first is not None else 0.0,
+            prefill_steps=self.prefill_steps,
+            prefill_compute_s=self.prefill_compute_s,
             ttft_s=(first - self.submitted_at) if first is not None else 0.0,
-            prefill_s=(first - admitted) if first is not None else 0.0,
+            first_decode_s=(second - first) if second is not None else 0.0,
             decode_s=(now - first) if first is not None else 0.0,
             total_s=now - self.submitted_at,
             preemptions=self.preemptions,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Iterable, Mapping, Optional, Sequence
 
 from runtime.engine.api import FinishReason, RequestRejected
@@ -293,7 +294,12 @@ class Scheduler:
         admitted = []
         while self._waiting and self.slots.num_free > 0:
             head = self._waiting[0]
-            entry = self.cache.match(head) if self.cache is not None else None
+            entry = None
+            head.match_s = head.resume_s = 0.0     # (the admitting try's times stay)
+            if self.cache is not None:
+                matching = time.perf_counter()
+                entry = self.cache.match(head)
+                head.match_s = time.perf_counter() - matching
             if entry is not None:
                 need = self.cache.resume_need(head, entry)
             elif head.status is SeqStatus.PAUSED:

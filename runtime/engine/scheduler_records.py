@@ -96,6 +96,8 @@ class SequenceRecord:
     block_digests: list[bytes] = field(default_factory=list)  # hashes of its full blocks
     cached_tokens: Optional[int] = None   # prompt tokens its first admission resumed past
     resume_path: str = "cold"         # how it last started: cold, prefix, snapshot or replay
+    match_s: float = 0.0              # its last admission: prefix-cache lookups (seconds)
+    resume_s: float = 0.0             # and the resume's mapping of what matched
 
     @property
     def turn_output(self) -> int:

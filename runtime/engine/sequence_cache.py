@@ -33,6 +33,7 @@ holding the generation opener the server hints).
 
 from __future__ import annotations
 
+import time
 from typing import Mapping, Optional, Sequence
 
 from runtime.engine.kv_blocks import BlockManager, chain_hash, decoded_hash, media_key_ids, pages_for
@@ -109,10 +110,15 @@ class SequenceCache:
         """Resume an admitted `seq` at the deepest snapshot the cache has for it when its
         pages fit in `free_pages` (the match is redone: pausing turn-expired sequences may
         have moved cache entries). False when it starts at position 0 instead: its private
-        resume point is dropped, and a fresh prompt counts as a miss."""
+        resume point is dropped, and a fresh prompt counts as a miss. Adds the time of the match
+        to `seq.match_s` and sets `seq.resume_s` to the resume's."""
+        started = time.perf_counter()
         entry = self.match(seq)
+        matched = time.perf_counter()
+        seq.match_s += matched - started
         if entry is not None and self.cache.resume_cost(entry) <= free_pages:
             self.resume(seq, entry)
+            seq.resume_s = time.perf_counter() - matched
             return True
         self.cache.drop_private(seq.request_id)
         if not was_paused and self.cache.config.reuse:

@@ -11,7 +11,7 @@ the tokenizer and the chat template (the artifact's or `--chat-template`), the e
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -49,6 +49,10 @@ class RenderedPrompt:
     ids: tuple[int, ...]
     thinking: bool
     media: tuple = ()      # `MediaSpan`s of the prompt's images (pads already expanded)
+    # Seconds spent: decoding images and rendering the template to text / tokenizing that
+    # text (request phases; not part of the prompt's identity).
+    render_s: float = field(default=0.0, compare=False)
+    tokenize_s: float = field(default=0.0, compare=False)
 
 
 TURN_SNAPSHOTS = 4
@@ -230,21 +234,27 @@ class ModelSession:
         if reasoning_effort == "none" and enable_thinking is None:
             enable_thinking = False
         from runtime.media.placement import expand_pads, resolve_media, video_replacements
+        from runtime.text.chat import encode_rendered
 
         # Media parts are decoded here (raising MediaError naming the part), before the template.
+        started = time.perf_counter()
         rules = self.vision[1] if self.vision is not None else None
         messages, items = resolve_media(messages, rules, self.media_limits)
-        ids = self.chat_template.render_ids(
+        text = self.chat_template.render_marked(
             self.tokenizer, messages, tools=list(tools) if tools else None,
             enable_thinking=enable_thinking, reasoning_effort=reasoning_effort,
             preserve_thinking=preserve_thinking, add_generation_prompt=add_generation_prompt,
             replacements=video_replacements(items), **template_kwargs)
+        rendered = time.perf_counter()
+        ids = encode_rendered(self.tokenizer, text)
         media: tuple = ()
         if items:
             tower = self.vision[0]
             ids, media = expand_pads(ids, items, tower.image_token_id,
                                      tower.spatial_merge_size, tower.video_token_id)
-        return RenderedPrompt(ids=tuple(ids), thinking=self.ends_in_thinking(ids), media=media)
+        return RenderedPrompt(ids=tuple(ids), thinking=self.ends_in_thinking(ids), media=media,
+                              render_s=rendered - started,
+                              tokenize_s=time.perf_counter() - rendered)
 
     def ends_in_thinking(self, ids: Sequence[int]) -> bool:
         """The prompt leaves the final turn's think block open: generation starts in thinking."""

@@ -193,6 +193,13 @@ class ChatTemplate:
         each once, in order, at or after the previous one (a video's one block by its frame
         groups' blocks, `runtime.media.placement.video_replacements`); bracketed message text
         never matches."""
+        return encode_rendered(tokenizer, self.render_marked(tokenizer, messages, **options))
+
+    def render_marked(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                      **options: Any) -> str:
+        """`render_ids`' first half: the rendered text, with every special-token spelling that
+        comes from the messages or tools bracketed and the `replacements` made
+        (`encode_rendered` is the second half)."""
         replacements = options.pop("replacements", ())
         pattern = _special_pattern(tokenizer)
         marked_messages = _mark(prepare_messages(messages), pattern)
@@ -202,8 +209,7 @@ class ChatTemplate:
                                options.pop("enable_thinking", None),
                                options.pop("preserve_thinking", False),
                                options.pop("reasoning_effort", None), options)
-        text = _render(_compile(self.source), variables)
-        return encode_rendered(tokenizer, _replace_in_order(text, replacements))
+        return _replace_in_order(_render(_compile(self.source), variables), replacements)
 
 
 def _replace_in_order(text: str, replacements: Sequence[tuple[str, str]]) -> str:
@@ -223,7 +229,7 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
     works too): bracketed spellings are literal text, bare special tokens become their ids."""
     pattern = _special_pattern(tokenizer)
     splitter = re.compile(f"{_LITERAL_OPEN}(.*?){_LITERAL_CLOSE}|({pattern.pattern})", re.S)
-    ids: list[int] = []
+    segments: list[str | int] = []      # text pieces to encode, and special ids, in order
     pending: list[str] = []
     position = 0
 
@@ -231,7 +237,7 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
         piece = "".join(pending).replace(_LITERAL_OPEN, "").replace(_LITERAL_CLOSE, "")
         pending.clear()
         if piece:
-            ids.extend(tokenizer.encode(piece, parse_special=False))
+            segments.append(piece)
 
     for match in _matches(splitter, text, _first_characters(_special_spellings(tokenizer))):
         pending.append(text[position:match.start()])
@@ -239,10 +245,19 @@ def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
             pending.append(match.group(1))
         else:
             flush()
-            ids.append(tokenizer.id_of(match.group(2)))
+            segments.append(tokenizer.id_of(match.group(2)))
         position = match.end()
     pending.append(text[position:])
     flush()
+    # All pieces in one call: the messages of a long conversation are encoded in parallel.
+    encoded = iter(tokenizer.encode_many([s for s in segments if isinstance(s, str)],
+                                         parse_special=False))
+    ids: list[int] = []
+    for segment in segments:
+        if isinstance(segment, str):
+            ids.extend(next(encoded))
+        else:
+            ids.append(segment)
     return ids
 
 
