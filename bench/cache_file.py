@@ -8,7 +8,8 @@ The stand-in runner keeps the CUDA runner's host-copy layout (raw bytes: K and V
 [16 attention layers, pages, 128 KiB], a slot of `--slot-mib` in two parts), so the file is
 laid out as a GPU server's would be; only the device copies themselves are missing (memcpy
 here). A 100K-token conversation is ~1,600 blocks (6.4 GiB) plus its snapshots. The read is
-from the page cache (the file was just written), as after a server restart on the same host.
+from the page cache (the file was just written, then synced), as after a server restart on the
+same host.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     size = save_cache_file(path, "bench", cache, runner)
     saved = time.perf_counter() - started
+    os.sync()         # as at a restart: the file on disk, not still being written back
     fresh = PrefixCache(config, BlockManager(args.blocks))
     started = time.perf_counter()
     restored, _ = load_cache_file(path, "bench", fresh, print)

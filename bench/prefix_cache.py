@@ -167,6 +167,8 @@ def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, 
         first = chat(server.base, messages, max_new, seed=0)
     finally:
         stopped = server.close(SAVE_WAIT_S)
+    # What the restart reads (the restarted server rewrites the file as it stops).
+    file_bytes = cache_file.stat().st_size if cache_file.exists() else 0
     messages += [{"role": "assistant", "content": first["text"] or "ok"}, user_turn(1, grow, history)]
     runs, ready, read = {}, {}, {}
     for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
@@ -178,8 +180,8 @@ def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, 
         finally:
             server.close(SAVE_WAIT_S)
     numbers = read["after_restart"]
-    return {"file_bytes": cache_file.stat().st_size if cache_file.exists() else 0,
-            "shutdown_s": stopped["shutdown_s"], "shutdown_killed": stopped["killed"],
+    return {"file_bytes": file_bytes, "shutdown_s": stopped["shutdown_s"],
+            "shutdown_killed": stopped["killed"],
             "file_read_s": numbers.get("infernix_prefix_cache_file_read_seconds", 0.0),
             "file_read_bytes": numbers.get("infernix_prefix_cache_file_read_bytes", 0),
             "ready_after_restart_s": ready["after_restart"], "ready_recompute_s": ready["recompute"],

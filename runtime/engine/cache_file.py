@@ -218,7 +218,8 @@ def load_cache_file(path: str, fingerprint: str, cache: PrefixCache, warn) -> tu
             return _restore(manifest, data, cache), os.fstat(handle.fileno()).st_size
     except _Unusable as exc:
         warn(f"prefix cache file {path} ignored: {exc}")
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+            struct.error) as exc:
         warn(f"prefix cache file {path} ignored: unreadable ({type(exc).__name__}: {exc})")
     return 0, 0
 
