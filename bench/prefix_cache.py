@@ -44,6 +44,11 @@ from pathlib import Path
 
 import httpx
 
+# How long a server on `--prefix-cache-file` may take to stop: the file is written as it stops
+# (a 100K-token conversation at the 27B shape is ~7 GB; the file tier's save runs at a few
+# hundred MB/s even on a slow 2-core VM: `python -m bench.cache_file`), so a supervisor that
+# kills it after 30 s loses the file.
+SAVE_WAIT_S = 600.0
 SYSTEM = "You are a coding agent. Read files carefully, answer briefly and cite paths. " * 8
 ARMS = {"cache": [], "no-cache": ["--no-prefix-cache", "--host-context-mib", "0",
                                   "--device-snapshot-slots", "0"]}
@@ -56,20 +61,23 @@ def free_port() -> int:
 
 
 class Server:
-    """One `infernix-serve` process on a free port, stopped on exit."""
+    """One `infernix-serve` process on a free port, stopped on exit. ready_s: seconds from
+    launch to a healthy /health (a server on `--prefix-cache-file` reads the file first)."""
 
     def __init__(self, command: str, flags: list[str], log: Path):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         argv = shlex.split(command) + ["--port", str(self.port), "--seed", "1"] + flags
         self.log = log.open("w")
+        started = time.monotonic()
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
+        deadline = started + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited ({self.process.returncode}); see {log}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - started
                     return
             except httpx.HTTPError:
                 pass
@@ -81,13 +89,21 @@ class Server:
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                 if line and not line.startswith("#") and "{" not in line}
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> dict:
+        """SIGTERM, then wait up to `timeout_s` for the process to exit (a server on
+        `--prefix-cache-file` writes the file as it stops: give it the time a save of what
+        it holds takes), then kill it. Returns the seconds it took and whether it was killed."""
+        started = time.monotonic()
         self.process.terminate()
+        killed = False
         try:
-            self.process.wait(30)
+            self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
+            killed = True
         self.log.close()
+        return {"shutdown_s": time.monotonic() - started, "killed": killed}
 
 
 def chat(base: str, messages: list[dict], max_new: int, seed: int, tag: str = "") -> dict:
@@ -186,10 +202,13 @@ def phase_table(turns: dict[str, list[dict]]) -> list[str]:
 
 def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, history: int) -> dict:
     """The file tier: turn 1 (`history` + `grow` tokens) on a server with `--prefix-cache-file`,
-    that server stopped (it writes the file as it stops) and a new one started on the file;
-    turn 2's time to first token there against a server without the cache (what the file saves
-    is that recomputation), and the two answers compared."""
-    cache_file = out / "prefix-cache.npz"
+    that server stopped (it writes the file as it stops; the stop is waited for, up to
+    `SAVE_WAIT_S`) and a new one started on the file; turn 2's time to first token there
+    against a server without the cache (what the file saves is that recomputation), and the
+    two answers compared. The restarted server reads the file before it is ready, so the
+    read's seconds (its /metrics) are reported too: what a client sees after a restart is
+    the read plus the time to first token."""
+    cache_file = out / "prefix-cache.bin"
     cache_file.unlink(missing_ok=True)
     messages = [{"role": "system", "content": SYSTEM}, user_turn(0, grow, history)]
     with_file = flags + ["--prefix-cache-file", str(cache_file)]
@@ -197,16 +216,25 @@ def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, 
     try:
         first = chat(server.base, messages, max_new, seed=0)
     finally:
-        server.close()
+        stopped = server.close(SAVE_WAIT_S)
+    # What the restart reads (the restarted server rewrites the file as it stops).
+    file_bytes = cache_file.stat().st_size if cache_file.exists() else 0
     messages += [{"role": "assistant", "content": first["text"] or "ok"}, user_turn(1, grow, history)]
-    runs = {}
+    runs, ready, read = {}, {}, {}
     for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
         server = Server(command, arm_flags, out / f"serve-restart-{name}.log")
         try:
+            ready[name] = server.ready_s
             runs[name] = chat(server.base, messages, max_new, seed=1)
+            read[name] = server.metrics()
         finally:
-            server.close()
-    return {"file_bytes": cache_file.stat().st_size if cache_file.exists() else 0,
+            server.close(SAVE_WAIT_S)
+    numbers = read["after_restart"]
+    return {"file_bytes": file_bytes, "shutdown_s": stopped["shutdown_s"],
+            "shutdown_killed": stopped["killed"],
+            "file_read_s": numbers.get("infernix_prefix_cache_file_read_seconds", 0.0),
+            "file_read_bytes": numbers.get("infernix_prefix_cache_file_read_bytes", 0),
+            "ready_after_restart_s": ready["after_restart"], "ready_recompute_s": ready["recompute"],
             "prompt_tokens": runs["recompute"]["prompt_tokens"],
             "cached_tokens": runs["after_restart"]["cached_tokens"],
             "ttft_after_restart_s": runs["after_restart"]["ttft_s"],
@@ -290,11 +318,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'yes' if row['outputs_equal_alone'] else 'NO'} |")
     if report["restart"]:
         r = report["restart"]
-        print("\n| restart: prompt tokens | cached from the file | TTFT after restart s | TTFT recompute s "
-              "| file MiB | same text |")
-        print("|---:|---:|---:|---:|---:|:---:|")
-        print(f"| {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_after_restart_s']:.3f} | "
-              f"{r['ttft_recompute_s']:.3f} | {r['file_bytes'] / 2**20:.1f} | {'yes' if r['same_text'] else 'NO'} |")
+        print("\n| restart: prompt tokens | cached from the file | file read s | TTFT after restart s "
+              "| read + TTFT s | TTFT recompute s | file MiB | shutdown s | same text |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+        print(f"| {r['prompt_tokens']} | {r['cached_tokens']} | {r['file_read_s']:.3f} | "
+              f"{r['ttft_after_restart_s']:.3f} | {r['file_read_s'] + r['ttft_after_restart_s']:.3f} | "
+              f"{r['ttft_recompute_s']:.3f} | {r['file_bytes'] / 2**20:.1f} | {r['shutdown_s']:.1f}"
+              f"{' (killed)' if r['shutdown_killed'] else ''} | {'yes' if r['same_text'] else 'NO'} |")
     return 0
 
 

@@ -71,12 +71,21 @@ class EngineCache:
                 logger.info("prefix cache disk tier: %s, %.1f GiB, %d earlier files removed",
                             config.ssd_dir, config.ssd_bytes / (1 << 30),
                             self.disk.removed_at_start)
+        # The file tier's last read and write (/metrics: how long a restart's read took).
+        self.file_numbers = {"prefix_cache_file_read_bytes": 0,
+                             "prefix_cache_file_read_seconds": 0.0,
+                             "prefix_cache_file_written_bytes": 0,
+                             "prefix_cache_file_write_seconds": 0.0}
         if config.cache_file is not None and scheduler.cache is not None:
-            restored = load_cache_file(config.cache_file, config.cache_fingerprint,
-                                       scheduler.cache.cache, warn)
-            if logger is not None and restored:
-                logger.info("prefix cache: %d snapshots restored from %s", restored,
-                            config.cache_file)
+            started = time.perf_counter()
+            restored, nbytes = load_cache_file(config.cache_file, config.cache_fingerprint,
+                                               scheduler.cache.cache, warn)
+            seconds = time.perf_counter() - started
+            self.file_numbers.update(prefix_cache_file_read_bytes=nbytes,
+                                     prefix_cache_file_read_seconds=seconds)
+            if logger is not None and nbytes:
+                logger.info("prefix cache: %d snapshots restored from %s (%.1f MiB read in "
+                            "%.2f s)", restored, config.cache_file, nbytes / (1 << 20), seconds)
             self._saved_changes = scheduler.cache.cache.changes    # the file holds these
 
     def apply_ops(self) -> None:
@@ -107,6 +116,7 @@ class EngineCache:
         if periodic and cache.cache.changes == self._saved_changes:
             return
         self._saved_changes = cache.cache.changes
+        started = time.perf_counter()
         try:
             size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
                                    cache.cache, self.runner)
@@ -115,9 +125,13 @@ class EngineCache:
                 self._logger.warning("prefix cache file %s not written: %s",
                                      self.config.cache_file, exc)
             return
+        seconds = time.perf_counter() - started
+        self.file_numbers.update(prefix_cache_file_written_bytes=size,
+                                 prefix_cache_file_write_seconds=seconds)
         if self._logger is not None:
-            self._logger.info("prefix cache written to %s (%.1f MiB)", self.config.cache_file,
-                              size / (1 << 20))
+            self._logger.info("prefix cache written to %s (%.1f MiB in %.2f s, %.0f MB/s)",
+                              self.config.cache_file, size / (1 << 20), seconds,
+                              size / max(seconds, 1e-9) / 1e6)
 
     def metrics(self) -> dict:
         """The cache's part of `Engine.snapshot()` (empty without a cache)."""
@@ -135,6 +149,8 @@ class EngineCache:
                 "prefix_cache_cached_pages": pages.num_cached,
                 "prefix_cache_device_snapshots": cache.cache.device_snapshots,
                 "prefix_cache_host_bytes": cache.cache.host_used}
+        if self.config.cache_file is not None:
+            numbers.update(self.file_numbers)
         if self.disk is not None:
             # ssd_{bytes_written,bytes_read,hits,read_failures,writes_dropped,evictions}_total
             numbers.update({f"prefix_cache_{k}_total": v for k, v in self.disk.stats.items()})

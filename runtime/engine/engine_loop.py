@@ -108,6 +108,7 @@ class Engine:
         self._accepting = False
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
+        self._final_save = threading.Event()             # set when the loop's last save starts
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "replayed_tokens": 0, "preemptions": 0, "finished": 0,
                          "errors": 0, "decode_batches": 0,
@@ -128,11 +129,18 @@ class Engine:
         return self
 
     def shutdown(self, timeout: Optional[float] = 10.0) -> None:
-        """Cancel everything in flight and stop the thread; later submits are rejected."""
+        """Cancel everything in flight and stop the thread; later submits are rejected.
+        `timeout` bounds the stop, not the prefix cache file's last write: once that has begun
+        it is waited for (GBs take seconds; cut short, the process would exit under it and
+        the runner be closed while it reads pages)."""
         if self._thread is None:
             return
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        if self._thread.is_alive() and self._final_save.is_set():
+            if self._logger is not None:
+                self._logger.info("waiting for the prefix cache file to be written")
+            self._thread.join()
         self._thread = None
         self.steps.close()
 
@@ -236,6 +244,7 @@ class Engine:
             return
         for live in list(self._live.values()):
             self._end(live, FinishReason.CANCELLED)
+        self._final_save.set()
         self.cache.save(periodic=False)
         self._close_commands(FinishReason.CANCELLED, None)
 

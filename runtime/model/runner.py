@@ -321,7 +321,9 @@ class ModelRunner(Protocol):
         ...
 
     def read_pages(self, pages: Sequence[int]) -> HostTransfer:
-        """A host copy of the K/V rows of `pages` (every attention layer), in the given order."""
+        """A host copy of the K/V rows of `pages` (every attention layer), in the given order.
+        Axis 1 of each array is the page, so `arrays[:, i:j]` of every part is the copy of
+        pages[i:j] (`write_pages` takes it; the file tier stores many pages as one array)."""
         ...
 
     def write_pages(self, pages: Sequence[int], data: HostTransfer) -> None:

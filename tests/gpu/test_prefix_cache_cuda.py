@@ -236,3 +236,36 @@ def test_a_resume_from_a_demoted_snapshot_equals_the_cold_run(runner, sampling):
     assert final.cached_prompt_tokens == 256
     assert warm == expected
     assert final.logprobs == cold_final.logprobs
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_file_tier_brings_a_conversation_back_after_a_restart(runner, sampling, tmp_path):
+    """Saved at shutdown from the device (snapshot slots, blocks read in runs of pages) and
+    read into the host tier of a new engine, on a pool and slots wiped in between (the same
+    runner: without the wipe a broken load could pass on the old bytes). The next turn resumes
+    from the file at the hinted turn start (300 -> 256) and equals the cold run."""
+    from runtime.model.runner import HostReady
+
+    first = tokens(runner, 50, 300)
+    path = tmp_path / "prefix.cache"
+    config = dict(CACHE, cache_file=str(path), cache_fingerprint="gpu-file-test")
+    with engine(runner, **config) as eng:
+        ids, _ = run(eng, "a", first, 8, sampling)
+    assert path.exists()
+    every = list(range(runner.num_pages))
+    pages = runner.read_pages(every).wait()
+    runner.write_pages(every, HostReady(tuple(np.zeros_like(part) for part in pages)))
+    for slot in range(runner.num_slots):
+        runner.reset_slot(slot)
+    second = first + ids + tokens(runner, 51, 40)
+    hints = (len(first),)
+    with engine(runner, **config) as eng:
+        warm, final = run(eng, "b", second, 24, sampling, logprobs=2, snapshot_positions=hints)
+        # The resume loaded the state and the 4 blocks below 256 from the file's host copies.
+        assert eng.cache.traffic.host_to_device_bytes >= runner.slot_nbytes + 4 * runner.page_nbytes
+    with engine(runner) as cold:
+        expected, cold_final = run(cold, "b", second, 24, sampling, logprobs=2,
+                                   snapshot_positions=hints)
+    assert final.cached_prompt_tokens == 256
+    assert warm == expected
+    assert final.logprobs == cold_final.logprobs

@@ -5,7 +5,6 @@ write budget (an injected clock) and GDSF on disk; the startup errors of the opt
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.engine.api import EngineRequest, SamplingParams
+from runtime.engine.cache_file import read_manifest
 from runtime.engine.cache_ops import HostCopy, SpillSnapshot
 from runtime.engine.disk_tier import DiskTier, DiskTierConfig, WriteBudget
 from runtime.engine.engine_loop import Engine, EngineConfig
@@ -296,9 +296,7 @@ def saved_positions(path) -> list[int]:
     """The snapshot positions in a prefix-cache file (none while it does not exist)."""
     if not path.exists():
         return []
-    with np.load(path) as archive:
-        manifest = json.loads(bytes(archive["manifest"]).decode())
-    return [record["position"] for record in manifest["snapshots"]]
+    return [record["position"] for record in read_manifest(path)["snapshots"]]
 
 
 def test_an_idle_engine_writes_the_periodic_save_without_a_new_request(make_runner, tmp_path):

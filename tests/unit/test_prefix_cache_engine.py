@@ -4,12 +4,11 @@ the host tier. Every test compares token ids with the same requests run with no 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from runtime.engine.api import EngineRequest, FinishReason, SamplingParams
+from runtime.engine.cache_file import read_manifest
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.kv_blocks import block_hashes
 from test_engine_fakes import RecordingLog
@@ -212,9 +211,7 @@ def test_the_file_tier_survives_a_restart_and_ignores_bad_files(make_runner, tmp
     # The file holds a's prefill stops (the multiples of 64 below 180), not its prompt end
     # (180 is not a multiple of 64), nor the state after its answer (180 + 10 - 1: decode
     # steps computed it).
-    with np.load(path) as archive:
-        manifest = json.loads(bytes(archive["manifest"]).decode())
-    assert sorted(r["position"] for r in manifest["snapshots"]) == [64, 128]
+    assert sorted(r["position"] for r in read_manifest(path)["snapshots"]) == [64, 128]
     follow = prompt + ids + tokens(16, 30)
     hint = (len(prompt),)                 # the turn start, as the server hints it: 180 -> 128
     good = path.read_bytes()
