@@ -98,26 +98,25 @@ def joined(first: Union[str, list], separator: str, second: Union[str, list]) ->
 def chat_image(part: dict, where: str) -> Optional[str]:
     """Chat Completions: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (a bare
     string is accepted too, as the CLI does)."""
-    if part.get("type") != "image_url":
-        return None
-    value = part.get("image_url")
-    if isinstance(value, dict):
-        return get_str(value, "url", f"{where}.image_url.url", required=True)
-    if isinstance(value, str):
-        return value
-    raise invalid(f"{where}.image_url", "must be an object with a string `url`")
+    return _chat_url(part, where, "image_url")
 
 
 def chat_video(part: dict, where: str) -> Optional[str]:
     """Chat Completions: `{"type": "video_url", "video_url": {"url": ...}}` (or a bare string)."""
-    if part.get("type") != "video_url":
+    return _chat_url(part, where, "video_url")
+
+
+def _chat_url(part: dict, where: str, kind: str) -> Optional[str]:
+    """The URL of a Chat part of type `kind` (an object with `url`, or a bare string); None
+    for a part of another type."""
+    if part.get("type") != kind:
         return None
-    value = part.get("video_url")
+    value = part.get(kind)
     if isinstance(value, dict):
-        return get_str(value, "url", f"{where}.video_url.url", required=True)
+        return get_str(value, "url", f"{where}.{kind}.url", required=True)
     if isinstance(value, str):
         return value
-    raise invalid(f"{where}.video_url", "must be an object with a string `url`")
+    raise invalid(f"{where}.{kind}", "must be an object with a string `url`")
 
 
 def responses_image(part: dict, where: str) -> Optional[str]:
