@@ -1,11 +1,13 @@
-"""Prefill speed of `CudaRunner` on the Qwen3.6-27B shape with synthetic BF16 weights.
+"""Prefill speed of `CudaRunner` on a released model's shape with synthetic BF16 weights.
 
     python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
         [--gdn chunked|split|fused|all] [--attn split|flash|both] [--attn-tokens 8192] [--gdn-tokens 8192]
+        [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|FILE.json] [--router balanced|skewed]
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports
 the second run (the first binds the launch plans) as tok/s and the fraction of the BF16 matrix
-ceiling (linear-layer FLOPs 2 * params * tokens plus causal attention FLOPs, over the matrix rate
+ceiling (linear-layer FLOPs 2 * params * tokens, for an MoE model the params a token uses: the
+dense parts, the router and k + 1 experts a layer; plus causal attention FLOPs, over the matrix rate
 measured in the same run with the repository's own GEMM on an 8192 x 5120 x 17408 product), with
 a per-kernel breakdown of one prefill chunk (events between eager launches). `--gdn` picks the
 GDN prefill kernel: `chunked` (what the runner uses: the WY tensor-core kernel), `split` (the
@@ -35,9 +37,19 @@ from bench.timing import median_event_seconds, plan_breakdown_us
 
 
 def linear_params(runner: Any) -> int:
-    lay = runner.layout
-    total = sum(s.nbytes for s in lay.all_slots() if s.kind == "linear") // 2
-    return total - lay.globals["embed"].nbytes // 2 - lay.globals["lm_head"].nbytes // 2
+    """Projection weights one token multiplies by (embedding and head excluded): every linear
+    slot, except that an MoE layer's expert stacks ([E + 1] experts, the shared one last) count
+    only the k routed experts and the shared one."""
+    lay, c = runner.layout, runner.config
+    total = 0
+    for layer in lay.layers:
+        for role, slot in layer.items():
+            if slot.kind != "linear":
+                continue
+            n = int(np.prod(slot.shape))
+            total += n // (c.num_experts + 1) * (c.num_experts_per_tok + 1) if role.startswith("experts_") else n
+    globals_ = [s for name, s in lay.globals.items() if s.kind == "linear" and name not in ("embed", "lm_head")]
+    return total + sum(int(np.prod(s.shape)) for s in globals_)
 
 
 def matrix_rate(runner: Any) -> float:
@@ -214,8 +226,8 @@ GDN_MODES = ("chunked", "split", "fused")
 
 
 def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash", attn_tokens: int = 8192,
-        gdn_tokens: int = 8192) -> dict[str, Any]:
-    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk)
+        gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
+    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router)
     rate = matrix_rate(runner)
     k = runner.kernels
     gdn_kernels = {name: getattr(k, name, None) for name in ("gdn_chunked", "gdn_split", "gdn_norm")}
@@ -240,6 +252,7 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
     vs_fla = gdn_vs_fla(runner, gdn_tokens) if gdn_tokens else {}
     print(json.dumps({"gdn_vs_fla": vs_fla}), flush=True)
     return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
+            "shape": shape, "router": router,
             "gdn_kernels": gdn_kernels, "attention_prefill_kernel": flash, "runs": runs,
             "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla}
 
@@ -271,8 +284,8 @@ def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> str:
     rate = data["matrix_rate_tflops"]
-    lines = [f"Matrix ceiling in the same run: **{rate:.0f} TFLOP/s** (our gemm_sm90, "
-             f"8192 x 5120 x 17408). Prefill chunk {data['chunk']}."]
+    lines = [f"Shape {data['shape']} (router {data['router']} where MoE). Matrix ceiling in the same run: "
+             f"**{rate:.0f} TFLOP/s** (our gemm_sm90, 8192 x 5120 x 17408). Prefill chunk {data['chunk']}."]
     for mode, run in data["runs"].items():
         lines += ["", f"Prefill kernels: {mode}", "",
                   "| prompt tokens | seconds | tok/s | TFLOP/s | of matrix ceiling |", "|---:|---:|---:|---:|---:|"]
@@ -315,9 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", choices=("split", "flash", "both"), default="flash")
     ap.add_argument("--attn-tokens", type=int, default=8192, help="queries for the SDPA comparison (0: skip)")
     ap.add_argument("--gdn-tokens", type=int, default=8192, help="tokens for the fla comparison (0: skip)")
+    ap.add_argument("--synthetic-shape", default="qwen3.6-27b", help="model shape: a name of "
+                    "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON text config")
+    ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
+                    help="synthetic MoE router: near-uniform routing, or a few hot experts")
     args = ap.parse_args(argv)
     data = run([int(p) for p in args.prompts.split(",")], args.chunk, args.gdn, args.attn, args.attn_tokens,
-               args.gdn_tokens)
+               args.gdn_tokens, args.synthetic_shape, args.router)
     data["command"] = "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill.json").write_text(json.dumps(data, indent=1))
