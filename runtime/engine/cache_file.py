@@ -85,7 +85,8 @@ class Gathered:
     """Everything one save writes, taken at one instant and owned by the save: the manifest's
     parts and host arrays no one writes to (the save's own copies of device pages and slots,
     and the host tier's copies, which are never written in place: an eviction only lets go of
-    them, and these references keep them alive until the file is written).
+    them, and these references keep them alive until the file is written). Every device copy
+    has completed: the writer thread makes no runner (CUDA) call.
 
     states: each record's state, in record order. pages: (file index of the first page, the
     pages' arrays, page axis 1), covering file pages 0..page_count-1 in order. copied_bytes:
@@ -210,7 +211,7 @@ def write_cache_file(path: str, gathered: Gathered) -> int:
 # this process is writing now (a second engine's start must not remove them).
 _OWN_TEMPORARIES: set[str] = set()
 _OWN_LOCK = threading.Lock()
-_LEGACY_TEMPORARY = re.compile(r"\.prefix-cache-[a-z0-9_]{8}")   # before 2026-12-02: no name
+_LEGACY_TEMPORARY = re.compile(r"\.prefix-cache-[a-z0-9_]{8}")   # earlier builds' (no file name)
 
 
 def _new_temporary(path: str) -> tuple[int, str]:
@@ -227,15 +228,19 @@ def remove_stale_temporaries(path: str) -> list[str]:
     short by a kill leaves one: the rename never came); the names removed."""
     directory, name = os.path.split(os.path.abspath(path))
     ours = re.compile(re.escape(f".prefix-cache-{name}.") + r"[a-z0-9_]{8}\.tmp")
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:            # no directory (yet) or an unreadable one: the save will say so
+        return []
     removed = []
     with _OWN_LOCK:
-        for entry in sorted(os.listdir(directory)):
+        for entry in names:
             full = os.path.join(directory, entry)
             if (ours.fullmatch(entry) or _LEGACY_TEMPORARY.fullmatch(entry)) \
                     and full not in _OWN_TEMPORARIES and os.path.isfile(full):
                 try:
                     os.unlink(full)
-                except FileNotFoundError:      # another process's start removed it first
+                except OSError:   # another start removed it first, or not ours to remove
                     continue
                 removed.append(entry)
     return removed

@@ -223,3 +223,19 @@ def test_a_start_removes_only_stale_temporaries_of_its_file(make_runner, tmp_pat
         cache_file._OWN_TEMPORARIES.discard(writing)
     # Once this process is done with it, it is stale too.
     assert remove_stale_temporaries(str(path)) == [os.path.basename(writing)]
+    # A file in a directory not made yet: nothing to remove, no error (its save will warn).
+    assert remove_stale_temporaries(str(tmp_path / "missing" / "prefix.cache")) == []
+
+
+def test_an_engine_save_over_its_budget_leaves_snapshots_out_and_says_so(make_runner, tmp_path):
+    path = tmp_path / "prefix.cache"
+    log = Log()
+    # No room for any device copy: every snapshot needs device blocks (or its device slot).
+    config = EngineConfig(**CACHE, cache_file=str(path), cache_save_bytes=0)
+    with Engine(make_runner(), config, logger=log) as engine:
+        serve(engine, "a", prompt(1, 150))
+    held = sorted(e.position for e in engine.scheduler.cache.cache.shared_entries())
+    assert held == [64, 128]
+    assert log.warnings == ["prefix cache save: 2 snapshots left out, their copies would pass "
+                            "0 MiB"]
+    assert read_manifest(str(path))["snapshots"] == []
