@@ -1,6 +1,7 @@
 """The prefix cache file's own speed (`runtime.engine.cache_file`), on the CPU: a save of N KV
-blocks at the 27B shape's page size read from a stand-in runner's pool, and the read of that
-file back into the host tier.
+blocks at the 27B shape's page size read from a stand-in runner's pool, in its two halves (the
+gather, which holds up the engine thread, and the write, on the writer thread), and the read of
+that file back into the host tier.
 
     python -m bench.cache_file [--blocks 256] [--snapshots 4] [--dir /tmp]
 
@@ -22,7 +23,7 @@ import time
 
 import numpy as np
 
-from runtime.engine.cache_file import load_cache_file, save_cache_file
+from runtime.engine.cache_file import gather_cache_file, load_cache_file, write_cache_file
 from runtime.engine.cache_ops import HostCopy
 from runtime.engine.kv_blocks import BlockManager, block_hashes
 from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -73,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                             HostCopy.of(runner.save_slot(n).wait()), None, {})
     path = os.path.join(args.dir, "bench-prefix-cache.bin")
     started = time.perf_counter()
-    size = save_cache_file(path, "bench", cache, runner)
+    gathered = gather_cache_file("bench", cache, runner)
+    gather = time.perf_counter() - started
+    size = write_cache_file(path, gathered)
     saved = time.perf_counter() - started
+    del gathered
     os.sync()         # as at a restart: the file on disk, not still being written back
     fresh = PrefixCache(config, BlockManager(args.blocks))
     started = time.perf_counter()
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     os.unlink(path)
     assert restored == args.snapshots, restored
     print(f"{args.blocks} blocks + {args.snapshots} snapshots, {size / 2**20:.0f} MiB: "
-          f"save {saved:.2f} s ({size / saved / 1e6:.0f} MB/s), "
+          f"save {saved:.2f} s ({size / saved / 1e6:.0f} MB/s: gather {gather:.2f} s, "
+          f"write {saved - gather:.2f} s), "
           f"read {loaded:.2f} s ({size / loaded / 1e6:.0f} MB/s), {os.cpu_count()} CPUs")
     return 0
 

@@ -21,14 +21,20 @@ dtype, KV format, state and page sizes). A file of another version or fingerprin
 truncated one (sizes, footer) or a corrupt one (checksums) is ignored with one warning that
 says why, and replaced at the next save. Writes go to a temporary file in the same directory,
 then `os.replace`, so a crash mid-write leaves the old file intact (no fsync: after a power
-loss the checksums catch a half-written file, and a cache may be lost).
+loss the checksums catch a half-written file, and a cache may be lost); a kill mid-write leaves
+the temporary, which the next start removes (`remove_stale_temporaries`).
 
-Saving reads the device in runs of up to `RUN_PAGES` pages (one copy per layer part per run of
-consecutive page ids: `runtime.model.gpu.runner`), the next run's copy in flight while this
-one is written. Reading fills one buffer with the whole data section, its chunks read and
-checksummed on a thread pool; every page and state the host tier gets is a view into it.
-Everything is read and checked before anything enters the cache, into the host tier (as far
-as `--host-context-mib` allows, deepest snapshots first). Both calls run on the engine thread.
+A save has two halves. `gather_cache_file`, on the engine thread, copies what the file needs
+to the host at one instant: device pages in runs of up to `RUN_PAGES` (one copy per layer
+part per run of consecutive page ids: `runtime.model.gpu.runner`) and device snapshot slots,
+all started before the first is waited for, plus references to the host tier's copies and the
+manifest's records; a budget bounds the copies (deepest snapshots kept first).
+`write_cache_file`, on any thread, writes and checksums only what it was handed, so the cache
+may change meanwhile (`runtime.engine.engine_cache` runs it on a writer thread). Reading fills
+one buffer with the whole data section, its chunks read and checksummed on a thread pool;
+every page and state the host tier gets is a view into it. Everything is read and checked
+before anything enters the cache, into the host tier (as far as `--host-context-mib` allows,
+deepest snapshots first); the read runs in the engine's constructor.
 """
 
 from __future__ import annotations
@@ -36,17 +42,20 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import tempfile
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
 from runtime.engine.cache_ops import HostCopy
 from runtime.engine.prefix_cache import PrefixCache, Snapshot
-from runtime.model.runner import HostArrays, HostReady, HostTransfer, ModelRunner
+from runtime.model.runner import HostArrays, HostReady, ModelRunner
 
 FORMAT_VERSION = 2
 MAGIC = b"IXPCF\x00\r\n"
@@ -71,11 +80,44 @@ class _Unusable(Exception):
 
 # --- saving ---------------------------------------------------------------------------------
 
+@dataclass
+class Gathered:
+    """Everything one save writes, taken at one instant and owned by the save: the manifest's
+    parts and host arrays no one writes to (the save's own copies of device pages and slots,
+    and the host tier's copies, which are never written in place: an eviction only lets go of
+    them, and these references keep them alive until the file is written). Every device copy
+    has completed: the writer thread makes no runner (CUDA) call.
+
+    states: each record's state, in record order. pages: (file index of the first page, the
+    pages' arrays, page axis 1), covering file pages 0..page_count-1 in order. copied_bytes:
+    the host memory of the save's own copies (`budget` bounds it). skipped: snapshots left
+    out for the budget."""
+
+    fingerprint: str
+    records: list[dict]
+    blocks: list[bytes]
+    states: list[HostArrays]
+    pages: list[tuple[int, HostArrays]]
+    page_count: int
+    copied_bytes: int
+    skipped: int
+
+
 def save_cache_file(path: str, fingerprint: str, cache: PrefixCache, runner: ModelRunner) -> int:
-    """Write every shared snapshot and its blocks; returns the bytes written."""
+    """Write every shared snapshot and its blocks in one call; returns the bytes written."""
+    return write_cache_file(path, gather_cache_file(fingerprint, cache, runner))
+
+
+def gather_cache_file(fingerprint: str, cache: PrefixCache, runner: ModelRunner,
+                      budget: Optional[int] = None) -> Gathered:
+    """The first half of a save, on the engine thread: copy what the file needs to the host and
+    wait for the copies (device pages in runs of up to `RUN_PAGES` consecutive ones). budget:
+    the most host memory these copies may take; the snapshots that do not fit are left out,
+    deepest kept first (as a load fills the host tier)."""
     entries = cache.shared_entries()
+    kept = entries if budget is None else _within(budget, entries, cache, runner)
     blocks: dict[bytes, int] = {}                    # digest -> page index in the file
-    for entry in entries:
+    for entry in kept:
         for digest in entry.chain:
             blocks.setdefault(digest, len(blocks))
     # A page's source: its device page id, or its host copy (blocks demoted, tails).
@@ -83,7 +125,7 @@ def save_cache_file(path: str, fingerprint: str, cache: PrefixCache, runner: Mod
         page if (page := cache.blocks.lookup(d)) is not None else cache.host_block(d)
         for d in blocks]
     records = []
-    for entry in entries:
+    for entry in kept:
         tail_page = None
         if entry.tail_copy is not None:
             tail_page = len(sources)
@@ -91,15 +133,62 @@ def save_cache_file(path: str, fingerprint: str, cache: PrefixCache, runner: Mod
         records.append({"position": entry.position, "hits": entry.hits,
                         "chain": [blocks[d] for d in entry.chain], "tail": list(entry.tail),
                         "tail_page": tail_page})
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".prefix-cache-", dir=directory)
+    # Every copy is started before the first is waited for: the device copies them back to back.
+    states = [runner.save_slot(e.slot) if e.slot is not None else e.state.data for e in kept]
+    pages = [(first, runner.read_pages(source) if isinstance(source, list) else source.data)
+             for first, source in _runs(sources)]
+    copied = runner.slot_nbytes * sum(e.slot is not None for e in kept) \
+        + runner.page_nbytes * sum(not isinstance(s, HostCopy) for s in sources)
+    return Gathered(fingerprint, records, list(blocks), [t.wait() for t in states],
+                    [(first, t.wait()) for first, t in pages], len(sources), copied,
+                    len(entries) - len(kept))
+
+
+def _within(budget: int, entries: list[Snapshot], cache: PrefixCache,
+            runner: ModelRunner) -> list[Snapshot]:
+    """The entries whose device copies fit in `budget` bytes, deepest taken first (a block
+    two of them share counts once), in their original order."""
+    counted: set[bytes] = set()
+    chosen: set[str] = set()
+    used = 0
+    for entry in sorted(entries, key=lambda e: -e.position):
+        new = {d for d in entry.chain if d not in counted and cache.blocks.lookup(d) is not None}
+        need = len(new) * runner.page_nbytes + (runner.slot_nbytes if entry.slot is not None else 0)
+        if used + need <= budget:
+            used += need
+            counted |= new
+            chosen.add(entry.name)
+    return [e for e in entries if e.name in chosen]
+
+
+def _runs(sources: list[Union[int, HostCopy]]) -> list[tuple[int, Union[list[int], HostCopy]]]:
+    """(first file index, source) per host copy and per run of up to `RUN_PAGES` device pages
+    that follow each other in the file."""
+    groups: list[tuple[int, Union[list[int], HostCopy]]] = []
+    for index, source in enumerate(sources):
+        if isinstance(source, HostCopy):
+            groups.append((index, source))
+        elif groups and isinstance(groups[-1][1], list) and len(groups[-1][1]) < RUN_PAGES:
+            groups[-1][1].append(source)
+        else:
+            groups.append((index, [source]))
+    return groups
+
+
+def write_cache_file(path: str, gathered: Gathered) -> int:
+    """The second half of a save, on any thread (it reads only `gathered`): write the file to a
+    temporary next to `path`, checksum it, and rename it over `path`; returns its size."""
+    handle, temporary = _new_temporary(path)
     try:
         with os.fdopen(handle, "r+b") as out:
             writer = _Writer(out.fileno())
-            _write_states(writer, entries, runner)
-            _write_pages(writer, sources, runner)
-            manifest = {"fingerprint": fingerprint, "snapshots": records,
-                        "blocks": [d.hex() for d in blocks], "arrays": writer.arrays,
+            for i, state in enumerate(gathered.states):
+                writer.put("state", tuple(part[np.newaxis] for part in state), 0, i,
+                           len(gathered.states))
+            for first, data in gathered.pages:
+                writer.put("page", data, 1, first, gathered.page_count)
+            manifest = {"fingerprint": gathered.fingerprint, "snapshots": gathered.records,
+                        "blocks": [d.hex() for d in gathered.blocks], "arrays": writer.arrays,
                         "chunk": CHUNK, "checksums": writer.checksums()}
             text = json.dumps(manifest).encode()
             out.seek(0)
@@ -111,7 +200,50 @@ def save_cache_file(path: str, fingerprint: str, cache: PrefixCache, runner: Mod
     except BaseException:
         os.unlink(temporary)
         raise
+    finally:
+        with _OWN_LOCK:
+            _OWN_TEMPORARIES.discard(temporary)
     return os.path.getsize(path)
+
+
+# Temporaries: `.prefix-cache-<file name>.<8 random characters>.tmp` beside the file (named
+# after it, so that servers with other files in the same directory keep theirs), and the ones
+# this process is writing now (a second engine's start must not remove them).
+_OWN_TEMPORARIES: set[str] = set()
+_OWN_LOCK = threading.Lock()
+_LEGACY_TEMPORARY = re.compile(r"\.prefix-cache-[a-z0-9_]{8}")   # earlier builds' (no file name)
+
+
+def _new_temporary(path: str) -> tuple[int, str]:
+    directory, name = os.path.split(os.path.abspath(path))
+    with _OWN_LOCK:
+        handle, temporary = tempfile.mkstemp(prefix=f".prefix-cache-{name}.", suffix=".tmp",
+                                             dir=directory)
+        _OWN_TEMPORARIES.add(temporary)
+    return handle, temporary
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Remove the temporaries of `path`'s saves that this process is not writing (a save cut
+    short by a kill leaves one: the rename never came); the names removed."""
+    directory, name = os.path.split(os.path.abspath(path))
+    ours = re.compile(re.escape(f".prefix-cache-{name}.") + r"[a-z0-9_]{8}\.tmp")
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:            # no directory (yet) or an unreadable one: the save will say so
+        return []
+    removed = []
+    with _OWN_LOCK:
+        for entry in names:
+            full = os.path.join(directory, entry)
+            if (ours.fullmatch(entry) or _LEGACY_TEMPORARY.fullmatch(entry)) \
+                    and full not in _OWN_TEMPORARIES and os.path.isfile(full):
+                try:
+                    os.unlink(full)
+                except OSError:   # another start removed it first, or not ours to remove
+                    continue
+                removed.append(entry)
+    return removed
 
 
 class _Writer:
@@ -160,42 +292,6 @@ class _Writer:
                 with memoryview(mapped) as whole, whole[start:start + CHUNK] as piece:
                     return zlib.crc32(piece)
             return list(pool.map(crc, range(DATA_START, self.end, CHUNK)))
-
-
-def _write_states(writer: _Writer, entries: list[Snapshot], runner: ModelRunner) -> None:
-    """Every entry's state, the next device copy started before this one is written."""
-    def start(entry: Snapshot) -> HostTransfer:
-        return runner.save_slot(entry.slot) if entry.slot is not None else entry.state.data
-
-    pending = start(entries[0]) if entries else None
-    for i in range(len(entries)):
-        state = pending.wait()
-        pending = start(entries[i + 1]) if i + 1 < len(entries) else None
-        writer.put("state", tuple(part[np.newaxis] for part in state), 0, i, len(entries))
-
-
-def _write_pages(writer: _Writer, sources: list[Union[int, HostCopy]],
-                 runner: ModelRunner) -> None:
-    """Every page: host copies as they are, device pages in runs of up to `RUN_PAGES` that
-    follow each other in the file, the next run's copy in flight while this one is written."""
-    groups: list[tuple[int, Union[list[int], HostCopy]]] = []    # (first file index, source)
-    for index, source in enumerate(sources):
-        if isinstance(source, HostCopy):
-            groups.append((index, source))
-        elif groups and isinstance(groups[-1][1], list) and len(groups[-1][1]) < RUN_PAGES:
-            groups[-1][1].append(source)
-        else:
-            groups.append((index, [source]))
-
-    def start(group) -> HostTransfer:
-        source = group[1]
-        return runner.read_pages(source) if isinstance(source, list) else source.data
-
-    pending = start(groups[0]) if groups else None
-    for n, (first, _) in enumerate(groups):
-        data = pending.wait()
-        pending = start(groups[n + 1]) if n + 1 < len(groups) else None
-        writer.put("page", data, 1, first, len(sources))
 
 
 def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:

@@ -1,6 +1,7 @@
 """The engine thread's side of the prefix cache: its capacities from `EngineConfig`, the file
 tier (`runtime.engine.cache_file`: read at construction, written at shutdown and every
-`cache_save_s`, only when the cache changed), the disk tier (`runtime.engine.disk_tier`:
+`cache_save_s`, only when the cache changed; a save's copies are gathered on the engine thread
+and written by a writer thread, one save at a time), the disk tier (`runtime.engine.disk_tier`:
 attached to the cache here, its writes run with the queued operations), the storage
 operations it queues (`runtime.engine.cache_ops`: run on the runner, in order) and its
 /metrics numbers.
@@ -11,10 +12,12 @@ reaches the runner side of it only through `EngineCache`.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
-from runtime.engine.cache_file import load_cache_file, save_cache_file
+from runtime.engine.cache_file import (Gathered, gather_cache_file, load_cache_file,
+                                       remove_stale_temporaries, write_cache_file)
 from runtime.engine.cache_ops import Traffic, apply_ops
 from runtime.engine.disk_tier import DiskTier, DiskTierConfig
 from runtime.engine.engine_config import EngineConfig
@@ -51,6 +54,7 @@ class EngineCache:
         self._logger = logger
         self._saved_at = time.monotonic()
         self._saved_changes = 0
+        self._writer: Optional[threading.Thread] = None     # the save being written, if any
         self.disk: Optional[DiskTier] = None
         warn = logger.warning if logger is not None else (lambda message: None)
         if scheduler.cache is not None and config.host_cache_bytes:
@@ -72,11 +76,17 @@ class EngineCache:
                             config.ssd_dir, config.ssd_bytes / (1 << 30),
                             self.disk.removed_at_start)
         # The file tier's last read and write (/metrics: how long a restart's read took).
+        # gather_seconds: how long the last save held up the engine thread.
         self.file_numbers = {"prefix_cache_file_read_bytes": 0,
                              "prefix_cache_file_read_seconds": 0.0,
                              "prefix_cache_file_written_bytes": 0,
-                             "prefix_cache_file_write_seconds": 0.0}
+                             "prefix_cache_file_write_seconds": 0.0,
+                             "prefix_cache_file_gather_seconds": 0.0}
         if config.cache_file is not None and scheduler.cache is not None:
+            removed = remove_stale_temporaries(config.cache_file)
+            if removed and logger is not None:
+                logger.info("prefix cache: removed %d temporary files of saves cut short: %s",
+                            len(removed), ", ".join(removed))
             started = time.perf_counter()
             restored, nbytes = load_cache_file(config.cache_file, config.cache_fingerprint,
                                                scheduler.cache.cache, warn)
@@ -103,8 +113,11 @@ class EngineCache:
         return max(0.0, self._saved_at + self.config.cache_save_s - time.monotonic())
 
     def save(self, periodic: bool) -> None:
-        """Write the file tier: at shutdown, or when `cache_save_s` has passed since the last
-        write and the cache's entries changed since (an idle engine rewrites nothing). A failed
+        """Save the file tier: at shutdown, or when `cache_save_s` has passed since the last
+        save and the cache's entries changed since (an idle engine rewrites nothing). This
+        thread gathers the copies (`gather_cache_file`: bounded by copy bandwidth); a writer
+        thread writes them. A periodic save due while the last one is still being written is
+        skipped (logged); the one at shutdown waits for it, then for its own write. A failed
         write is logged; the cache keeps serving."""
         cache = self.scheduler.cache
         if self.config.cache_file is None or cache is None:
@@ -115,22 +128,63 @@ class EngineCache:
         self._saved_at = time.monotonic()
         if periodic and cache.cache.changes == self._saved_changes:
             return
+        if periodic and self.saving:
+            if self._logger is not None:
+                self._logger.info("prefix cache save skipped: the last one is still being "
+                                  "written to %s", self.config.cache_file)
+            return
+        self.wait_for_save()
         self._saved_changes = cache.cache.changes
         started = time.perf_counter()
+        gathered = gather_cache_file(self.config.cache_fingerprint, cache.cache, self.runner,
+                                     self.config.cache_save_bytes)
+        gather_s = time.perf_counter() - started
+        self.file_numbers["prefix_cache_file_gather_seconds"] = gather_s
+        if gathered.skipped and self._logger is not None:
+            self._logger.warning("prefix cache save: %d snapshots left out, their copies would "
+                                 "pass %.0f MiB", gathered.skipped,
+                                 self.config.cache_save_bytes / (1 << 20))
+        self._writer = threading.Thread(target=self._write, args=(gathered, gather_s),
+                                        name="infernix-cache-save")
+        self._writer.start()
+        if not periodic:
+            self.wait_for_save()
+
+    @property
+    def saving(self) -> bool:
+        """Whether a save is being written."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def wait_for_save(self) -> None:
+        """Block until the save being written, if any, is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, gathered: Gathered, gather_s: float) -> None:
+        """The writer thread: it touches only `gathered` (and the file numbers, each replaced
+        whole), never the live cache."""
+        started = time.perf_counter()
         try:
-            size = save_cache_file(self.config.cache_file, self.config.cache_fingerprint,
-                                   cache.cache, self.runner)
+            size = write_cache_file(self.config.cache_file, gathered)
         except OSError as exc:
             if self._logger is not None:
                 self._logger.warning("prefix cache file %s not written: %s",
                                      self.config.cache_file, exc)
             return
+        except Exception:  # noqa: BLE001 - a bug; the thread must report it, the cache serves on
+            if self._logger is not None:
+                self._logger.error("prefix cache file %s not written", self.config.cache_file,
+                                   exc_info=True)
+            return
         seconds = time.perf_counter() - started
         self.file_numbers.update(prefix_cache_file_written_bytes=size,
                                  prefix_cache_file_write_seconds=seconds)
         if self._logger is not None:
-            self._logger.info("prefix cache written to %s (%.1f MiB in %.2f s, %.0f MB/s)",
-                              self.config.cache_file, size / (1 << 20), seconds,
+            self._logger.info("prefix cache written to %s (%.1f MiB: gathered in %.2f s on "
+                              "the engine thread, %.1f MiB copied; written in %.2f s, %.0f MB/s)",
+                              self.config.cache_file, size / (1 << 20), gather_s,
+                              gathered.copied_bytes / (1 << 20), seconds,
                               size / max(seconds, 1e-9) / 1e6)
 
     def metrics(self) -> dict:

@@ -37,7 +37,9 @@ class EngineConfig:
         replaying it (where there is room); with none, there is no cache at all (the CLI).
     snapshot_interval: long prompts are snapshotted (and chunks end) at multiples of it.
     cache_file / cache_fingerprint: the file tier (`runtime.engine.cache_file`), read at
-        construction and written at shutdown; cache_save_s: also written this often (0: not).
+        construction and written at shutdown; cache_save_s: also written this often (0: not);
+        cache_save_bytes: the most host memory a save's copies of device pages and snapshot
+        slots may take while it is written (snapshots beyond it are left out, deepest kept).
     ssd_bytes / ssd_dir / ssd_write_bytes_per_hour: the disk tier (`runtime.engine.disk_tier`;
         0 bytes: none), its directory and its write budget; its files carry cache_fingerprint.
     """
@@ -58,6 +60,7 @@ class EngineConfig:
     cache_file: Optional[str] = None
     cache_fingerprint: str = ""
     cache_save_s: float = 0.0
+    cache_save_bytes: int = 16 << 30
     ssd_bytes: int = 0
     ssd_dir: Optional[str] = None
     ssd_write_bytes_per_hour: int = 8 << 30

@@ -212,12 +212,12 @@ def test_shutdown_waits_for_a_slow_last_save(tiny_dense_path, tmp_path, monkeypa
 
     writes = []
 
-    def slow_save(path, fingerprint, cache, runner):
+    def slow_write(path, gathered):
         time.sleep(1.0)                          # longer than the stop timeout below
         writes.append(path)
         return 1
 
-    monkeypatch.setattr(engine_cache, "save_cache_file", slow_save)
+    monkeypatch.setattr(engine_cache, "write_cache_file", slow_write)
     path = str(tmp_path / "prefix.cache")
     with open_artifact(tiny_dense_path) as artifact:
         runner = NumpyRunner.from_artifact(artifact, num_pages=16, num_slots=4)
