@@ -1,0 +1,298 @@
+"""Decode GEMV for NVFP4 weights (W4A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8.
+
+W is stored as the artifact keeps it (`nvfp4`, docs/artifact.md): e2m1 codes two per byte
+`w[N, K / 2]` (column 2j in the low nibble), one e4m3 scale per 16 consecutive columns
+`scale[N, K / 16]`, and an fp32 global scale, which the runner expands to one per row
+(`gscale[N]`: a fused projection's parts have their own globals). `W[n, k] = e2m1(w[n, k]) *
+e4m3(scale[n, k // 16]) * gscale[n]`. It keeps the structure of `gemv_fp8.py` (and `gemv.py`):
+
+- the weights are the `mma.sync.m16n8k16` M side ("swap AB"): a CTA owns 16 rows, its 8 warps
+  split the K / 128 column steps among themselves (one more or one less when they do not divide
+  evenly; the tiny model's K = 128 leaves 7 warps idle);
+- per step, lane (r, q) = (lane / 4, lane % 4) loads 32 contiguous columns of rows r and r + 8:
+  16 bytes of codes and 2 scale bytes per row (the 32 columns are two 16-column scale blocks),
+  and the same 32 columns of token r's activation (64 bytes);
+- decode in registers: per 32-bit word of 8 codes, byte permutes (`prmt`) look the 3-bit
+  magnitudes up in two constant tables (high and low bytes of the bf16 value), the sign bits are
+  moved to bit 15 of each bf16 and the low / high bytes interleaved into bf16 pairs. The eight
+  e2m1 magnitudes are exact in bf16;
+- scale: each bf16 pair is multiplied by its block's e4m3 scale as a bf16 pair (`mul.bf16x2`).
+  Exact: an e2m1 value has 2 significand bits and an e4m3 value 4, so the product needs at most
+  6 of bf16's 8, and its exponent (2^-10 .. 2^11.4) is far inside bf16's range;
+- the scaled weights feed eight MMAs per step with the K permutation of `gemv.py` (the same for
+  A and B); each product of a bf16 activation and a scaled weight needs at most 14 significand
+  bits (exact in fp32), and the MMA accumulates them in fp32 over the warp's whole K range;
+- epilogue: the 8 warps' totals meet in shared memory, are added in a fixed order
+  (deterministic), multiplied once by the row's fp32 global scale and rounded once to bf16.
+  `reference(exact=False)` is this order of roundings (fp32 dot product of x and the exactly
+  scaled weights, times the global scale in fp32, bf16).
+
+A variant may carry a BF16 tail (`NT` rows read from `tail[NT, K]`, written after the NVFP4
+rows): `tools.convert --recipe nvfp4` (and ModelOpt) keep the GDN `in_proj_b` / `in_proj_a` in
+BF16, and the runner reads `[in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]` as one projection.
+The tail's CTAs (a CTA-uniform branch) load bf16 rows and skip the global scale. Output rows are
+`N + NT` wide. Tokens past M read token M - 1 again (valid memory); their MMA columns are never
+stored. Rows past a tail CTA's last row read that row again.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from .bf16 import round_bf16
+from .gemv_fp8 import e4m3_values
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "gemv_nvfp4"
+WARPS = 8  # warps per CTA, splitting K
+ROWS = 16  # weight rows per CTA (the MMA's M)
+STEP = 128  # columns per warp step (4 lanes x 32 columns)
+GROUP = 16  # columns per e4m3 scale
+MB = 8  # the largest M (one 8-token MMA column group)
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+# (name, N, NT, K): the 27B's linear layers at decode with the projections in NVFP4 as
+# `tools.convert --recipe nvfp4` writes them (lm_head, in_proj_b / in_proj_a stay BF16), then the
+# tiny test model's (tools/make_tiny.py). gdn_in is [in_proj_qkv | in_proj_z] with
+# [in_proj_b | in_proj_a] as the BF16 tail.
+SHAPES = [
+    ("gdn_in", 16384, 96, 5120),
+    ("o_proj", 5120, 0, 6144),  # GDN out_proj and attention o_proj
+    ("attn_qkv", 14336, 0, 5120),  # q (with gate) + k + v
+    ("gate_up", 34816, 0, 5120),
+    ("down", 5120, 0, 17408),
+    ("tiny_gdn_in", 384, 8, 256),
+    ("tiny_gdn_out", 256, 0, 128),
+    ("tiny_attn_qkv", 768, 0, 256),
+    ("tiny_o_proj", 256, 0, 256),
+    ("tiny_gate_up", 1024, 0, 256),
+    ("tiny_down", 256, 0, 512),
+]
+
+# bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as prmt tables (byte i of the
+# pair (LO, HI) is magnitude i's byte): high bytes 00 3F 3F 3F 40 40 40 40, low 00 00 80 C0 00 40 80 C0.
+HIGH_LO, HIGH_HI = 0x3F3F3F00, 0x40404040
+LOW_LO, LOW_HI = 0xC0800000, 0xC0804000
+
+
+def _variant(name: str, n: int, nt: int, k: int) -> Variant:
+    if n % ROWS or k % STEP:
+        raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {STEP}")
+    steps = k // STEP
+    unroll = max(1, min(steps // WARPS, 4))  # steps each warp's loop keeps in flight
+    ctas = n // ROWS + -(-nt // ROWS)
+    params = ([ptr("x"), ptr("w"), ptr("scale"), ptr("gscale")] + ([ptr("tail")] if nt else [])
+              + [ptr("out"), i32("M")])
+    tensors = {"x": tensor("bf16", "M", k), "w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP),
+               "gscale": tensor("f32", n), "out": tensor("bf16", "M", n + nt, role="out")}
+    if nt:
+        tensors["tail"] = tensor("bf16", nt, k)
+    return Variant(
+        family=FAMILY,
+        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}",
+        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, "step": STEP, "unroll": unroll},
+        params=params,
+        tensors=tensors,
+        sizes=("M",),
+        block=(32 * WARPS, 1, 1),
+        grid=(ctas, 1, 1),
+        requires=("M >= 1", f"M <= {MB}"),
+        arches=HOPPER,
+        note=f"decode x[M<={MB},{k}] @ nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)"
+             + (f" + bf16 tail [{nt},{k}]" if nt else ""),
+        example_sizes={"M": 1},
+    )
+
+
+def variants() -> list[Variant]:
+    return [_variant(*shape) for shape in SHAPES]
+
+
+def e2m1_values(packed: np.ndarray) -> np.ndarray:
+    """Packed codes [N, K / 2] (column 2j in the low nibble) -> float64 values [N, K]."""
+    p = np.asarray(packed, dtype=np.uint8)
+    codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[0], -1)
+    return np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7]
+
+
+def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.ndarray,
+              tail: np.ndarray | None = None, *, exact: bool = False) -> np.ndarray:
+    """out[M, N + NT] for bf16-valued x [M, K], packed e2m1 codes [N, K / 2], e4m3 scale codes
+    [N, K / 16] (uint8), fp32 per-row global scales [N] and an optional bf16-valued tail [NT, K].
+
+    exact: float64 of the dequantised weights. Otherwise the kernel's roundings: code times block
+    scale exactly (6 significand bits), the dot product in fp32 (products exact), times the
+    row's fp32 global scale in fp32, rounded to bf16; the tail's rows in fp32, rounded to bf16."""
+    n = codes.shape[0]
+    k = codes.shape[1] * 2
+    if scales.shape != (n, k // GROUP) or np.shape(gscale) != (n,):
+        raise ValueError(f"nvfp4 reference: codes {codes.shape} need scales {(n, k // GROUP)} and gscale {(n,)}, "
+                         f"got {scales.shape} and {np.shape(gscale)}")
+    scaled = e2m1_values(codes) * np.repeat(e4m3_values(scales), GROUP, axis=1)  # exact in float64 and float32
+    g = np.asarray(gscale, np.float32)
+    if exact:
+        out = x.astype(np.float64) @ (scaled * g.astype(np.float64)[:, None]).T
+        if tail is not None:
+            out = np.concatenate([out, x.astype(np.float64) @ tail.astype(np.float64).T], axis=1)
+        return out
+    dot = np.matmul(x.astype(np.float32), scaled.astype(np.float32).T, dtype=np.float32)
+    out = dot * g[None, :]
+    if tail is not None:
+        out = np.concatenate([out, x.astype(np.float32) @ tail.astype(np.float32).T], axis=1)
+    return round_bf16(out.astype(np.float32))
+
+
+def _s32(v: int) -> int:
+    """A 32-bit pattern as the signed value an Int32 constant takes."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    from . import _dsl
+
+    n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
+    unroll = variant.config["unroll"]
+    ldo = n + nt
+    steps = k // STEP
+    per_warp, extra = steps // WARPS, steps % WARPS  # warps < extra take one more step
+    fp4_ctas = n // ROWS
+    f32, bf16, i32t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
+
+    # Pure (no side effects) so that ptxas may schedule and share them; cute.arch.prmt is volatile.
+    @dsl_user_op
+    def prmt(a: Any, b: Any, sel: Any, *, loc: Any = None, ip: Any = None) -> Any:
+        return i32t(llvm.inline_asm(
+            T.i32(), [i32t(a).ir_value(loc=loc, ip=ip), i32t(b).ir_value(loc=loc, ip=ip),
+                      i32t(sel).ir_value(loc=loc, ip=ip)],
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    @dsl_user_op
+    def mul_bf16x2(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Any:
+        return i32t(llvm.inline_asm(
+            T.i32(), [i32t(a).ir_value(loc=loc, ip=ip), i32t(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def decode_row(codes: Any, scale: Any) -> Any:
+        """The lane's 32 columns of one row as scaled bf16 (an rmem tensor): codes points at its
+        16 code bytes, scale at its 2 scale bytes."""
+        raw = cute.make_rmem_tensor((16,), cutlass.Uint8)
+        raw.store(cute.make_tensor(codes, cute.make_layout((16,))).load())
+        words = cute.recast_tensor(raw, i32t)
+        s = cute.make_rmem_tensor((2,), bf16)
+        s.store(cute.make_tensor(scale, cute.make_layout((2,))).load().to(bf16))  # exact: e4m3 is inside bf16
+        s_word = cute.recast_tensor(s, i32t)[0]
+        s_pairs = (prmt(s_word, 0, 0x1010), prmt(s_word, 0, 0x3232))  # (s0, s0), (s1, s1)
+        pairs = cute.make_rmem_tensor((16,), i32t)
+        for i in range(4):  # word i: columns 8i .. 8i + 7, nibble c = column 8i + c
+            word = words[i]
+            for h in range(2):  # columns 8i + 4h .. + 3
+                sel = (word >> (16 * h)) & 0x7777  # the four magnitudes, one per selector nibble
+                high = prmt(_s32(HIGH_LO), HIGH_HI, sel)
+                low = prmt(_s32(LOW_LO), _s32(LOW_HI), sel)
+                # Byte c of spread holds code byte (2h + c // 2): the sign of column 4h + c is its
+                # bit 3 (even c, moved to bit 7) or bit 7 (odd c, in place).
+                spread = prmt(word, 0, 0x1100 if h == 0 else 0x3322)
+                high = high | ((spread << 4) & 0x00800080) | (spread & _s32(0x80008000))
+                scale_pair = s_pairs[i // 2]  # columns 0..15 are block 0, 16..31 block 1
+                pairs[4 * i + 2 * h] = mul_bf16x2(prmt(low, high, 0x5140), scale_pair)
+                pairs[4 * i + 2 * h + 1] = mul_bf16x2(prmt(low, high, 0x7362), scale_pair)
+        return cute.recast_tensor(pairs, bf16)
+
+    def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, acc: Any) -> None:
+        for j in range(8):  # a plain helper: Python loops unroll while tracing
+            _dsl.fill_k_slots(frag_a, frag_b, a_lo, a_hi, b, j)
+            cute.gemm(mma, acc, frag_a, frag_b, acc)
+
+    def fp4_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, w_lo: Any, w_hi: Any, s_lo: Any, s_hi: Any,
+                 x_row: Any, c: Any) -> None:
+        a_lo = decode_row(w_lo + c * (STEP // 2), s_lo + c * (STEP // GROUP))
+        a_hi = decode_row(w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
+        b = cute.make_tensor(x_row + c * STEP, cute.make_layout((32,))).load()
+        mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+
+    def bf16_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, t_lo: Any, t_hi: Any, x_row: Any, c: Any) -> None:
+        col = c * STEP
+        a_lo = cute.make_tensor(t_lo + col, cute.make_layout((32,))).load()
+        a_hi = cute.make_tensor(t_hi + col, cute.make_layout((32,))).load()
+        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
+        mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+
+    @cute.kernel
+    def kernel(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, gscale: cute.Pointer, tail: Any,
+               out: cute.Pointer, m: cutlass.Int32):
+        tid, bid, warp, r, q, mma, frag_a, frag_b = _dsl.gemv_lanes()
+        acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+        acc.fill(0.0)
+        first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first step
+        x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
+        row0 = bid * ROWS
+        count = ROWS
+        if bid < fp4_ctas:
+            w_lo = w + cutlass.Int64(row0 + r) * (k // 2) + q * 16
+            w_hi = w + cutlass.Int64(row0 + r + 8) * (k // 2) + q * 16
+            s_lo = scale + cutlass.Int64(row0 + r) * (k // GROUP) + q * 2
+            s_hi = scale + cutlass.Int64(row0 + r + 8) * (k // GROUP) + q * 2
+            for c in cutlass.range(first, first + per_warp, unroll=unroll):
+                fp4_step(mma, frag_a, frag_b, acc, w_lo, w_hi, s_lo, s_hi, x_row, c)
+            if cutlass.const_expr(extra > 0):
+                if warp < extra:
+                    fp4_step(mma, frag_a, frag_b, acc, w_lo, w_hi, s_lo, s_hi, x_row, first + per_warp)
+        if cutlass.const_expr(nt > 0):
+            if bid >= fp4_ctas:
+                t0 = (bid - fp4_ctas) * ROWS
+                count = cutlass.min(nt - t0, ROWS)
+                t_lo = tail + cutlass.Int64(t0 + cutlass.min(r, count - 1)) * k + q * 32
+                t_hi = tail + cutlass.Int64(t0 + cutlass.min(r + 8, count - 1)) * k + q * 32
+                for c in cutlass.range(first, first + per_warp, unroll=unroll):
+                    bf16_step(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, c)
+                if cutlass.const_expr(extra > 0):
+                    if warp < extra:
+                        bf16_step(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
+                row0 = n + t0
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(
+            f32, cute.make_layout((ROWS, MB, WARPS), stride=(1, ROWS, ROWS * MB)), byte_alignment=16
+        )
+        # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
+        partial[r, 2 * q, warp] = acc[0]
+        partial[r, 2 * q + 1, warp] = acc[1]
+        partial[r + 8, 2 * q, warp] = acc[2]
+        partial[r + 8, 2 * q + 1, warp] = acc[3]
+        # The epilogue of `_dsl.sum_warp_partials` with the global scale: warps in a fixed order,
+        # then one fp32 multiply by the row's global (NVFP4 rows only), one bf16 rounding.
+        cute.arch.sync_threads()
+        if tid < ROWS * MB:
+            row = tid % ROWS
+            token = tid // ROWS
+            if token < m and row < count:
+                total = f32(0.0)
+                for i in cutlass.range_constexpr(WARPS):
+                    total = total + partial[row, token, i]
+                if row0 < n:
+                    total = total * cute.make_tensor(gscale + row0 + row, cute.make_layout(1))[0]
+                dst = cute.make_tensor(out + cutlass.Int64(token) * ldo + row0 + row, cute.make_layout(1))
+                dst[0] = total.to(bf16)
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_nvfp4_{variant.key}")
+
+    if nt:
+        @cute.jit
+        def launch(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, gscale: cute.Pointer, tail: cute.Pointer,
+                   out: cute.Pointer, m: cutlass.Int32, stream: Any):
+            kernel(x, w, scale, gscale, tail, out, m).launch(grid=_dsl.grid(variant, {"M": m}),
+                                                             block=list(variant.block), stream=stream)
+    else:
+        @cute.jit
+        def launch(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, gscale: cute.Pointer, out: cute.Pointer,
+                   m: cutlass.Int32, stream: Any):
+            kernel(x, w, scale, gscale, None, out, m).launch(grid=_dsl.grid(variant, {"M": m}),
+                                                             block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
