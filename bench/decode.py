@@ -1,9 +1,10 @@
-"""Decode speed of `CudaRunner` on a released model's shape with synthetic BF16 weights.
+"""Decode speed of `CudaRunner` on a released model's shape with synthetic weights (BF16, or the
+projections FP8 / NVFP4 with `--format`).
 
 The shape is Qwen3.6-27B unless `--synthetic-shape` names another (qwen3.6-35b-a3b).
 
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
-        [--synthetic-shape qwen3.6-35b-a3b [--router balanced|skewed]]
+        [--synthetic-shape qwen3.6-35b-a3b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -48,20 +49,22 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
                 decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0,
                 mtp: bool = False, shape: str = "qwen3.6-27b", router: str = "balanced") -> Any:
-    """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`);
+    """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`),
+    "nvfp4": as `tools.convert --recipe nvfp4` writes them (`weights.nvfp4_recipe_format`);
     spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head;
     shape: a name of `runtime.model.shapes.SHAPES` or a JSON text config; router: the synthetic
     MoE router (`weights.fill_synthetic`)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
-    from runtime.model.gpu.weights import fp8_recipe_format
+    from runtime.model.gpu.weights import fp8_recipe_format, nvfp4_recipe_format
     from runtime.model.shapes import shape_config
 
     config = ModelConfig.from_dict(shape_config(shape))
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
-                                weight_formats=fp8_recipe_format if weight_format == "fp8" else None, mtp=mtp,
+                                weight_formats={"fp8": fp8_recipe_format, "nvfp4": nvfp4_recipe_format}.get(weight_format),
+                                mtp=mtp,
                                 synthetic_router=router, **({"decode_split": decode_split} if decode_split else {}))
 
 
@@ -232,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     "text config")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")
-    ap.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
-                    help="projection weights: bf16, or fp8 with 128x128 block scales (Qwen's FP8 release)")
+    ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16",
+                    help="projection weights: bf16, fp8 with 128x128 block scales (Qwen's FP8 release), or nvfp4 "
+                    "(e2m1 codes, e4m3 scale per 16, fp32 global; lm_head and in_proj_a/b bf16)")
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")

@@ -84,3 +84,15 @@ def tiny_fp8_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-fp8")
     hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
     return convert.convert(hf, root / "tiny-fp8.infernix", convert.Recipe("fp8"), name="tiny-fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_path(tmp_path_factory):
+    """Qwen3.5 dense tiny model converted with the NVFP4 recipe (e2m1 codes, e4m3 scale per 16
+    columns, fp32 global per tensor; in_proj_a / in_proj_b and lm_head bf16), 512-token vocabulary."""
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny-nvfp4")
+    hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-nvfp4.infernix", convert.Recipe("nvfp4"), name="tiny-nvfp4")

@@ -88,12 +88,12 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     names = [j.name for j in jobs]
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
-    assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d",
-                        "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe"}
+    assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
+                        "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
-    assert bw and not {j.family for j in bw} & {"gemv", "gemv_fp8", "gemm_sm90"}
+    assert bw and not {j.family for j in bw} & {"gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90"}
     assert [j.name for j in bk.plan(["sm_90a"], ["rope"], TOOLS)] == [j.name for j in jobs if j.family == "rope"]
 
 
@@ -124,8 +124,10 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
     ("attention.py", {"attention", "attention_prefill"}),
     # A reference helper most families import.
-    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemm_sm90", "conv1d", "gdn", "gdn_chunked",
-                 "attention", "attention_prefill", "moe"}),
+    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
+                 "gdn_chunked", "attention", "attention_prefill", "moe"}),
+    # gemv_nvfp4 reuses gemv_fp8's e4m3 table.
+    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
     ("moe_kernels.py", {"moe"}),
 ])

@@ -122,8 +122,10 @@ def test_mixed_formats_other_than_an_fp8_head_and_bf16_tail_are_refused():
     # All four GDN input parts in FP8: in_proj_b's 4 rows leave a partial scale block mid-matrix.
     with pytest.raises(NotImplementedError, match="in_proj_b.weight has 4 rows, not a multiple of 128"):
         WeightLayout.plan(config, lambda name: FP8)
-    with pytest.raises(NotImplementedError, match="nvfp4"):
-        WeightLayout.plan(config, lambda name: "nvfp4")
+    # A quantised run must be followed by BF16 parts only, not by another quantised format.
+    nvfp4_then_fp8 = lambda name: "nvfp4" if name.endswith("in_proj_qkv.weight") else FP8  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"in_proj_qkv.*'nvfp4', 'fp8_e4m3'.*FP8 / NVFP4 parts followed by BF16"):
+        WeightLayout.plan(config, nvfp4_then_fp8)
 
 
 def test_synthetic_fp8_weights_fill_codes_and_scales(runner):

@@ -4,7 +4,8 @@
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
 fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 weights use the
-FP8 GEMV at every row count (`linear_fp8`); `layers.Forward.linear` picks by the weight's format.
+FP8 GEMV at every row count (`linear_fp8`), NVFP4 weights the NVFP4 GEMV (`linear_nvfp4`);
+`layers.Forward.linear` picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M).
 """
 
@@ -147,6 +148,17 @@ class KernelChoice:
                 f"no gemv_fp8 kernel for an fp8 {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
                 + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in cute_kernels/gemv_fp8.py "
                 f"and run `python build_kernels.py --arch {self.library.manifest.arch}`")
+        return key
+
+    def linear_nvfp4(self, n: int, nt: int, k: int) -> str:
+        """Key of the `gemv_nvfp4` variant for an NVFP4 weight [n, k] with a BF16 tail of nt rows (0:
+        none). It takes up to 8 rows; prefill runs 8 at a time (no NVFP4 GEMM yet), as for FP8."""
+        key = _find(self.library, "gemv_nvfp4", N=n, NT=nt, K=k)
+        if key is None:
+            raise KernelMissing(
+                f"no gemv_nvfp4 kernel for an nvfp4 {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
+                + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in "
+                f"cute_kernels/gemv_nvfp4.py and run `python build_kernels.py --arch {self.library.manifest.arch}`")
         return key
 
     def required(self) -> list[tuple[str, str]]:

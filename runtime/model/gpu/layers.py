@@ -16,9 +16,10 @@ from typing import Any
 
 from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
-from runtime.model.gpu.weights import FP8, Slot
+from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
 FP8_ROWS = 8  # rows one gemv_fp8 launch takes (its MB)
+NVFP4_ROWS = 8  # rows one gemv_nvfp4 launch takes (its MB)
 GEMV_ROWS = 8  # rows of the BF16 decode GEMV (its MB): every decode bucket and verification block
 
 
@@ -126,7 +127,20 @@ class Forward:
         how many there are); FP8, the FP8 GEMV with the block scales bound, and `tail` (a BF16
         slot after the FP8 rows; y is then N + NT wide) computed by the same launch. There is
         no FP8 GEMM yet, so FP8 prefill rows run through the GEMV 8 at a time: the same numbers
-        as decode, the weights read once per 8 rows."""
+        as decode, the weights read once per 8 rows. NVFP4 likewise with the NVFP4 GEMV (block
+        scales and per-row global scales bound)."""
+        if weight.format == NVFP4:
+            n, k = weight.shape
+            nt = tail.shape[0] if tail else 0
+            key = self.kernels.linear_nvfp4(n, nt, k)
+            base = self.storage.weights_base
+            bufs = {"w": self.w(weight), "scale": base + weight.scale_offset, "gscale": base + weight.gscale_offset}
+            if tail:
+                bufs["tail"] = self.w(tail)
+            for r0 in range(0, rows, NVFP4_ROWS):
+                self.launch(out, "gemv_nvfp4", key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
+                            {"M": min(NVFP4_ROWS, rows - r0)})
+            return
         if weight.format == FP8:
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0

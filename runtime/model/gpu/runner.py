@@ -94,8 +94,8 @@ class CudaRunner:
         self.stream = device.create_stream()
         self.library = library or KernelLibrary.open(device, required=[])
         # Projection formats: the artifact's; for synthetic weights `weight_formats` (default bf16,
-        # `weights.fp8_recipe_format` for an FP8 model). Planned first: a model the runner cannot
-        # run yet is refused by name before its kernels are looked for.
+        # `weights.fp8_recipe_format` / `nvfp4_recipe_format` for an FP8 / NVFP4 model). Planned
+        # first: a model the runner cannot run yet is refused by name before its kernels are looked for.
         self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
                                         else weight_formats, mtp=mtp)
         self.kernels = KernelChoice(self.library, c)
@@ -103,6 +103,8 @@ class CudaRunner:
             self.library.kernel(fam, key)
         for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
             self.kernels.linear_fp8(n, nt, k)
+        for n, nt, k in sorted(self.layout.nvfp4_shapes()):
+            self.kernels.linear_nvfp4(n, nt, k)
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,

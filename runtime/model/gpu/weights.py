@@ -6,10 +6,13 @@ in_proj_a]` (rows), the attention projection `[q_proj | k_proj | v_proj]` and th
 `[gate_proj | up_proj]`; a MoE layer's experts are stacked with its shared expert as one more
 expert (`WeightLayout._moe`). Every other tensor is uploaded as stored. Each slot names the format the
 kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3 codes, then the
-fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`); an
-artifact tensor in any other format is refused by name. A fused projection whose parts differ in
-format is an FP8 slot followed by a BF16 `tail` slot (Qwen's FP8 releases keep the GDN `in_proj_b`
-/ `in_proj_a` in BF16 after the FP8 `in_proj_qkv` / `in_proj_z`; the FP8 GEMV reads both).
+fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`) or NVFP4
+(`nvfp4`: packed e2m1 codes, the e4m3 scale per 16 columns, then one fp32 global scale per row,
+each part's global repeated over its rows, read by `cute_kernels/gemv_nvfp4.py`); an artifact
+tensor in any other format is refused by name, and so are quantised MoE experts. A fused
+projection whose parts differ in format is a quantised slot followed by a BF16 `tail` slot
+(Qwen's FP8 releases and the nvfp4 recipe keep the GDN `in_proj_b` / `in_proj_a` in BF16 after
+`in_proj_qkv` / `in_proj_z`; the quantised GEMVs read both).
 
 With an MTP head (`plan(..., mtp=True)`, dense models) the head's tensors follow, named with the
 `mtp.` prefix of their artifact component (`mtp.fc.weight` is the component `mtp`'s `fc.weight`):
@@ -21,7 +24,7 @@ Two sources fill the same layout: an artifact component (`upload_artifact`, one 
 copy per tensor straight from the memory-mapped file) or a seed (`fill_synthetic`: random bf16
 values of the configured shapes generated once on the host in a block and tiled on the device,
 for speed runs of real model sizes without a 50 GB file; FP8 slots get random e4m3 codes and block
-scales). `rope_tables` are the constant RoPE cos/sin rows the attention prep kernel reads.
+scales, NVFP4 slots random e2m1 codes, block scales and per-row globals). `rope_tables` are the constant RoPE cos/sin rows the attention prep kernel reads.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ import numpy as np
 from runtime.model.config import DENSE_MLP, LINEAR_ATTENTION, MOE_MLP, ModelConfig
 
 FP8 = "fp8_e4m3"
+NVFP4 = "nvfp4"
+QUANTIZED = (FP8, NVFP4)
 MTP_PREFIX = "mtp."  # layout names of the MTP component's tensors
 FP8_BLOCK = 128  # rows and columns per fp8 scale
+NVFP4_GROUP = 16  # columns per nvfp4 block scale
 
 
 def fp8_recipe_format(name: str) -> str:
@@ -43,6 +49,15 @@ def fp8_recipe_format(name: str) -> str:
     (for `--synthetic-weights` without an FP8 artifact): FP8 except the GDN `in_proj_a` / `in_proj_b`
     and the lm_head."""
     return "bf16" if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight")) else FP8
+
+
+def nvfp4_recipe_format(name: str) -> str:
+    """The format `tools.convert --recipe nvfp4` gives a projection weight, as ModelOpt's NVFP4
+    recipes do (for `--synthetic-weights` without an NVFP4 artifact): NVFP4 except the GDN
+    `in_proj_a` / `in_proj_b`, the lm_head and a MoE layer's router and shared-expert gate. (A MoE
+    model's experts are NVFP4 then, which CudaRunner refuses so far.)"""
+    keep = ("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+    return "bf16" if name.endswith(keep) else NVFP4
 
 
 @dataclass(frozen=True)
@@ -54,23 +69,35 @@ class Slot:
     parts: tuple[tuple[str, int], ...]  # (tensor name, rows) in order; rows = 0 for 1-D tensors
     kind: str = "linear"  # "linear" | "norm" (zero-centred) | "plain" (centred on 1) | "vector"
     format: str = "bf16"  # how the kernels read it (`layers.Forward.linear` picks by it)
-    scale_offset: int = 0  # fp8: byte offset of the fp32 block scales [cdiv(N, 128), cdiv(K, 128)]
+    scale_offset: int = 0  # fp8: byte offset of the fp32 block scales [cdiv(N, 128), cdiv(K, 128)];
+    # nvfp4: of the e4m3 block scales [N, K / 16]
+    gscale_offset: int = 0  # nvfp4: byte offset of the fp32 global scale of every row [N]
 
     @property
     def data_bytes(self) -> int:
-        return int(np.prod(self.shape)) * (1 if self.format == FP8 else 2)
+        count = int(np.prod(self.shape))
+        return {FP8: count, NVFP4: count // 2}.get(self.format, count * 2)
 
     @property
     def scale_shape(self) -> tuple[int, int]:
         n, k = self.shape
+        if self.format == NVFP4:
+            return n, k // NVFP4_GROUP
         return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
 
     @property
+    def scale_bytes(self) -> int:
+        return int(np.prod(self.scale_shape)) * (1 if self.format == NVFP4 else 4)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes from `offset` to the slot's end (codes, then the scales for fp8)."""
+        """Bytes from `offset` to the slot's end (codes, then the scales for fp8; codes, block
+        scales, then the per-row globals for nvfp4)."""
+        if self.format == NVFP4:
+            return self.gscale_offset - self.offset + self.shape[0] * 4
         if self.format != FP8:
             return self.data_bytes
-        return self.scale_offset - self.offset + int(np.prod(self.scale_shape)) * 4
+        return self.scale_offset - self.offset + self.scale_bytes
 
 
 @dataclass
@@ -89,24 +116,27 @@ class WeightLayout:
               fmt: str = "bf16") -> Slot:
         start = (self.total + 255) // 256 * 256
         slot = Slot(start, tuple(shape), parts, kind, fmt)
-        if fmt == FP8:
-            slot = Slot(start, tuple(shape), parts, kind, fmt, scale_offset=(start + slot.data_bytes + 255) // 256 * 256)
+        if fmt in QUANTIZED:
+            scale_offset = (start + slot.data_bytes + 255) // 256 * 256
+            gscale_offset = (scale_offset + slot.scale_bytes + 255) // 256 * 256 if fmt == NVFP4 else 0
+            slot = Slot(start, tuple(shape), parts, kind, fmt, scale_offset, gscale_offset)
         self.total = start + slot.nbytes
         return slot
 
     def _projection(self, into: dict[str, Slot], role: str, k: int, parts: tuple[tuple[str, int], ...]) -> None:
         """into[role] = the fused projection of `parts` ([rows, k] each) in its format; a BF16 run of
-        parts after an FP8 run becomes `into[role + "_tail"]`, placed right after it. The MTP head's
-        parts are BF16."""
+        parts after an FP8 or NVFP4 run becomes `into[role + "_tail"]`, placed right after it. The
+        MTP head's parts are BF16."""
         formats = ["bf16" if name.startswith(MTP_PREFIX) else self.format_of(name) for name, _ in parts]
         for name, fmt in zip([name for name, _ in parts], formats):
-            if fmt not in ("bf16", FP8):
-                raise NotImplementedError(f"tensor {name} is {fmt}; CudaRunner reads bf16 and {FP8} projections only")
+            if fmt not in ("bf16", *QUANTIZED):
+                raise NotImplementedError(f"tensor {name} is {fmt}; CudaRunner reads bf16, {FP8} and {NVFP4} "
+                                          "projections only")
         split = next((i for i, f in enumerate(formats) if f != formats[0]), len(parts))
-        if split < len(parts) and (formats[0] != FP8 or any(f != "bf16" for f in formats[split:])):
+        if split < len(parts) and (formats[0] not in QUANTIZED or any(f != "bf16" for f in formats[split:])):
             raise NotImplementedError(
                 f"fused projection {[name for name, _ in parts]} has formats {formats}; CudaRunner reads one format, "
-                "or FP8 parts followed by BF16 ones")
+                "or FP8 / NVFP4 parts followed by BF16 ones")
         head, tail = parts[:split], parts[split:]
         if formats[0] == FP8:
             # Each part's scale rows are stacked: every part but the last must fill whole 128-row blocks.
@@ -220,10 +250,17 @@ class WeightLayout:
 
     def fp8_shapes(self) -> set[tuple[int, int, int]]:
         """(N, NT, K) of every FP8 projection: its rows, its BF16 tail's rows (0 without) and K."""
+        return self.quantized_shapes(FP8)
+
+    def nvfp4_shapes(self) -> set[tuple[int, int, int]]:
+        """(N, NT, K) of every NVFP4 projection, as `fp8_shapes`."""
+        return self.quantized_shapes(NVFP4)
+
+    def quantized_shapes(self, fmt: str) -> set[tuple[int, int, int]]:
         shapes = set()
         for slots in [self.globals, *self.layers]:
             for role, slot in slots.items():
-                if slot.format == FP8:
+                if slot.format == fmt:
                     tail = slots.get(role + "_tail")
                     shapes.add((slot.shape[0], tail.shape[0] if tail else 0, slot.shape[1]))
         return shapes
@@ -232,8 +269,9 @@ class WeightLayout:
 def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int, stream: Any,
                     progress: Callable[[int, int], None] | None = None, mtp_component: Any = None) -> None:
     """Copy every tensor of the artifact's text component (and of its `mtp` component for the
-    `mtp.` slots) to its place as stored (no repacking): bf16 values, or fp8 codes with their block
-    scales after the slot's codes."""
+    `mtp.` slots) to its place as stored (no repacking): bf16 values, fp8 codes with their block
+    scales after the slot's codes, or nvfp4 codes, block scales and each part's global scale (per
+    row group) repeated over its rows."""
     if layout.mtp and mtp_component is None:
         raise ValueError("the layout has an MTP head: give the artifact's mtp component")
     slots = layout.all_slots()
@@ -241,6 +279,7 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
     for slot in slots:
         offset = base + slot.offset
         scale_offset = base + slot.scale_offset
+        gscale_offset = base + slot.gscale_offset
         for layout_name, rows in slot.parts:
             source, name = ((mtp_component, layout_name[len(MTP_PREFIX):]) if layout_name.startswith(MTP_PREFIX)
                             else (component, layout_name))
@@ -258,8 +297,13 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
                                      f"{(-(-rows // FP8_BLOCK), slot.scale_shape[1])}")
                 device.memcpy_htod(scale_offset, scales, stream)
                 scale_offset += scales.nbytes
+            if slot.format == NVFP4:
+                scale_offset, gscale_offset = _upload_nvfp4_scales(source, name, entry.row_groups, rows, slot,
+                                                                   device, scale_offset, gscale_offset, stream)
             raw = source.raw(name)
             expect = int(np.prod(slot.shape[1:])) * rows if rows else int(np.prod(slot.shape))
+            if slot.format == NVFP4:
+                expect //= 2  # two codes a byte
             if raw.size != expect:
                 raise ValueError(f"tensor {name} has {raw.size} values, the {slot.shape} slot needs {expect}")
             device.memcpy_htod(offset, raw, stream)
@@ -267,6 +311,24 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
         done += slot.nbytes
         if progress is not None:
             progress(done, layout.total)
+
+
+def _upload_nvfp4_scales(source: Any, name: str, row_groups: int, rows: int, slot: Slot, device: Any,
+                         scale_offset: int, gscale_offset: int, stream: Any) -> tuple[int, int]:
+    """Copy one nvfp4 part's e4m3 block scales [rows, K / 16] as stored and its global scales
+    (one per row group) repeated over the group's rows; returns the next part's two offsets."""
+    scales = np.ascontiguousarray(source.raw(name, "scale"), dtype=np.uint8)
+    if scales.shape != (rows, slot.scale_shape[1]):
+        raise ValueError(f"tensor {name} has block scales {scales.shape}, {rows} x {slot.shape[1]} needs "
+                         f"{(rows, slot.scale_shape[1])}")
+    globals_ = np.asarray(source.raw(name, "global_scale"), dtype=np.float32).reshape(-1)
+    if globals_.size != row_groups or rows % row_groups:
+        raise ValueError(f"tensor {name} has {globals_.size} global scales for {row_groups} row groups of "
+                         f"{rows} rows")
+    per_row = np.repeat(globals_, rows // row_groups)
+    device.memcpy_htod(scale_offset, scales, stream)
+    device.memcpy_htod(gscale_offset, per_row, stream)
+    return scale_offset + scales.nbytes, gscale_offset + per_row.nbytes
 
 
 def _tile(device: Any, dst: int, src: int, src_bytes: int, nbytes: int, stream: Any) -> None:
@@ -295,10 +357,12 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
     BF16 linear weights get uniform values of std ~ 1/sqrt(fan_in) (a 16 MiB block drawn once and
     tiled across the arena: speed does not depend on the values); FP8 ones e4m3 codes of values
     uniform in [-448, 448] (a 16 MiB block, tiled) and block scales of sqrt(3 / fan_in) / 448 times
-    a factor in [0.5, 1.5] (the same std); zero-centred norm weights small values around 0, the
+    a factor in [0.5, 1.5] (the same std); NVFP4 ones random bytes as codes (every byte is two
+    valid e2m1 codes; a 16 MiB block, tiled), e4m3 block scales of values uniform in [0.5, 1.5] (a
+    block, tiled) and per-row globals making the std ~1/sqrt(fan_in) again; zero-centred norm weights small values around 0, the
     gated norm's weight values around 1, A_log / dt_bias / conv taps small.
     """
-    from runtime.artifact.formats import FP8_MAX, f32_to_bf16, f32_to_e4m3
+    from runtime.artifact.formats import E2M1_VALUES, FP8_MAX, f32_to_bf16, f32_to_e4m3
 
     if router not in SYNTHETIC_ROUTERS:
         raise ValueError(f"synthetic router {router!r}: one of {', '.join(SYNTHETIC_ROUTERS)}")
@@ -307,6 +371,7 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
     block = rng.uniform(-1.0, 1.0, block_elems).astype(np.float32)
     scratch = device.mem_alloc(block_elems * 2, "synthetic weight block")
     codes = None  # the device block of fp8 codes, made at the first fp8 slot
+    fp4 = None  # the device blocks of nvfp4 codes, then of e4m3 block scales, made at the first nvfp4 slot
     try:
         block_fan_in = 0
         for slot in layout.all_slots():
@@ -320,6 +385,20 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
                 _tile(device, base + slot.offset, codes, block_elems * 2, count, stream)
                 scales = np.sqrt(3.0 / slot.shape[-1]) / FP8_MAX * rng.uniform(0.5, 1.5, slot.scale_shape)
                 device.memcpy_htod(base + slot.scale_offset, scales.astype(np.float32), stream)
+                stream.synchronize()
+            elif slot.format == NVFP4:
+                if fp4 is None:
+                    fp4 = device.mem_alloc(block_elems * 4, "synthetic nvfp4 code and scale blocks")
+                    device.memcpy_htod(fp4, rng.integers(0, 256, block_elems * 2, dtype=np.uint8), stream)
+                    device.memcpy_htod(fp4 + block_elems * 2,
+                                       f32_to_e4m3(rng.uniform(0.5, 1.5, block_elems * 2).astype(np.float32)), stream)
+                    stream.synchronize()
+                _tile(device, base + slot.offset, fp4, block_elems * 2, slot.data_bytes, stream)
+                _tile(device, base + slot.scale_offset, fp4 + block_elems * 2, block_elems * 2, slot.scale_bytes, stream)
+                # A weight's mean square: the codes' (uniform over E2M1_VALUES) times the scales' (13 / 12).
+                unit = np.sqrt(np.mean(E2M1_VALUES ** 2) * 13.0 / 12.0 * slot.shape[-1])
+                gscale = rng.uniform(0.5, 1.5, slot.shape[0]) / unit
+                device.memcpy_htod(base + slot.gscale_offset, gscale.astype(np.float32), stream)
                 stream.synchronize()
             elif slot.kind == "linear":
                 fan_in = slot.shape[-1]
@@ -350,6 +429,8 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
         device.mem_free(scratch)
         if codes is not None:
             device.mem_free(codes)
+        if fp4 is not None:
+            device.mem_free(fp4)
 
 
 def rope_tables(config: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:

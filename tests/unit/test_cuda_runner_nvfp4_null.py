@@ -1,0 +1,189 @@
+"""`CudaRunner` on an NVFP4 artifact, on the null device: the NVFP4 projections are uploaded as
+stored (codes, e4m3 block scales) with each part's global scale repeated over its rows, bound to
+the `gemv_nvfp4` kernels with their three pointers, prefill runs the GEMV 8 rows at a time, and
+synthetic NVFP4 weights fill codes, scales and globals. Kernels do not run here;
+`tests/gpu/test_cuda_runner_nvfp4.py` checks values. Needs the built kernels and skips without them.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from runtime.model.runner import DecodeItem, PrefillChunk
+
+from null_cuda import built_or_skip
+
+NVFP4 = "nvfp4"
+TINY_KEYS = {"tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8", "tiny_attn_qkv_n768_k256_m8",
+             "tiny_o_proj_n256_k256_m8", "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_nvfp4_path):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_nvfp4_path, num_pages=16, num_slots=2,
+                                                       device=NullDevice(total_memory=2 << 30),
+                                                       prefill_chunk=64))
+    yield r
+    r.close()
+
+
+def _nvfp4_launches(launches):
+    """(key, [x, w, scale, gscale, (tail,) out], M) of every gemv_nvfp4 launch, in order."""
+    out = []
+    for rec in launches:
+        if rec.function.startswith("infx_gemv_nvfp4_"):
+            key = rec.function[len("infx_gemv_nvfp4_"):].split("_kernel")[0]
+            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
+            out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
+    return out
+
+
+def test_nvfp4_projections_are_uploaded_as_stored(runner, tiny_nvfp4_path):
+    from runtime.artifact import open_artifact
+
+    text = open_artifact(tiny_nvfp4_path).component("text")
+    lay, dev, base = runner.layout, runner.device, runner.storage.weights_base
+    gdn = lay.layers[0]
+    assert gdn["w_in"].format == NVFP4 and gdn["w_in"].shape == (384, 256)  # in_proj_qkv | in_proj_z
+    assert gdn["w_in_tail"].format == "bf16" and gdn["w_in_tail"].shape == (8, 256)  # in_proj_b | in_proj_a
+    assert lay.layers[3]["w_qkv"].format == NVFP4 and lay.globals["lm_head"].format == "bf16"
+    slot = gdn["w_in"]
+    codes = dev.memcpy_dtoh(np.empty((384, 128), np.uint8), base + slot.offset)
+    scales = dev.memcpy_dtoh(np.empty((384, 16), np.uint8), base + slot.scale_offset)
+    gscale = dev.memcpy_dtoh(np.empty(384, np.float32), base + slot.gscale_offset)
+    qkv, z = "layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.in_proj_z.weight"
+    np.testing.assert_array_equal(codes, np.concatenate([text.raw(qkv), text.raw(z)]))
+    np.testing.assert_array_equal(scales, np.concatenate([text.raw(qkv, "scale"), text.raw(z, "scale")]))
+    (g_qkv,), (g_z,) = text.raw(qkv, "global_scale"), text.raw(z, "global_scale")
+    np.testing.assert_array_equal(gscale, np.repeat(np.float32([g_qkv, g_z]), [256, 128]))
+    # The slot's bytes end with the globals; the tail follows.
+    assert slot.scale_offset >= slot.offset + 384 * 128 and slot.gscale_offset >= slot.scale_offset + 384 * 16
+    assert gdn["w_in_tail"].offset >= slot.gscale_offset + 384 * 4 == slot.offset + slot.nbytes
+    tail = dev.memcpy_dtoh(np.empty(gdn["w_in_tail"].shape, np.uint16), base + gdn["w_in_tail"].offset)
+    np.testing.assert_array_equal(tail[:4], text.raw("layers.0.linear_attn.in_proj_b.weight"))
+    assert runner.layout.nvfp4_shapes() == {(384, 8, 256), (256, 0, 128), (768, 0, 256), (256, 0, 256),
+                                            (1024, 0, 256), (256, 0, 512)}
+    assert runner.layout.fp8_shapes() == set()
+
+
+def test_each_part_and_row_group_keeps_its_global_scale_row_by_row():
+    """The tiny artifact's parts happen to share one global; a part of two row groups after
+    another part, each with its own globals, lands row by row at the slot's global offsets."""
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.weights import Slot, _upload_nvfp4_scales
+
+    rng = np.random.default_rng(1)
+    parts = {"a": (rng.integers(0, 256, (32, 8), dtype=np.uint8), np.float32([0.5])),
+             "b": (rng.integers(0, 256, (48, 8), dtype=np.uint8), np.float32([2.0, 3.0]))}
+
+    class Source:
+        def raw(self, name, part):
+            return parts[name][0 if part == "scale" else 1]
+
+    dev = NullDevice(total_memory=1 << 20)
+    base = dev.mem_alloc(1 << 16)
+    slot = Slot(0, (80, 128), (("a", 32), ("b", 48)), format=NVFP4, scale_offset=8192, gscale_offset=16384)
+    offsets = (base + slot.scale_offset, base + slot.gscale_offset)
+    offsets = _upload_nvfp4_scales(Source(), "a", 1, 32, slot, dev, *offsets, None)
+    assert offsets == (base + 8192 + 32 * 8, base + 16384 + 32 * 4)
+    _upload_nvfp4_scales(Source(), "b", 2, 48, slot, dev, *offsets, None)
+    scales = dev.memcpy_dtoh(np.empty((80, 8), np.uint8), base + slot.scale_offset)
+    np.testing.assert_array_equal(scales, np.concatenate([parts["a"][0], parts["b"][0]]))
+    gscale = dev.memcpy_dtoh(np.empty(80, np.float32), base + slot.gscale_offset)
+    np.testing.assert_array_equal(gscale, np.repeat(np.float32([0.5, 2.0, 3.0]), [32, 24, 24]))
+    with pytest.raises(ValueError, match="b has 2 global scales for 3 row groups"):
+        _upload_nvfp4_scales(Source(), "b", 3, 48, slot, dev, *offsets, None)
+    with pytest.raises(ValueError, match=r"a has block scales \(32, 8\), 40 x 128 needs \(40, 8\)"):
+        _upload_nvfp4_scales(Source(), "a", 1, 40, slot, dev, *offsets, None)
+
+
+def test_decode_binds_the_nvfp4_gemv_with_scales_globals_and_tail(runner):
+    dev = runner.device
+    n = len(dev.launches)
+    runner.decode([DecodeItem(slot=0, token_id=5, pos=0, page_table=[0]),
+                   DecodeItem(slot=1, token_id=7, pos=0, page_table=[1])])
+    launches = _nvfp4_launches(dev.launches[n:])
+    base, buf = runner.storage.weights_base, runner.storage.buf
+    # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
+    assert len(launches) == 16 and all(m == 2 for _, _, m in launches)
+    gdn = runner.layout.layers[0]
+    w_in, out_proj = gdn["w_in"], gdn["out_proj"]
+    key, ptrs, _ = launches[0]
+    assert key == "tiny_gdn_in_n384_t8_k256_m8"
+    assert ptrs == [buf["h"], base + w_in.offset, base + w_in.scale_offset, base + w_in.gscale_offset,
+                    base + gdn["w_in_tail"].offset, buf["proj"]]
+    key, ptrs, _ = launches[1]
+    assert key == "tiny_gdn_out_n256_k128_m8"
+    assert ptrs == [buf["gdn_out"], base + out_proj.offset, base + out_proj.scale_offset,
+                    base + out_proj.gscale_offset, buf["delta"]]
+    assert {k for k, _, _ in launches} == TINY_KEYS
+
+
+def test_prefill_runs_the_nvfp4_gemv_eight_rows_at_a_time(runner):
+    dev = runner.device
+    n = len(dev.launches)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 21)), start_pos=0, page_table=[0]))
+    launches = _nvfp4_launches(dev.launches[n:])
+    gate_up = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gate_up")]
+    assert len(gate_up) == 4 * 3  # 4 layers x cdiv(20, 8) pieces
+    h, proj = runner.storage.buf["h"], runner.storage.buf["proj"]
+    assert [m for _, m in gate_up[:3]] == [8, 8, 4]
+    assert [p[0] - h for p, _ in gate_up[:3]] == [0, 8 * 256 * 2, 16 * 256 * 2]  # x rows
+    assert [p[4] - proj for p, _ in gate_up[:3]] == [0, 8 * 1024 * 2, 16 * 1024 * 2]  # out rows
+    assert len({tuple(p[1:4]) for p, _ in gate_up[:3]}) == 1  # the same weights for every piece
+    gdn_in = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gdn_in")]
+    assert [p[5] - proj for p, _ in gdn_in[:3]] == [0, 8 * 392 * 2, 16 * 392 * 2]  # rows N + NT = 392 wide
+
+
+def test_a_missing_nvfp4_shape_names_it_and_the_build_command(runner):
+    from runtime.cuda.errors import KernelMissing
+
+    with pytest.raises(KernelMissing, match=r"nvfp4 4096x256 weight.*gemv_nvfp4\.py.*build_kernels\.py --arch sm_90a"):
+        runner.kernels.linear_nvfp4(4096, 0, 256)
+    with pytest.raises(KernelMissing, match="with a 16-row bf16 tail"):
+        runner.kernels.linear_nvfp4(384, 16, 256)
+
+
+def test_nvfp4_moe_experts_are_refused_by_name():
+    from runtime.model.config import ModelConfig
+    from runtime.model.gpu.weights import WeightLayout, nvfp4_recipe_format
+    from tools.make_tiny import tiny_text_config
+
+    ids = {"<|endoftext|>": 0, "<|image_pad|>": 1, "<|video_pad|>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4}
+    config = ModelConfig.from_dict(tiny_text_config("moe", 512, ids, tie=False)["text_config"])
+    with pytest.raises(NotImplementedError, match=r"experts\.gate_up_proj is nvfp4; CudaRunner reads bf16 MoE"):
+        WeightLayout.plan(config, nvfp4_recipe_format)
+
+
+def test_synthetic_nvfp4_weights_fill_codes_scales_and_globals(runner):
+    from runtime.artifact import formats
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.gpu.weights import nvfp4_recipe_format
+
+    syn = built_or_skip(lambda: CudaRunner.synthetic(runner.config, 3, num_pages=4, num_slots=1, max_batch=1,
+                                                     device=NullDevice(total_memory=1 << 30), prefill_chunk=64,
+                                                     weight_formats=nvfp4_recipe_format))
+    try:
+        assert syn.layout.nvfp4_shapes() == runner.layout.nvfp4_shapes()
+        slot = syn.layout.layers[1]["w_gate_up"]
+        base, dev = syn.storage.weights_base, syn.device
+        codes = dev.memcpy_dtoh(np.empty((1024, 128), np.uint8), base + slot.offset)
+        scales = formats.e4m3_to_f32(dev.memcpy_dtoh(np.empty((1024, 16), np.uint8), base + slot.scale_offset))
+        gscale = dev.memcpy_dtoh(np.empty(1024, np.float32), base + slot.gscale_offset)
+        assert len(np.unique(codes)) == 256  # every code pair
+        assert scales.min() >= 0.5 and scales.max() <= 1.5 and scales.std() > 0
+        # Codes' mean square 8.5625 (uniform over the e2m1 values), scales' 13 / 12: std 1 / sqrt(256).
+        unit = 1.0 / np.sqrt(8.5625 * 13 / 12 * 256)
+        assert np.all(gscale >= 0.5 * unit * (1 - 1e-6)) and np.all(gscale <= 1.5 * unit * (1 + 1e-6))
+        n = len(dev.launches)
+        syn.decode([DecodeItem(slot=0, token_id=1, pos=0, page_table=[0])])
+        assert {k for k, _, _ in _nvfp4_launches(dev.launches[n:])} == TINY_KEYS
+    finally:
+        syn.close()

@@ -1,0 +1,99 @@
+"""`cute_kernels/gemv_nvfp4.py` on the CPU: its NumPy reference against an independent float64
+dequantise-then-matmul (the artifact reader's decoding), the decode tables the kernel's byte
+permutes use, and that its variants cover every NVFP4 projection the runner lays out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cute_kernels import gemv_nvfp4
+from cute_kernels.bf16 import round_bf16
+from runtime.artifact import formats
+
+
+def _case(rng, m, n, nt, k):
+    x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)  # every byte is two valid e2m1 codes
+    scales = rng.integers(0, 256, (n, k // 16), dtype=np.uint8)
+    scales[(scales & 0x7F) == 0x7F] = 0x38  # 0x7F / 0xFF are NaN in e4m3fn (0x38 is 1.0)
+    scales[0, :2] = 0x80  # negative zero
+    gscale = rng.uniform(-1e-3, 1e-3, n).astype(np.float32)
+    gscale[-1] = 0.0
+    tail = round_bf16(rng.standard_normal((nt, k)).astype(np.float32)) if nt else None
+    return x, codes, scales, gscale, tail
+
+
+def _dequantize(codes, scales, gscale):
+    """float64 weights through the artifact reader's tables: one group per row, so each row's
+    global is its own (the runner's per-row expansion)."""
+    values = formats.e2m1_to_f32(formats.unpack_nibbles(codes)).astype(np.float64)
+    block = np.repeat(formats.e4m3_to_f32(scales).astype(np.float64), 16, axis=1)
+    return values * block * gscale.astype(np.float64)[:, None]
+
+
+def _check(m, n, nt, k, seed):
+    x, codes, scales, gscale, tail = _case(np.random.default_rng(seed), m, n, nt, k)
+    w = _dequantize(codes, scales, gscale)
+    want = x.astype(np.float64) @ w.T
+    full = np.concatenate([w, tail.astype(np.float64)]) if nt else w
+    if nt:
+        want = np.concatenate([want, x.astype(np.float64) @ tail.astype(np.float64).T], axis=1)
+    exact = gemv_nvfp4.reference(x, codes, scales, gscale, tail, exact=True)
+    assert exact.shape == (m, n + nt)
+    np.testing.assert_allclose(exact, want, rtol=1e-12, atol=1e-300)
+    # The kernel's roundings: an fp32 dot product of exact products (K * 2^-24 of the absolute
+    # sum, taken as K * 2^-23 for the global's multiply), one bf16 rounding (2^-8 relative).
+    same = gemv_nvfp4.reference(x, codes, scales, gscale, tail)
+    assert np.array_equal(same, round_bf16(same))
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(full).T
+    bound = 2.0 ** -8 * np.abs(want) + k * 2.0 ** -23 * magnitude + 1e-30
+    excess = np.abs(same - want) - bound
+    assert np.all(excess <= 0), f"worst excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), excess.shape)}"
+    assert np.abs(same - want).max() > 0  # the bf16 rounding is really there
+    assert np.all(same[:, n - 1] == 0)  # the zero global scale
+
+
+@pytest.mark.parametrize("m, n, nt, k", [(1, 16, 0, 128), (3, 48, 0, 384), (7, 272, 5, 640), (8, 32, 37, 1152)])
+def test_reference_against_dequantize_then_matmul_at_odd_sizes(m, n, nt, k):
+    _check(m, n, nt, k, seed=m * 1000 + n)
+
+
+@pytest.mark.parametrize("name", [s[0] for s in gemv_nvfp4.SHAPES if not s[0].startswith("tiny")])
+def test_reference_at_the_27b_shapes(name):
+    """The real K (the fp32 sums' length) and tail; 32 of the N rows (rows are independent)."""
+    _, n, nt, k = next(s for s in gemv_nvfp4.SHAPES if s[0] == name)
+    _check(3, 32, nt, k, seed=k + nt)
+
+
+def test_reference_refuses_mismatched_scales():
+    x, codes, scales, gscale, _ = _case(np.random.default_rng(0), 1, 16, 0, 128)
+    with pytest.raises(ValueError, match=r"need scales \(16, 8\) and gscale \(16,\)"):
+        gemv_nvfp4.reference(x, codes, scales[:, :4], gscale)
+
+
+def test_prmt_tables_are_the_bf16_bits_of_the_e2m1_magnitudes():
+    """The kernel looks magnitude i up as byte i of (LO, HI) for the high and the low byte."""
+    table = lambda lo, hi: [(lo | hi << 32) >> (8 * i) & 0xFF for i in range(8)]  # noqa: E731
+    bits = [int(v) >> 16 for v in np.array(formats.E2M1_VALUES[:8], np.float32).view(np.uint32)]
+    assert table(gemv_nvfp4.HIGH_LO, gemv_nvfp4.HIGH_HI) == [b >> 8 for b in bits]
+    assert table(gemv_nvfp4.LOW_LO, gemv_nvfp4.LOW_HI) == [b & 0xFF for b in bits]
+    assert all(b & 0xFFFF == b for b in bits)  # bf16 holds every magnitude exactly
+
+
+def test_variants_cover_the_nvfp4_layouts_of_the_27b_and_the_tiny_model():
+    from runtime.model.config import ModelConfig
+    from runtime.model.gpu.weights import WeightLayout, nvfp4_recipe_format
+    from runtime.model.shapes import shape_config
+    from tools.make_tiny import tiny_text_config
+
+    built = {(v.config["N"], v.config["NT"], v.config["K"]) for v in gemv_nvfp4.variants()}
+    big = WeightLayout.plan(ModelConfig.from_dict(shape_config("qwen3.6-27b")), nvfp4_recipe_format)
+    assert big.nvfp4_shapes() == {(n, nt, k) for name, n, nt, k in gemv_nvfp4.SHAPES if not name.startswith("tiny")}
+    ids = {"<|endoftext|>": 0, "<|image_pad|>": 1, "<|video_pad|>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4}
+    tiny = WeightLayout.plan(ModelConfig.from_dict(tiny_text_config("dense", 512, ids, tie=False)["text_config"]),
+                             nvfp4_recipe_format)
+    assert tiny.nvfp4_shapes() <= built and len(tiny.nvfp4_shapes()) == 6
+    # About 16.3 GB a token at the 27B shape (the issue's roofline): every weight but the embedding.
+    assert abs((big.total - big.globals["embed"].nbytes) / 1e9 - 16.29) < 0.01
+    assert all(v.key.endswith("_m8") and v.requires == ("M >= 1", "M <= 8") for v in gemv_nvfp4.variants())
