@@ -1,0 +1,122 @@
+"""The NVFP4 decode GEMV (`gemv_nvfp4`) against its references on a real GPU.
+
+The reference is float64 of the dequantised weights; the same-precision baseline is
+`gemv_nvfp4.reference` (code times block scale exactly, fp32 dot product, times the row's fp32
+global, bf16 output). The kernel's only roundings are the fp32 accumulation (in the MMA's order
+rather than NumPy's) and the final bf16 rounding, so its error against float64 must stay within
+2x the baseline's (`assert_close_to_baseline`, as for gemv_fp8). Inputs: every code byte (both
+nibbles over all 16 e2m1 codes, signed zeros included), e4m3 block scales over the finite range
+with negative and zero ones, per-row globals of both signs and a zero row, NaN-poisoned outputs
+with an extra row that must stay untouched, M = 1, 3, 8, the tiny model's shapes (K = 128 leaves
+7 of 8 warps idle; a tail of 8 rows, fewer than a CTA's 16) and the 27B's. A second test checks
+the decode bit for bit: one-hot activations read single weights back (each exact in bf16).
+Written without a GPU at hand: not run yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cute_kernels import gemv_nvfp4
+from cute_kernels.bf16 import round_bf16
+
+from .conftest import assert_close_to_baseline
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(rng, m, n, nt, k):
+    x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 256, (n, k // 16), dtype=np.uint8)
+    scales[(scales & 0x7F) == 0x7F] = 0x38  # 0x7F / 0xFF are NaN in e4m3fn; 0x38 is 1.0
+    scales[0, 0] = 0x00
+    # |code * scale| <= 6 * 448 (mean square ~8.6 * ~1e4): globals near 1 / (300 sqrt(K)) keep the outputs O(1).
+    gscale = (rng.uniform(-1.0, 1.0, n) / (300 * np.sqrt(k))).astype(np.float32)
+    gscale[-1] = 0.0
+    tail = round_bf16(rng.standard_normal((nt, k)).astype(np.float32) * 0.05) if nt else None
+    return x, codes, scales, gscale, tail
+
+
+def _bufs(mem, device, stream, x, codes, scales, gscale, tail, out_rows):
+    def upload(array):
+        ptr = mem.alloc(max(array.nbytes, 16))
+        device.memcpy_htod(ptr, np.ascontiguousarray(array), stream)
+        stream.synchronize()
+        return ptr
+
+    n, nt = codes.shape[0], 0 if tail is None else tail.shape[0]
+    bufs = {"x": mem.bf16(x), "w": upload(codes), "scale": upload(scales), "gscale": upload(gscale),
+            "out": mem.poisoned(out_rows * (n + nt))}
+    if nt:
+        bufs["tail"] = mem.bf16(tail)
+    return bufs
+
+
+def _variant(name):
+    return next(v for v in gemv_nvfp4.variants() if v.key.startswith(name + "_"))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("name", [s[0] for s in gemv_nvfp4.SHAPES])
+def test_gemv_nvfp4(library, device, mem, stream, name, m):
+    _, n, nt, k = next(s for s in gemv_nvfp4.SHAPES if s[0] == name)
+    x, codes, scales, gscale, tail = _case(np.random.default_rng(n + 7 * m + k), m, n, nt, k)
+    v = _variant(name)
+    bufs = _bufs(mem, device, stream, x, codes, scales, gscale, tail, m + 1)
+    library.kernel("gemv_nvfp4", v.key).launch(stream, bufs, {"M": m})
+    got = mem.read_bf16(bufs["out"], (m + 1, n + nt))
+    assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
+    want = gemv_nvfp4.reference(x, codes, scales, gscale, tail, exact=True)
+    base = gemv_nvfp4.reference(x, codes, scales, gscale, tail)
+    assert np.all(got[:m, n - 1] == 0), f"{v.key}: the zero global's row"
+    assert_close_to_baseline(got[:m], want, base, f"gemv_nvfp4 {v.key} M={m}")
+
+
+def test_gemv_nvfp4_decodes_every_weight_exactly(library, device, mem, stream):
+    """Token t is one-hot at column t (t < 8): the output is weight column t of every row, which
+    is exact in bf16 (code x scale has 6 significand bits; a global of 1 or a power of two adds
+    none), so it must equal the float64 dequantisation bit for bit. Columns 0..7 cover all eight
+    positions of a code word, whose four bytes run through 0..255 over every 64 rows."""
+    name, n, nt, k = "tiny_o_proj", 256, 0, 256
+    rng = np.random.default_rng(11)
+    x = np.zeros((8, k), np.float32)
+    x[np.arange(8), np.arange(8)] = 1.0
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    codes[:, :4] = np.arange(n * 4, dtype=np.int64).reshape(n, 4) % 256  # every byte in columns 0..7
+    signs = rng.integers(0, 2, (n, k // 16), dtype=np.uint8) << 7
+    scales = rng.integers(0x08, 0x77, (n, k // 16), dtype=np.uint8) | signs  # normal e4m3 of both signs
+    gscale = np.exp2(rng.integers(-4, 5, n)).astype(np.float32)
+    bufs = _bufs(mem, device, stream, x, codes, scales, gscale, None, 8)
+    library.kernel("gemv_nvfp4", _variant(name).key).launch(stream, bufs, {"M": 8})
+    got = mem.read_bf16(bufs["out"], (8, n)).astype(np.float64)
+    want = gemv_nvfp4.reference(x, codes, scales, gscale, exact=True)
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, (f"{len(bad)} weights decoded wrong; first (token, row) {tuple(bad[0])}: got "
+                           f"{got[tuple(bad[0])]}, want {want[tuple(bad[0])]}, code byte "
+                           f"{codes[bad[0][1], bad[0][0] // 2]:#04x}, scale {scales[bad[0][1], 0]:#04x}")
+
+
+def test_gemv_nvfp4_is_batch_invariant(library, device, mem, stream):
+    """Row 0 of an M = 8 launch equals the M = 1 launch bit for bit (decode buckets and the
+    8-row prefill pieces rely on it)."""
+    name, n, nt, k = gemv_nvfp4.SHAPES[0]
+    x, codes, scales, gscale, tail = _case(np.random.default_rng(5), 8, n, nt, k)
+    bufs = _bufs(mem, device, stream, x, codes, scales, gscale, tail, 1)
+    kernel = library.kernel("gemv_nvfp4", _variant(name).key)
+    outs = {}
+    for m in (1, 8):
+        outs[m] = mem.poisoned(m * (n + nt))
+        kernel.launch(stream, {**bufs, "out": outs[m]}, {"M": m})
+    one, eight = mem.read_bf16(outs[1], (1, n + nt)), mem.read_bf16(outs[8], (8, n + nt))
+    np.testing.assert_array_equal(one[0], eight[0])
+
+
+def test_gemv_nvfp4_rejects_large_m(library):
+    from runtime.cuda.errors import LaunchError
+
+    v = gemv_nvfp4.variants()[1]
+    with pytest.raises(LaunchError, match="M <= 8"):
+        library.kernel("gemv_nvfp4", v.key).bind({"x": 256, "w": 256, "scale": 256, "gscale": 256, "out": 256},
+                                                 {"M": 9})
