@@ -73,6 +73,14 @@ SHAPES = [
 # pair (LO, HI) is magnitude i's byte): high bytes 00 3F 3F 3F 40 40 40 40, low 00 00 80 C0 00 40 80 C0.
 HIGH_LO, HIGH_HI = 0x3F3F3F00, 0x40404040
 LOW_LO, LOW_HI = 0xC0800000, 0xC0804000
+# prmt selectors of the decode of one code word (see `build`'s decode_row): SPREAD[h] copies code
+# bytes 2h, 2h, 2h + 1, 2h + 1 (the sign of column 4h + c is then bit 3 or bit 7 of byte c);
+# PAIRS interleaves the low and high bytes of columns (0, 1) and (2, 3) into bf16 pairs;
+# SCALE_PAIRS broadcasts bf16 scale 0 or 1 of a pair to both halves.
+SPREAD = (0x1100, 0x3322)
+PAIRS = (0x5140, 0x7362)
+SCALE_PAIRS = (0x1010, 0x3232)
+SIGN_SHIFTED, SIGN_IN_PLACE = 0x00800080, 0x80008000  # sign bits after << 4 (even c), as they are (odd c)
 
 
 def _variant(name: str, n: int, nt: int, k: int) -> Variant:
@@ -188,7 +196,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         s = cute.make_rmem_tensor((2,), bf16)
         s.store(cute.make_tensor(scale, cute.make_layout((2,))).load().to(bf16))  # exact: e4m3 is inside bf16
         s_word = cute.recast_tensor(s, i32t)[0]
-        s_pairs = (prmt(s_word, 0, 0x1010), prmt(s_word, 0, 0x3232))  # (s0, s0), (s1, s1)
+        s_pairs = [prmt(s_word, 0, sel) for sel in SCALE_PAIRS]  # (s0, s0), (s1, s1)
         pairs = cute.make_rmem_tensor((16,), i32t)
         for i in range(4):  # word i: columns 8i .. 8i + 7, nibble c = column 8i + c
             word = words[i]
@@ -198,11 +206,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 low = prmt(_s32(LOW_LO), _s32(LOW_HI), sel)
                 # Byte c of spread holds code byte (2h + c // 2): the sign of column 4h + c is its
                 # bit 3 (even c, moved to bit 7) or bit 7 (odd c, in place).
-                spread = prmt(word, 0, 0x1100 if h == 0 else 0x3322)
-                high = high | ((spread << 4) & 0x00800080) | (spread & _s32(0x80008000))
+                spread = prmt(word, 0, SPREAD[h])
+                high = high | ((spread << 4) & SIGN_SHIFTED) | (spread & _s32(SIGN_IN_PLACE))
                 scale_pair = s_pairs[i // 2]  # columns 0..15 are block 0, 16..31 block 1
-                pairs[4 * i + 2 * h] = mul_bf16x2(prmt(low, high, 0x5140), scale_pair)
-                pairs[4 * i + 2 * h + 1] = mul_bf16x2(prmt(low, high, 0x7362), scale_pair)
+                for p in range(2):
+                    pairs[4 * i + 2 * h + p] = mul_bf16x2(prmt(low, high, PAIRS[p]), scale_pair)
         return cute.recast_tensor(pairs, bf16)
 
     def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, acc: Any) -> None:

@@ -81,6 +81,52 @@ def test_prmt_tables_are_the_bf16_bits_of_the_e2m1_magnitudes():
     assert all(b & 0xFFFF == b for b in bits)  # bf16 holds every magnitude exactly
 
 
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte i is byte (selector nibble i & 7) of {b, a}, or
+    that byte's sign replicated when the nibble's bit 3 is set."""
+    pool = (a & 0xFFFFFFFF) | (b & 0xFFFFFFFF) << 32
+    out = 0
+    for i in range(4):
+        nib = sel >> (4 * i) & 0xF
+        byte = pool >> (8 * (nib & 7)) & 0xFF
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+    return out
+
+
+def _decode_word(word: int) -> list[int]:
+    """The kernel's decode of one 32-bit code word (8 columns), op for op, to 8 bf16 bit patterns."""
+    g = gemv_nvfp4
+    bits = []
+    for h in range(2):
+        sel = (word >> (16 * h)) & 0x7777
+        high = _prmt(g.HIGH_LO, g.HIGH_HI, sel)
+        low = _prmt(g.LOW_LO, g.LOW_HI, sel)
+        spread = _prmt(word, 0, g.SPREAD[h])
+        high = high | ((spread << 4) & g.SIGN_SHIFTED) | (spread & g.SIGN_IN_PLACE)
+        for p in range(2):
+            pair = _prmt(low, high, g.PAIRS[p])
+            bits += [pair & 0xFFFF, pair >> 16]
+    return bits
+
+
+def test_the_kernels_decode_gives_the_bf16_bits_of_every_code_in_every_position():
+    """Every byte value in each of the word's four byte positions, against the artifact reader's
+    e2m1 values (column 2j in the low nibble) as bf16 bits."""
+    want_bits = np.array(formats.E2M1_VALUES, np.float32).view(np.uint32) >> 16
+    for position in range(4):
+        for byte in range(256):
+            word = (byte << (8 * position)) | (0x5A << (8 * ((position + 1) % 4)))  # a neighbour byte too
+            packed = np.array([word >> (8 * i) & 0xFF for i in range(4)], np.uint8)
+            codes = formats.unpack_nibbles(packed[None])[0]
+            assert _decode_word(word) == [int(want_bits[c]) for c in codes], f"byte {byte:#04x} at {position}"
+
+
+def test_scale_pairs_broadcast_each_half():
+    word = 0xBEEF1234
+    assert _prmt(word, 0, gemv_nvfp4.SCALE_PAIRS[0]) == 0x12341234
+    assert _prmt(word, 0, gemv_nvfp4.SCALE_PAIRS[1]) == 0xBEEFBEEF
+
+
 def test_variants_cover_the_nvfp4_layouts_of_the_27b_and_the_tiny_model():
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.weights import WeightLayout, nvfp4_recipe_format
