@@ -63,9 +63,10 @@ def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed
     pages = max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
-                                weight_formats={"fp8": fp8_recipe_format, "nvfp4": nvfp4_recipe_format}.get(weight_format),
-                                mtp=mtp,
-                                synthetic_router=router, **({"decode_split": decode_split} if decode_split else {}))
+                                weight_formats={"fp8": fp8_recipe_format,
+                                                "nvfp4": nvfp4_recipe_format}.get(weight_format),
+                                mtp=mtp, synthetic_router=router,
+                                **({"decode_split": decode_split} if decode_split else {}))
 
 
 def experts_touched(runner: Any, batch: int) -> int:

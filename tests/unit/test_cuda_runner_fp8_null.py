@@ -124,7 +124,8 @@ def test_mixed_formats_other_than_an_fp8_head_and_bf16_tail_are_refused():
         WeightLayout.plan(config, lambda name: FP8)
     # A quantised run must be followed by BF16 parts only, not by another quantised format.
     nvfp4_then_fp8 = lambda name: "nvfp4" if name.endswith("in_proj_qkv.weight") else FP8  # noqa: E731
-    with pytest.raises(NotImplementedError, match=r"in_proj_qkv.*'nvfp4', 'fp8_e4m3'.*FP8 / NVFP4 parts followed by BF16"):
+    with pytest.raises(NotImplementedError,
+                       match=r"in_proj_qkv.*'nvfp4', 'fp8_e4m3'.*FP8 / NVFP4 parts followed by BF16"):
         WeightLayout.plan(config, nvfp4_then_fp8)
 
 

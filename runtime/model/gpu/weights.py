@@ -24,7 +24,8 @@ Two sources fill the same layout: an artifact component (`upload_artifact`, one 
 copy per tensor straight from the memory-mapped file) or a seed (`fill_synthetic`: random bf16
 values of the configured shapes generated once on the host in a block and tiled on the device,
 for speed runs of real model sizes without a 50 GB file; FP8 slots get random e4m3 codes and block
-scales, NVFP4 slots random e2m1 codes, block scales and per-row globals). `rope_tables` are the constant RoPE cos/sin rows the attention prep kernel reads.
+scales, NVFP4 slots random e2m1 codes, block scales and per-row globals). `rope_tables` are the
+constant RoPE cos/sin rows the attention prep kernel reads.
 """
 
 from __future__ import annotations
@@ -359,8 +360,9 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
     uniform in [-448, 448] (a 16 MiB block, tiled) and block scales of sqrt(3 / fan_in) / 448 times
     a factor in [0.5, 1.5] (the same std); NVFP4 ones random bytes as codes (every byte is two
     valid e2m1 codes; a 16 MiB block, tiled), e4m3 block scales of values uniform in [0.5, 1.5] (a
-    block, tiled) and per-row globals making the std ~1/sqrt(fan_in) again; zero-centred norm weights small values around 0, the
-    gated norm's weight values around 1, A_log / dt_bias / conv taps small.
+    block, tiled) and per-row globals making the std ~1/sqrt(fan_in) again; zero-centred norm
+    weights small values around 0, the gated norm's weight values around 1, A_log / dt_bias / conv
+    taps small.
     """
     from runtime.artifact.formats import E2M1_VALUES, FP8_MAX, f32_to_bf16, f32_to_e4m3
 
@@ -394,7 +396,8 @@ def fill_synthetic(layout: WeightLayout, seed: int, device: Any, base: int, stre
                                        f32_to_e4m3(rng.uniform(0.5, 1.5, block_elems * 2).astype(np.float32)), stream)
                     stream.synchronize()
                 _tile(device, base + slot.offset, fp4, block_elems * 2, slot.data_bytes, stream)
-                _tile(device, base + slot.scale_offset, fp4 + block_elems * 2, block_elems * 2, slot.scale_bytes, stream)
+                _tile(device, base + slot.scale_offset, fp4 + block_elems * 2, block_elems * 2, slot.scale_bytes,
+                      stream)
                 # A weight's mean square: the codes' (uniform over E2M1_VALUES) times the scales' (13 / 12).
                 unit = np.sqrt(np.mean(E2M1_VALUES ** 2) * 13.0 / 12.0 * slot.shape[-1])
                 gscale = rng.uniform(0.5, 1.5, slot.shape[0]) / unit
