@@ -118,13 +118,31 @@ def fill_k_slots(frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, j: int)
     frag_b[3] = b[4 * j + 3]
 
 
+def acc_partials(acc: Any, r: Any, q: Any, warp: Any, rows: int, mb: int, warps: int) -> Any:
+    """Shared memory [rows, mb, warps] holding this warp's m16n8 accumulator (one 16 x 8 tile:
+    slots (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1)), for
+    `sum_warp_partials`."""
+    smem = cutlass.memory.SmemAllocator()
+    partial = smem.allocate_tensor(
+        cutlass.Float32, cute.make_layout((rows, mb, warps), stride=(1, rows, rows * mb)), byte_alignment=16
+    )
+    partial[r, 2 * q, warp] = acc[0]
+    partial[r, 2 * q + 1, warp] = acc[1]
+    partial[r + 8, 2 * q, warp] = acc[2]
+    partial[r + 8, 2 * q + 1, warp] = acc[3]
+    return partial
+
+
 @cute.jit
 def sum_warp_partials(partial: Any, tid: Any, out: Any, ld: Any, row0: Any, m: Any, count: Any,
-                      rows: cutlass.Constexpr, mb: cutlass.Constexpr, warps: cutlass.Constexpr) -> None:
+                      rows: cutlass.Constexpr, mb: cutlass.Constexpr, warps: cutlass.Constexpr,
+                      row_scale: Any = None, scaled_rows: Any = None) -> None:
     """The GEMV epilogue: once every warp wrote its partial dot products to `partial` (shared
     memory, [rows, mb, warps]), thread tid < rows * mb adds row tid % rows of token tid // rows
     over the warps in warp order (a fixed order: a token's result does not depend on the others)
-    and stores it as bf16 at out[token * ld + row0 + row], for tokens < m and rows < count."""
+    and stores it as bf16 at out[token * ld + row0 + row], for tokens < m and rows < count.
+    row_scale (fp32 per output row, NVFP4's global scale): the sum of an output row below
+    `scaled_rows` is multiplied by it once before the rounding (rows past it: a BF16 tail)."""
     cute.arch.sync_threads()
     if tid < rows * mb:
         row = tid % rows
@@ -133,5 +151,8 @@ def sum_warp_partials(partial: Any, tid: Any, out: Any, ld: Any, row0: Any, m: A
             total = cutlass.Float32(0.0)
             for i in cutlass.range_constexpr(warps):
                 total = total + partial[row, token, i]
+            if cutlass.const_expr(row_scale is not None):
+                if row0 < scaled_rows:
+                    total = total * cute.make_tensor(row_scale + row0 + row, cute.make_layout(1))[0]
             dst = cute.make_tensor(out + cutlass.Int64(token) * ld + row0 + row, cute.make_layout(1))
             dst[0] = total.to(cutlass.BFloat16)

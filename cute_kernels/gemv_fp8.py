@@ -142,7 +142,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     blocks = k // BLOCK
     per_warp, extra = blocks // WARPS, blocks % WARPS  # warps < extra take one more block
     fp8_ctas = n // ROWS
-    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    bf16 = cutlass.BFloat16
 
     def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, into: Any) -> None:
         for j in range(8):  # a plain helper: Python loops unroll while tracing
@@ -203,15 +203,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_block(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
                 row0 = n + t0
-        smem = cutlass.memory.SmemAllocator()
-        partial = smem.allocate_tensor(
-            f32, cute.make_layout((ROWS, MB, WARPS), stride=(1, ROWS, ROWS * MB)), byte_alignment=16
-        )
-        # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
-        partial[r, 2 * q, warp] = acc[0]
-        partial[r, 2 * q + 1, warp] = acc[1]
-        partial[r + 8, 2 * q, warp] = acc[2]
-        partial[r + 8, 2 * q + 1, warp] = acc[3]
+        partial = _dsl.acc_partials(acc, r, q, warp, ROWS, MB, WARPS)
         _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")

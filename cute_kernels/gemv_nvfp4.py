@@ -169,7 +169,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     steps = k // STEP
     per_warp, extra = steps // WARPS, steps % WARPS  # warps < extra take one more step
     fp4_ctas = n // ROWS
-    f32, bf16, i32t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
+    bf16, i32t = cutlass.BFloat16, cutlass.Int32
 
     # Pure (no side effects) so that ptxas may schedule and share them; cute.arch.prmt is volatile.
     @dsl_user_op
@@ -264,29 +264,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_step(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
                 row0 = n + t0
-        smem = cutlass.memory.SmemAllocator()
-        partial = smem.allocate_tensor(
-            f32, cute.make_layout((ROWS, MB, WARPS), stride=(1, ROWS, ROWS * MB)), byte_alignment=16
-        )
-        # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
-        partial[r, 2 * q, warp] = acc[0]
-        partial[r, 2 * q + 1, warp] = acc[1]
-        partial[r + 8, 2 * q, warp] = acc[2]
-        partial[r + 8, 2 * q + 1, warp] = acc[3]
-        # The epilogue of `_dsl.sum_warp_partials` with the global scale: warps in a fixed order,
-        # then one fp32 multiply by the row's global (NVFP4 rows only), one bf16 rounding.
-        cute.arch.sync_threads()
-        if tid < ROWS * MB:
-            row = tid % ROWS
-            token = tid // ROWS
-            if token < m and row < count:
-                total = f32(0.0)
-                for i in cutlass.range_constexpr(WARPS):
-                    total = total + partial[row, token, i]
-                if row0 < n:
-                    total = total * cute.make_tensor(gscale + row0 + row, cute.make_layout(1))[0]
-                dst = cute.make_tensor(out + cutlass.Int64(token) * ldo + row0 + row, cute.make_layout(1))
-                dst[0] = total.to(bf16)
+        partial = _dsl.acc_partials(acc, r, q, warp, ROWS, MB, WARPS)
+        # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.
+        _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS, gscale, n)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_nvfp4_{variant.key}")
 
