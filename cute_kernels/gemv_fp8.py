@@ -66,18 +66,27 @@ def _variant(name: str, n: int, nt: int, k: int) -> Variant:
     if n % ROWS or k % BLOCK:
         raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {BLOCK}")
     blocks = k // BLOCK
-    # Blocks each warp's loop keeps in flight (unroll); every warp has blocks // WARPS or one more.
-    unroll = max(1, min(blocks // WARPS, 4))
+    return weight_only_variant(FAMILY, name, n, nt, k, blocks,
+                               {"w": tensor("e4m3", n, k), "scale": tensor("f32", -(-n // BLOCK), blocks)},
+                               {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)")
+
+
+def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: int, weights: dict[str, Any],
+                        config: dict[str, Any], what: str) -> Variant:
+    """A decode GEMV variant for weights of a quantised format (this family and `gemv_nvfp4`):
+    parameters x, the format's `weights` (name -> tensor, in order), the BF16 tail when nt > 0,
+    out, M; 16 rows a CTA, 8 warps over the K `steps`, M <= 8; `config` adds the format's keys."""
+    # Steps each warp's loop keeps in flight (unroll); every warp has steps // WARPS or one more.
+    unroll = max(1, min(steps // WARPS, 4))
     ctas = n // ROWS + -(-nt // ROWS)
-    params = [ptr("x"), ptr("w"), ptr("scale")] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
-    tensors = {"x": tensor("bf16", "M", k), "w": tensor("e4m3", n, k),
-               "scale": tensor("f32", -(-n // BLOCK), blocks), "out": tensor("bf16", "M", n + nt, role="out")}
+    params = [ptr("x")] + [ptr(w) for w in weights] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
+    tensors = {"x": tensor("bf16", "M", k), **weights, "out": tensor("bf16", "M", n + nt, role="out")}
     if nt:
         tensors["tail"] = tensor("bf16", nt, k)
     return Variant(
-        family=FAMILY,
+        family=family,
         key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}",
-        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, "block": BLOCK, "unroll": unroll},
+        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, **config, "unroll": unroll},
         params=params,
         tensors=tensors,
         sizes=("M",),
@@ -85,8 +94,7 @@ def _variant(name: str, n: int, nt: int, k: int) -> Variant:
         grid=(ctas, 1, 1),
         requires=("M >= 1", f"M <= {MB}"),
         arches=HOPPER,
-        note=f"decode x[M<={MB},{k}] @ fp8 W[{n},{k}]^T (128x128 fp32 block scales)"
-             + (f" + bf16 tail [{nt},{k}]" if nt else ""),
+        note=f"decode x[M<={MB},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else ""),
         example_sizes={"M": 1},
     )
 

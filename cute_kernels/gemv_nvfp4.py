@@ -40,34 +40,17 @@ from typing import Any
 import numpy as np
 
 from .bf16 import round_bf16
-from .gemv_fp8 import e4m3_values
-from .variant import HOPPER, Variant, i32, ptr, tensor
+from .gemv_fp8 import MB, ROWS, SHAPES, WARPS, e4m3_values, weight_only_variant
+from .variant import Variant, tensor
 
 FAMILY = "gemv_nvfp4"
-WARPS = 8  # warps per CTA, splitting K
-ROWS = 16  # weight rows per CTA (the MMA's M)
 STEP = 128  # columns per warp step (4 lanes x 32 columns)
 GROUP = 16  # columns per e4m3 scale
-MB = 8  # the largest M (one 8-token MMA column group)
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
-# (name, N, NT, K): the 27B's linear layers at decode with the projections in NVFP4 as
-# `tools.convert --recipe nvfp4` writes them (lm_head, in_proj_b / in_proj_a stay BF16), then the
-# tiny test model's (tools/make_tiny.py). gdn_in is [in_proj_qkv | in_proj_z] with
-# [in_proj_b | in_proj_a] as the BF16 tail.
-SHAPES = [
-    ("gdn_in", 16384, 96, 5120),
-    ("o_proj", 5120, 0, 6144),  # GDN out_proj and attention o_proj
-    ("attn_qkv", 14336, 0, 5120),  # q (with gate) + k + v
-    ("gate_up", 34816, 0, 5120),
-    ("down", 5120, 0, 17408),
-    ("tiny_gdn_in", 384, 8, 256),
-    ("tiny_gdn_out", 256, 0, 128),
-    ("tiny_attn_qkv", 768, 0, 256),
-    ("tiny_o_proj", 256, 0, 256),
-    ("tiny_gate_up", 1024, 0, 256),
-    ("tiny_down", 256, 0, 512),
-]
+# The shapes are `gemv_fp8.SHAPES`: `tools.convert --recipe nvfp4` (and NVIDIA's ModelOpt
+# checkpoints) quantise the same projections as Qwen's FP8 release (lm_head, in_proj_b /
+# in_proj_a stay BF16: gdn_in's tail).
 
 # bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as prmt tables (byte i of the
 # pair (LO, HI) is magnitude i's byte): high bytes 00 3F 3F 3F 40 40 40 40, low 00 00 80 C0 00 40 80 C0.
@@ -86,30 +69,9 @@ SIGN_SHIFTED, SIGN_IN_PLACE = 0x00800080, 0x80008000  # sign bits after << 4 (ev
 def _variant(name: str, n: int, nt: int, k: int) -> Variant:
     if n % ROWS or k % STEP:
         raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {STEP}")
-    steps = k // STEP
-    unroll = max(1, min(steps // WARPS, 4))  # steps each warp's loop keeps in flight
-    ctas = n // ROWS + -(-nt // ROWS)
-    params = ([ptr("x"), ptr("w"), ptr("scale"), ptr("gscale")] + ([ptr("tail")] if nt else [])
-              + [ptr("out"), i32("M")])
-    tensors = {"x": tensor("bf16", "M", k), "w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP),
-               "gscale": tensor("f32", n), "out": tensor("bf16", "M", n + nt, role="out")}
-    if nt:
-        tensors["tail"] = tensor("bf16", nt, k)
-    return Variant(
-        family=FAMILY,
-        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}",
-        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, "step": STEP, "unroll": unroll},
-        params=params,
-        tensors=tensors,
-        sizes=("M",),
-        block=(32 * WARPS, 1, 1),
-        grid=(ctas, 1, 1),
-        requires=("M >= 1", f"M <= {MB}"),
-        arches=HOPPER,
-        note=f"decode x[M<={MB},{k}] @ nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)"
-             + (f" + bf16 tail [{nt},{k}]" if nt else ""),
-        example_sizes={"M": 1},
-    )
+    weights = {"w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP), "gscale": tensor("f32", n)}
+    return weight_only_variant(FAMILY, name, n, nt, k, k // STEP, weights, {"step": STEP},
+                               f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)")
 
 
 def variants() -> list[Variant]:
