@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 
+from runtime.model.gpu.weights import FP8
 from runtime.model.runner import DecodeItem, PrefillChunk
 
 from null_cuda import built_or_skip
@@ -104,9 +105,9 @@ def test_a_missing_fp8_shape_names_it_and_the_build_command(runner):
     from runtime.cuda.errors import KernelMissing
 
     with pytest.raises(KernelMissing, match=r"fp8 4096x256 weight.*gemv_fp8\.py.*build_kernels\.py --arch sm_90a"):
-        runner.kernels.linear_fp8(4096, 0, 256)
+        runner.kernels.linear_quantised(FP8, 4096, 0, 256)
     with pytest.raises(KernelMissing, match="with a 16-row bf16 tail"):
-        runner.kernels.linear_fp8(384, 16, 256)
+        runner.kernels.linear_quantised(FP8, 384, 16, 256)
 
 
 def test_mixed_formats_other_than_an_fp8_head_and_bf16_tail_are_refused():

@@ -12,6 +12,7 @@ import struct
 import numpy as np
 import pytest
 
+from runtime.model.gpu.weights import NVFP4
 from runtime.model.runner import DecodeItem, PrefillChunk
 
 from null_cuda import built_or_skip
@@ -144,10 +145,10 @@ def test_prefill_runs_the_nvfp4_gemv_eight_rows_at_a_time(runner):
 def test_a_missing_nvfp4_shape_names_it_and_the_build_command(runner):
     from runtime.cuda.errors import KernelMissing
 
-    with pytest.raises(KernelMissing, match=r"nvfp4 4096x256 weight.*gemv_nvfp4\.py.*build_kernels\.py --arch sm_90a"):
-        runner.kernels.linear_nvfp4(4096, 0, 256)
+    with pytest.raises(KernelMissing, match=r"nvfp4 4096x256 weight.*gemv_fp8\.py.*build_kernels\.py --arch sm_90a"):
+        runner.kernels.linear_quantised(NVFP4, 4096, 0, 256)
     with pytest.raises(KernelMissing, match="with a 16-row bf16 tail"):
-        runner.kernels.linear_nvfp4(384, 16, 256)
+        runner.kernels.linear_quantised(NVFP4, 384, 16, 256)
 
 
 def test_nvfp4_moe_experts_are_refused_by_name():

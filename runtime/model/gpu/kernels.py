@@ -3,9 +3,9 @@
 `KernelChoice` reads the manifest's compile-time configs and picks, for a `ModelConfig`, the
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
-fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 weights use the
-FP8 GEMV at every row count (`linear_fp8`), NVFP4 weights the NVFP4 GEMV (`linear_nvfp4`);
-`layers.Forward.linear` picks by the weight's format.
+fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
+weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
+picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M).
 """
 
@@ -16,6 +16,10 @@ from typing import Any
 
 from runtime.cuda.errors import KernelMissing
 from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
+from runtime.model.gpu.weights import FP8, NVFP4
+
+# The decode GEMV family of each quantised weight format, and the format's name in messages.
+QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -138,28 +142,20 @@ class KernelChoice:
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
 
-    def linear_fp8(self, n: int, nt: int, k: int) -> str:
-        """Key of the `gemv_fp8` variant for an FP8 weight [n, k] with a BF16 tail of nt rows (0: none).
-        It takes up to 8 rows; `layers.Forward.linear` runs more rows (prefill) 8 at a time, since
-        there is no FP8 GEMM yet."""
-        key = _find(self.library, "gemv_fp8", N=n, NT=nt, K=k)
+    def linear_quantised(self, fmt: str, n: int, nt: int, k: int) -> tuple[str, str]:
+        """(family, key) of the decode GEMV for a weight [n, k] of a quantised format (`FP8`,
+        `NVFP4`) with a BF16 tail of nt rows (0: none). It takes up to 8 rows;
+        `layers.Forward.linear` runs more rows (prefill) 8 at a time, since there is no quantised
+        GEMM yet."""
+        family, name = QUANTISED[fmt]
+        key = _find(self.library, family, N=n, NT=nt, K=k)
         if key is None:
             raise KernelMissing(
-                f"no gemv_fp8 kernel for an fp8 {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
+                f"no {family} kernel for an {name} {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
                 + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in cute_kernels/gemv_fp8.py "
-                f"and run `python build_kernels.py --arch {self.library.manifest.arch}`")
-        return key
-
-    def linear_nvfp4(self, n: int, nt: int, k: int) -> str:
-        """Key of the `gemv_nvfp4` variant for an NVFP4 weight [n, k] with a BF16 tail of nt rows (0:
-        none). It takes up to 8 rows; prefill runs 8 at a time (no NVFP4 GEMM yet), as for FP8."""
-        key = _find(self.library, "gemv_nvfp4", N=n, NT=nt, K=k)
-        if key is None:
-            raise KernelMissing(
-                f"no gemv_nvfp4 kernel for an nvfp4 {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
-                + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in "
-                f"cute_kernels/gemv_nvfp4.py and run `python build_kernels.py --arch {self.library.manifest.arch}`")
-        return key
+                f"(both quantised GEMVs take them) and run `python build_kernels.py --arch "
+                f"{self.library.manifest.arch}`")
+        return family, key
 
     def required(self) -> list[tuple[str, str]]:
         """(family, key) of every non-linear kernel chosen (loaded, and so checked, at start)."""

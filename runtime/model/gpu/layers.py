@@ -18,8 +18,7 @@ from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
-FP8_ROWS = 8  # rows one gemv_fp8 launch takes (its MB)
-NVFP4_ROWS = 8  # rows one gemv_nvfp4 launch takes (its MB)
+QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
 GEMV_ROWS = 8  # rows of the BF16 decode GEMV (its MB): every decode bucket and verification block
 
 
@@ -129,28 +128,19 @@ class Forward:
         no FP8 GEMM yet, so FP8 prefill rows run through the GEMV 8 at a time: the same numbers
         as decode, the weights read once per 8 rows. NVFP4 likewise with the NVFP4 GEMV (block
         scales and per-row global scales bound)."""
-        if weight.format == NVFP4:
+        if weight.format in (FP8, NVFP4):
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0
-            key = self.kernels.linear_nvfp4(n, nt, k)
+            family, key = self.kernels.linear_quantised(weight.format, n, nt, k)
             base = self.storage.weights_base
-            bufs = {"w": self.w(weight), "scale": base + weight.scale_offset, "gscale": base + weight.gscale_offset}
+            bufs = {"w": self.w(weight), "scale": base + weight.scale_offset}
+            if weight.format == NVFP4:
+                bufs["gscale"] = base + weight.gscale_offset
             if tail:
                 bufs["tail"] = self.w(tail)
-            for r0 in range(0, rows, NVFP4_ROWS):
-                self.launch(out, "gemv_nvfp4", key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
-                            {"M": min(NVFP4_ROWS, rows - r0)})
-            return
-        if weight.format == FP8:
-            n, k = weight.shape
-            nt = tail.shape[0] if tail else 0
-            key = self.kernels.linear_fp8(n, nt, k)
-            bufs = {"w": self.w(weight), "scale": self.storage.weights_base + weight.scale_offset}
-            if tail:
-                bufs["tail"] = self.w(tail)
-            for r0 in range(0, rows, FP8_ROWS):
-                self.launch(out, "gemv_fp8", key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
-                            {"M": min(FP8_ROWS, rows - r0)})
+            for r0 in range(0, rows, QUANTISED_ROWS):
+                self.launch(out, family, key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
+                            {"M": min(QUANTISED_ROWS, rows - r0)})
             return
         if tail is not None or weight.format != "bf16":
             raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "

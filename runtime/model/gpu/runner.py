@@ -36,7 +36,7 @@ from runtime.model.gpu.mtp import MtpHead
 from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
-from runtime.model.gpu.weights import WeightLayout, fill_synthetic, rope_tables, upload_artifact
+from runtime.model.gpu.weights import FP8, NVFP4, WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
                                   speculative_round_cost)
@@ -101,10 +101,9 @@ class CudaRunner:
         self.kernels = KernelChoice(self.library, c)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
-        for n, nt, k in sorted(self.layout.fp8_shapes()):  # refused before the upload, naming the shape
-            self.kernels.linear_fp8(n, nt, k)
-        for n, nt, k in sorted(self.layout.nvfp4_shapes()):
-            self.kernels.linear_nvfp4(n, nt, k)
+        for fmt in (FP8, NVFP4):  # a missing shape is refused before the upload, naming it
+            for n, nt, k in sorted(self.layout.quantized_shapes(fmt)):
+                self.kernels.linear_quantised(fmt, n, nt, k)
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
