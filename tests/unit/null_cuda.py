@@ -6,6 +6,7 @@ skips, with the reason, where the kernels are not built or the build is stale or
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -29,3 +30,27 @@ def built_or_skip(make: Callable[[], T]) -> T:
         if type(exc).__name__ in ("KernelMissing", "KernelStale"):
             pytest.skip(str(exc))
         raise
+
+
+def null_runner(path: Path):
+    """The CUDA runner of the artifact at `path` on a 2 GiB null device (2 slots, 16 pages,
+    64-token pieces), or a skip without built kernels."""
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    return built_or_skip(lambda: CudaRunner.from_artifact(path, num_pages=16, num_slots=2,
+                                                          device=NullDevice(total_memory=2 << 30),
+                                                          prefill_chunk=64))
+
+
+def family_launches(launches, family: str) -> list[tuple[str, list[int], int]]:
+    """(key, pointer parameters, M) of every recorded launch of `family`'s kernels, in order (the
+    kernels' parameters: pointers, then M last)."""
+    prefix = f"infx_{family}_"
+    out = []
+    for rec in launches:
+        if rec.function.startswith(prefix):
+            key = rec.function[len(prefix):].split("_kernel")[0]
+            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
+            out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
+    return out

@@ -6,7 +6,6 @@ GEMV 8 rows at a time, and synthetic FP8 weights fill codes and scales. Kernels 
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 import pytest
@@ -14,32 +13,19 @@ import pytest
 from runtime.model.gpu.weights import FP8
 from runtime.model.runner import DecodeItem, PrefillChunk
 
-from null_cuda import built_or_skip
-
-FP8 = "fp8_e4m3"
+from null_cuda import built_or_skip, family_launches, null_runner
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_fp8_path):
-    from runtime.cuda.null import NullDevice
-    from runtime.model.gpu.runner import CudaRunner
-
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_fp8_path, num_pages=16, num_slots=2,
-                                                       device=NullDevice(total_memory=2 << 30),
-                                                       prefill_chunk=64))
+    r = null_runner(tiny_fp8_path)
     yield r
     r.close()
 
 
 def _fp8_launches(launches):
     """(key, [x, w, scale, (tail,) out], M) of every gemv_fp8 launch, in order."""
-    out = []
-    for rec in launches:
-        if rec.function.startswith("infx_gemv_fp8_"):
-            key = rec.function[len("infx_gemv_fp8_"):].split("_kernel")[0]
-            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
-            out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
-    return out
+    return family_launches(launches, "gemv_fp8")
 
 
 def test_fp8_projections_are_uploaded_as_stored(runner, tiny_fp8_path):

@@ -7,7 +7,6 @@ synthetic NVFP4 weights fill codes, scales and globals. Kernels do not run here;
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 import pytest
@@ -15,34 +14,22 @@ import pytest
 from runtime.model.gpu.weights import NVFP4
 from runtime.model.runner import DecodeItem, PrefillChunk
 
-from null_cuda import built_or_skip
+from null_cuda import built_or_skip, family_launches, null_runner
 
-NVFP4 = "nvfp4"
 TINY_KEYS = {"tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8", "tiny_attn_qkv_n768_k256_m8",
              "tiny_o_proj_n256_k256_m8", "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_nvfp4_path):
-    from runtime.cuda.null import NullDevice
-    from runtime.model.gpu.runner import CudaRunner
-
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_nvfp4_path, num_pages=16, num_slots=2,
-                                                       device=NullDevice(total_memory=2 << 30),
-                                                       prefill_chunk=64))
+    r = null_runner(tiny_nvfp4_path)
     yield r
     r.close()
 
 
 def _nvfp4_launches(launches):
     """(key, [x, w, scale, gscale, (tail,) out], M) of every gemv_nvfp4 launch, in order."""
-    out = []
-    for rec in launches:
-        if rec.function.startswith("infx_gemv_nvfp4_"):
-            key = rec.function[len("infx_gemv_nvfp4_"):].split("_kernel")[0]
-            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
-            out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
-    return out
+    return family_launches(launches, "gemv_nvfp4")
 
 
 def test_nvfp4_projections_are_uploaded_as_stored(runner, tiny_nvfp4_path):
