@@ -6,7 +6,6 @@ GEMV 8 rows at a time, and synthetic FP8 weights fill codes and scales. Kernels 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

@@ -7,7 +7,6 @@ synthetic NVFP4 weights fill codes, scales and globals. Kernels do not run here;
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
