@@ -16,21 +16,12 @@ from null_cuda import built_or_skip
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.make_tiny import make_tiny
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.infernix"
-    make_tiny(path, family="moe", seed=0, vocab="small")
-    return path
-
-
-@pytest.fixture(scope="module")
-def runner(tiny):
+def runner(tiny_moe_path):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny, num_pages=16, num_slots=4, device=NullDevice(2 << 30),
-                                                       prefill_chunk=64))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_moe_path, num_pages=16, num_slots=4,
+                                                       device=NullDevice(2 << 30), prefill_chunk=64))
     yield r
     r.close()
 
@@ -43,14 +34,14 @@ def _read_bf16(runner, slot, rows: slice, cols: int) -> np.ndarray:
     return bf16.from_bits(out.reshape(-1, cols)[rows])
 
 
-def test_experts_are_stacked_with_the_shared_expert_last(runner, tiny):
+def test_experts_are_stacked_with_the_shared_expert_last(runner, tiny_moe_path):
     """The upload puts expert e's [gate; up] rows at block e of `experts_gate_up` and the shared
     expert's at block E; `experts_down` likewise; values as the artifact stores them."""
     from runtime.artifact import open_artifact
 
     c = runner.config
     e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
-    text = open_artifact(tiny).component("text")
+    text = open_artifact(tiny_moe_path).component("text")
     layer = runner.layout.layers[2]
     m = "layers.2.mlp."
     gate_up = _read_bf16(runner, layer["experts_gate_up"], slice(None), h).reshape(e + 1, 2 * i, h)
@@ -191,12 +182,10 @@ def test_decode_bench_counts_only_the_experts_touched(runner):
     assert experts_touched(runner, batch) == 1
 
 
-def test_a_qwen3_next_model_is_refused_by_name_before_its_kernels_are_looked_for(tmp_path):
+def test_a_qwen3_next_model_is_refused_by_name_before_its_kernels_are_looked_for(tiny_next_path):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
-    from tools.make_tiny import make_tiny
 
-    path = tmp_path / "tiny-next.infernix"
-    make_tiny(path, family="next", seed=0, vocab="small")
     with pytest.raises(NotImplementedError, match="dense and Qwen3.5-MoE models only so far \\(this is 'next'\\)"):
-        built_or_skip(lambda: CudaRunner.from_artifact(path, num_pages=16, num_slots=4, device=NullDevice(2 << 30)))
+        built_or_skip(lambda: CudaRunner.from_artifact(tiny_next_path, num_pages=16, num_slots=4,
+                                                       device=NullDevice(2 << 30)))

@@ -72,18 +72,9 @@ def make_runner(path, pinned: int):
     return runner
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tools.make_tiny import make_tiny
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny.infernix"
-    make_tiny(path, family="dense", seed=0, vocab="small")
-    return path
-
-
 @pytest.fixture
-def runner(tiny_path):
-    r = make_runner(tiny_path, 8 << 20)
+def runner(tiny_dense_path):
+    r = make_runner(tiny_dense_path, 8 << 20)
     yield r
     r.close()
 
@@ -186,8 +177,8 @@ def test_pages_out_hold_the_compute_stream_until_copied_and_come_back_exactly(ru
         np.testing.assert_array_equal(a, b[:, [2, 1, 0]])
 
 
-def test_without_pinned_memory_copies_still_round_trip_and_hold_the_compute_stream(tiny_path):
-    runner = make_runner(tiny_path, 0)
+def test_without_pinned_memory_copies_still_round_trip_and_hold_the_compute_stream(tiny_dense_path):
+    runner = make_runner(tiny_dense_path, 0)
     try:
         compute, copy = streams(runner)
         assert runner.copies.pool is None and runner.copies.staging is None
@@ -240,14 +231,14 @@ def test_the_pinned_pool_gives_pieces_back_when_the_last_view_is_gone():
     assert freed == [True]
 
 
-def test_the_engine_demotes_snapshots_without_waiting_for_them(tiny_path):
+def test_the_engine_demotes_snapshots_without_waiting_for_them(tiny_dense_path):
     """Every snapshot of a prompt goes to the host tier (no device snapshot slots). Each copy
     runs on K, the host never waits for one, and C waits for one only right before the next
     copy into the staging slot, never before a step's compute."""
     from runtime.engine.api import EngineRequest, SamplingParams
     from runtime.engine.engine_loop import Engine, EngineConfig
 
-    runner = make_runner(tiny_path, 0)          # the engine reserves the pinned pool itself
+    runner = make_runner(tiny_dense_path, 0)          # the engine reserves the pinned pool itself
     try:
         compute, copy = streams(runner)
         config = EngineConfig(num_lanes=1, max_context=512, prefill_chunk=64, snapshot_interval=64,

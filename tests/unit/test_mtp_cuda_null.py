@@ -20,22 +20,13 @@ from null_cuda import built_or_skip
 SHAPE = dict(num_pages=16, num_slots=8, prefill_chunk=64)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.make_tiny import make_tiny
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny.infernix"
-    make_tiny(path, family="dense", seed=0, vocab="small")
-    return path
-
-
 @pytest.fixture
-def runner(tiny):
+def runner(tiny_dense_path):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny, device=NullDevice(total_memory=2 << 30), mtp=True,
-                                                       **SHAPE))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_dense_path, device=NullDevice(total_memory=2 << 30),
+                                                       mtp=True, **SHAPE))
     yield r
     r.close()
 
@@ -58,7 +49,7 @@ def _kept(r, slot: int) -> tuple[int, np.ndarray]:
     return start, _read(r, address, (count, r.config.hidden_size))
 
 
-def test_layout_places_and_uploads_the_mtp_head(tiny, runner):
+def test_layout_places_and_uploads_the_mtp_head(tiny_dense_path, runner):
     from runtime.artifact import open_artifact
 
     c, lay, st = runner.config, runner.layout, runner.storage
@@ -70,7 +61,7 @@ def test_layout_places_and_uploads_the_mtp_head(tiny, runner):
                                       "w_gate_up", "down"}
     # Its own K and V pool after the main attention layers' pools.
     assert len(st.k_pages) == len(st.v_pages) == len(c.attention_layers) + 1
-    with open_artifact(tiny) as artifact:
+    with open_artifact(tiny_dense_path) as artifact:
         mtp = artifact.component("mtp")
         for slot, name in ((lay.mtp["fc"], "fc.weight"), (lay.mtp["norm"], "norm.weight"),
                            (lay.mtp_layers[0]["down"], "layers.0.mlp.down_proj.weight")):
@@ -78,11 +69,12 @@ def test_layout_places_and_uploads_the_mtp_head(tiny, runner):
             assert np.array_equal(_read(runner, st.weights_base + slot.offset, slot.shape), stored), name
 
 
-def test_without_mtp_nothing_is_placed_and_drafting_is_refused(tiny):
+def test_without_mtp_nothing_is_placed_and_drafting_is_refused(tiny_dense_path):
     from runtime.cuda.null import NullDevice
     from runtime.model.gpu.runner import CudaRunner
 
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny, device=NullDevice(total_memory=2 << 30), **SHAPE))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_dense_path, device=NullDevice(total_memory=2 << 30),
+                                                       **SHAPE))
     try:
         assert r.mtp_layers == 0 and not r.layout.mtp and len(r.storage.k_pages) == len(r.config.attention_layers)
         assert "mtp_kept" not in r.storage.buf
@@ -92,14 +84,14 @@ def test_without_mtp_nothing_is_placed_and_drafting_is_refused(tiny):
         r.close()
 
 
-def test_plan_refuses_a_config_without_an_mtp_head(tiny):
+def test_plan_refuses_a_config_without_an_mtp_head(tiny_dense_path):
     from dataclasses import replace
 
     from runtime.artifact import open_artifact
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.weights import WeightLayout
 
-    with open_artifact(tiny) as artifact:
+    with open_artifact(tiny_dense_path) as artifact:
         config = ModelConfig.from_dict(artifact.component("text").config)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers = 0"):
         WeightLayout.plan(replace(config, mtp_num_hidden_layers=0), mtp=True)
@@ -107,13 +99,13 @@ def test_plan_refuses_a_config_without_an_mtp_head(tiny):
         WeightLayout.plan(replace(config, mtp_mlp_type="moe"), mtp=True)
 
 
-def test_synthetic_weights_fill_the_mtp_head(tiny):
+def test_synthetic_weights_fill_the_mtp_head(tiny_dense_path):
     from runtime.artifact import open_artifact
     from runtime.cuda.null import NullDevice
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
 
-    with open_artifact(tiny) as artifact:
+    with open_artifact(tiny_dense_path) as artifact:
         config = ModelConfig.from_dict(artifact.component("text").config)
     r = built_or_skip(lambda: CudaRunner.synthetic(config, 5, device=NullDevice(total_memory=2 << 30), mtp=True,
                                                    **SHAPE))
