@@ -21,7 +21,7 @@ from runtime.engine.api import EngineRequest, SamplingParams
 from runtime.engine.speculative import SpeculativeConfig
 from runtime.model.runner import DecodeItem, MtpRow, PrefillChunk
 
-from .engine_runs import run_engine
+from .engine_runs import run_engine, small_runner
 from .test_cuda_runner import tiny_path  # noqa: F401 - the module fixture
 
 pytestmark = pytest.mark.gpu
@@ -141,18 +141,8 @@ SLOTS = LANES * (1 + 5 + 1)
 
 @pytest.fixture(scope="module", params=["tiny", "27b-4-layers"])
 def spec_runner(request, tiny_path, device, library):  # noqa: F811 - the fixture imported above
-    from runtime.model.gpu.runner import CudaRunner
-
-    shape = dict(num_pages=64, num_slots=SLOTS, max_batch=LANES, max_context=1024, prefill_chunk=128, device=device,
-                 library=library, mtp=True)
-    if request.param == "tiny":
-        r = CudaRunner.from_artifact(tiny_path, **shape)
-    else:
-        from bench.decode import QWEN36_27B
-        from runtime.model.config import ModelConfig
-
-        config = dict(QWEN36_27B, num_hidden_layers=4, layer_types=QWEN36_27B["layer_types"][:4])
-        r = CudaRunner.synthetic(ModelConfig.from_dict(config), 9, **shape)
+    r = small_runner(request.param, tiny_path, device, library, num_pages=64, num_slots=SLOTS, max_batch=LANES,
+                     max_context=1024, prefill_chunk=128, mtp=True)
     yield r
     r.close()
 
