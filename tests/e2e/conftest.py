@@ -14,7 +14,9 @@ from protocols.app import App, AppConfig
 from protocols.fake import FakeBackend, default_script
 from protocols.http import HttpLimits
 from protocols.request_log import RequestLog
-from protocols.serve import BackgroundServer, app_config_from_settings
+from protocols.serve import BackgroundServer
+
+from tests.e2e.model_serving import cpu_settings, serve_model, stop_model
 
 
 @pytest.fixture
@@ -42,11 +44,8 @@ def fake_server(tmp_path):
 
 @pytest.fixture(scope="session")
 def model_settings(tiny_real_vocab_path):
-    from runtime.config import parse_settings
-
-    return parse_settings("serve", [str(tiny_real_vocab_path), "--device", "cpu",
-                                    "--max-context", "1024", "--max-concurrency", "8",
-                                    "--max-pending-requests", "8", "--max-new", "8"])
+    return cpu_settings(tiny_real_vocab_path, "--max-context", "1024", "--max-concurrency", "8",
+                        "--max-pending-requests", "8", "--max-new", "8")
 
 
 @pytest.fixture(scope="session")
@@ -56,17 +55,9 @@ def model_log(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_server(model_settings, model_log):
-    from protocols.session_backend import open_backend
-
-    backend = open_backend(model_settings)
-    log = RequestLog(str(model_log))
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(model_settings),
-                                          request_log=log), grace_s=2.0).start()
-    server.backend = backend
+    server = serve_model(model_settings, model_log)
     yield server
-    server.stop()
-    log.close()
-    backend.close()
+    stop_model(server)
 
 
 def run_concurrently(work, count: int, timeout: float) -> list:

@@ -8,9 +8,7 @@ import json
 
 import pytest
 
-from protocols.app import App
-from protocols.request_log import RequestLog
-from protocols.serve import BackgroundServer, app_config_from_settings
+from tests.e2e.model_serving import cpu_settings, serve_model, stop_model
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # Each API's conversation has its own system text: the model server (and its cache) is shared
@@ -25,19 +23,10 @@ def system(api: str) -> str:
 
 @pytest.fixture(scope="module")
 def cold_server(tiny_real_vocab_path):
-    from protocols.session_backend import open_backend
-    from runtime.config import parse_settings
-
-    settings = parse_settings("serve", [str(tiny_real_vocab_path), "--device", "cpu",
-                                        "--max-context", "1024", "--max-concurrency", "2",
-                                        "--max-new", "8", "--no-prefix-cache"])
-    backend = open_backend(settings)
-    log = RequestLog(None)
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings),
-                                          request_log=log), grace_s=2.0).start()
+    server = serve_model(cpu_settings(tiny_real_vocab_path, "--max-context", "1024", "--max-concurrency", "2",
+                                      "--max-new", "8", "--no-prefix-cache"))
     yield server
-    server.stop()
-    backend.close()
+    stop_model(server)
 
 
 def chat_turns(client, user_texts):

@@ -15,10 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocols.app import App
 from protocols.generation import PHASES
-from protocols.request_log import RequestLog
-from protocols.serve import BackgroundServer, app_config_from_settings
+from tests.e2e.model_serving import cpu_settings, serve_model, stop_model
 
 SYSTEM = "You are a careful assistant; answer briefly and cite file names. " * 6
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -29,22 +27,11 @@ ROUNDING_S = 1e-4
 
 @pytest.fixture(scope="module")
 def phase_server(tiny_real_vocab_path, tmp_path_factory):
-    from protocols.session_backend import open_backend
-    from runtime.config import parse_settings
-
-    settings = parse_settings("serve", [str(tiny_real_vocab_path), "--device", "cpu",
-                                        "--max-context", "1024", "--max-concurrency", "2",
-                                        "--max-new", "8"])
-    backend = open_backend(settings)
-    log_path = tmp_path_factory.mktemp("phases") / "requests.jsonl"
-    log = RequestLog(str(log_path))
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings),
-                                          request_log=log), grace_s=2.0).start()
-    server.log_path = log_path
+    settings = cpu_settings(tiny_real_vocab_path, "--max-context", "1024", "--max-concurrency", "2",
+                            "--max-new", "8")
+    server = serve_model(settings, tmp_path_factory.mktemp("phases") / "requests.jsonl")
     yield server
-    server.stop()
-    log.close()
-    backend.close()
+    stop_model(server)
 
 
 def request_body(api: str, turns: list[str], stream: bool) -> tuple[str, dict]:

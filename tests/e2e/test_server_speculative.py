@@ -9,24 +9,14 @@ import json
 import httpx
 
 from tests.e2e.conftest import run_concurrently
-from protocols.app import App
-from protocols.request_log import RequestLog
-from protocols.serve import BackgroundServer, app_config_from_settings
+from tests.e2e.model_serving import cpu_settings, serve_model, stop_model
 
 MESSAGES = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 
 
 def serve(path, log_path, *spec):
-    from protocols.session_backend import open_backend
-    from runtime.config import parse_settings
-
-    settings = parse_settings("serve", [str(path), "--device", "cpu", "--max-context", "512",
-                                        "--max-concurrency", "2", "--max-new", "24", *spec])
-    backend = open_backend(settings)
-    log = RequestLog(str(log_path))
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings),
-                                          request_log=log), grace_s=2.0).start()
-    return server, backend, log
+    return serve_model(cpu_settings(path, "--max-context", "512", "--max-concurrency", "2", "--max-new", "24",
+                                    *spec), log_path)
 
 
 def answers(server) -> list[str]:
@@ -45,17 +35,17 @@ SPEC = ("--spec", "mtp", "--draft-tokens", "2", "--ngram-draft-tokens", "4",
 
 
 def test_speculative_server_answers_and_reports_rounds(tiny_dense_path, tmp_path):
-    server, backend, log = serve(tiny_dense_path, tmp_path / "plain.jsonl")
+    server = serve(tiny_dense_path, tmp_path / "plain.jsonl")
     try:
         plain = answers(server)
     finally:
-        server.stop(), log.close(), backend.close()
-    server, backend, log = serve(tiny_dense_path, tmp_path / "spec.jsonl", *SPEC)
+        stop_model(server)
+    server = serve(tiny_dense_path, tmp_path / "spec.jsonl", *SPEC)
     try:
         assert answers(server) == plain
         metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
     finally:
-        server.stop(), log.close(), backend.close()
+        stop_model(server)
     records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()
                if '"request_done"' in line]
     assert len(records) == 3

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.model_serving import cpu_settings, serve_model, stop_model
 from tests.e2e.test_cli import run_cli, token_ids
 from tests.unit.test_media import png_bytes
 
@@ -34,20 +35,7 @@ URI = "data:image/png;base64," + B64
 
 
 def start_server(model, *flags):
-    from protocols.app import App
-    from protocols.request_log import RequestLog
-    from protocols.serve import BackgroundServer, app_config_from_settings
-    from protocols.session_backend import open_backend
-    from runtime.config import parse_settings
-
-    settings = parse_settings("serve", [str(model), "--device", "cpu", "--max-context", "1024",
-                                        "--max-new", "8", *flags])
-    backend = open_backend(settings)
-    log = RequestLog(None)
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings),
-                                          request_log=log), grace_s=2.0).start()
-    server.backend = backend
-    return server, backend
+    return serve_model(cpu_settings(model, "--max-context", "1024", "--max-new", "8", *flags))
 
 
 @pytest.fixture(scope="session")
@@ -59,19 +47,17 @@ def vision_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vision_server(vision_model):
-    server, backend = start_server(vision_model, "--vision")
+    server = start_server(vision_model, "--vision")
     yield server
-    server.stop()
-    backend.close()
+    stop_model(server)
 
 
 @pytest.fixture(scope="session")
 def plain_server(vision_model):
     """The same model served without --vision."""
-    server, backend = start_server(vision_model)
+    server = start_server(vision_model)
     yield server
-    server.stop()
-    backend.close()
+    stop_model(server)
 
 
 @pytest.fixture(scope="session")
@@ -268,7 +254,7 @@ def test_remote_image_with_allow_remote_media(vision_model, clients, cli_answer)
 
     images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OnePng)
     threading.Thread(target=images.serve_forever, daemon=True).start()
-    server, backend = start_server(vision_model, "--vision", "--allow-remote-media")
+    server = start_server(vision_model, "--vision", "--allow-remote-media")
     try:
         url = f"http://127.0.0.1:{images.server_address[1]}/a.png"
         answer = clients.openai(server).chat.completions.create(
@@ -276,8 +262,7 @@ def test_remote_image_with_allow_remote_media(vision_model, clients, cli_answer)
                 chat_image(url), {"type": "text", "text": QUESTION}]}],
             max_tokens=MAX_NEW, temperature=0, extra_body=NO_THINKING)
     finally:
-        server.stop()
-        backend.close()
+        stop_model(server)
         images.shutdown()
         images.server_close()
     prompt_tokens, _, text = cli_answer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import Clients, run_concurrently
+from tests.e2e.model_serving import serve_model, stop_model
 
 pytestmark = pytest.mark.gpu
 
@@ -20,22 +21,12 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def cuda_server(tiny_dense_path):
-    from protocols.app import App
-    from protocols.request_log import RequestLog
-    from protocols.serve import BackgroundServer, app_config_from_settings
-    from protocols.session_backend import open_backend
     from runtime.config import parse_settings
 
-    settings = parse_settings("serve", [str(tiny_dense_path), "--device", "cuda", "--max-context", "512",
-                                        "--max-concurrency", "4", "--max-new", "24"])
-    backend = open_backend(settings)
-    log = RequestLog(None)
-    server = BackgroundServer(lambda: App(backend, app_config_from_settings(settings), request_log=log),
-                              grace_s=2.0).start()
+    server = serve_model(parse_settings("serve", [str(tiny_dense_path), "--device", "cuda", "--max-context", "512",
+                                                  "--max-concurrency", "4", "--max-new", "24"]))
     yield server
-    server.stop()
-    log.close()
-    backend.close()
+    stop_model(server)
 
 
 def _chat(client, seed):
