@@ -332,25 +332,22 @@ def vision_config(ck: Checkpoint, src: Path) -> Optional[dict]:
                 "vision_end_token_id"):
         if key in ck.config:
             merged[key] = ck.config[key]
-    processor = src / "preprocessor_config.json"
-    if processor.is_file():
-        values = json.loads(processor.read_text())
-        size = values.get("size") or {}
-        merged["image_processor"] = {
-            "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
-            "max_pixels": size.get("longest_edge", values.get("max_pixels")),
-            "mean": values.get("image_mean"), "std": values.get("image_std")}
-    processor = src / "video_preprocessor_config.json"
-    if processor.is_file():
-        values = json.loads(processor.read_text())
-        size = values.get("size") or {}
-        merged["video_processor"] = {
-            "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
-            "max_pixels": size.get("longest_edge", values.get("max_pixels")),
-            "fps": values.get("fps"), "min_frames": values.get("min_frames"),
-            "max_frames": values.get("max_frames"),
-            "mean": values.get("image_mean"), "std": values.get("image_std")}
+    for name, key, frame_rule in (("preprocessor_config.json", "image_processor", ()),
+                                  ("video_preprocessor_config.json", "video_processor",
+                                   ("fps", "min_frames", "max_frames"))):
+        if (src / name).is_file():
+            merged[key] = _processor_rules(json.loads((src / name).read_text()), frame_rule)
     return merged
+
+
+def _processor_rules(values: dict, frame_rule: tuple[str, ...]) -> dict:
+    """The pixel budget (transformers' `size` edges, or the older `min_pixels` / `max_pixels`),
+    the `frame_rule` keys (video) and the normalisation of an image or video processor config."""
+    size = values.get("size") or {}
+    return {"min_pixels": size.get("shortest_edge", values.get("min_pixels")),
+            "max_pixels": size.get("longest_edge", values.get("max_pixels")),
+            **{k: values.get(k) for k in frame_rule},
+            "mean": values.get("image_mean"), "std": values.get("image_std")}
 
 
 def plan_vision(ck: Checkpoint, config: dict) -> list[Planned]:
