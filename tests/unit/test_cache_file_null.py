@@ -15,7 +15,7 @@ from runtime.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from runtime.model.runner import PAGE_SIZE, HostReady
 
 from null_cuda import built_or_skip
-from test_host_copies_null import OrderDevice, tiny_path  # noqa: F401 - the module fixture
+from test_host_copies_null import OrderDevice
 
 BLOCKS, HOST_BLOCK = 10, 5          # chain blocks on pages 0..9; block 5 only in the host tier
 
@@ -34,11 +34,11 @@ def random_pool(runner, seed: int) -> None:
                                           rng.integers(0, 256, windows.shape, dtype=np.uint8))))
 
 
-def test_a_cuda_runner_saves_in_runs_and_resumes_the_same_bytes_from_the_file(tiny_path, tmp_path):  # noqa: F811
+def test_a_cuda_runner_saves_in_runs_and_resumes_the_same_bytes_from_the_file(tiny_dense_path, tmp_path):
     from runtime.model.gpu.runner import CudaRunner
 
     device = OrderDevice(total_memory=2 << 30)
-    runner = built_or_skip(lambda: CudaRunner.from_artifact(tiny_path, num_pages=16, num_slots=4,
+    runner = built_or_skip(lambda: CudaRunner.from_artifact(tiny_dense_path, num_pages=16, num_slots=4,
                                                             device=device, prefill_chunk=64))
     try:
         assert runner.reserve_host_copies(8 << 20) == 8 << 20   # a slot goes out via staging
