@@ -180,6 +180,20 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     q_scale = dk ** -0.5
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
+    def load_inputs(qkv: Any, x: Any, row: Any, kh: Any, h: Any, j0: Any, lr: Any, nq: Any, nk: Any, nv: Any,
+                    nab: Any) -> None:
+        """q, k, the thread's v rows and the a, b gates of token row `row` into nq, nk, nv, nab (a
+        plain helper, inlined while tracing: the first token's, then each next one's ahead)."""
+        v4, one = cute.make_layout((4,)), cute.make_layout(1)
+        qrow = qkv + row * conv_dim
+        xrow = x + row * stride
+        nq.store(cute.make_tensor(qrow + kh * dk + 4 * lr, v4).load().to(f32))
+        nk.store(cute.make_tensor(qrow + key_dim + kh * dk + 4 * lr, v4).load().to(f32))
+        for i in range(rows):  # a plain helper: Python loops unroll while tracing
+            nv[i] = cute.make_tensor(qrow + 2 * key_dim + h * dv + j0 + i * groups, one)[0].to(f32)
+        nab[0] = cute.make_tensor(xrow + a_off + h, one)[0].to(f32)
+        nab[1] = cute.make_tensor(xrow + b_off + h, one)[0].to(f32)
+
     @cute.kernel
     def kernel(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
                state: cute.Pointer, slots: cute.Pointer, out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32):
@@ -206,14 +220,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
         nv = cute.make_rmem_tensor((rows,), f32)
         nab = cute.make_rmem_tensor((2,), f32)
         row0 = cutlass.Int64(b) * nt
-        qrow = qkv + row0 * conv_dim
-        xrow = x + row0 * stride
-        nq.store(cute.make_tensor(qrow + kh * dk + 4 * lr, v4).load().to(f32))
-        nk.store(cute.make_tensor(qrow + key_dim + kh * dk + 4 * lr, v4).load().to(f32))
-        for i in cutlass.range_constexpr(rows):
-            nv[i] = cute.make_tensor(qrow + 2 * key_dim + h * dv + j0 + i * groups, one)[0].to(f32)
-        nab[0] = cute.make_tensor(xrow + a_off + h, one)[0].to(f32)
-        nab[1] = cute.make_tensor(xrow + b_off + h, one)[0].to(f32)
+        load_inputs(qkv, x, row0, kh, h, j0, lr, nq, nk, nv, nab)
         cv = cute.make_rmem_tensor((rows,), f32)
         ov = cute.make_rmem_tensor((rows,), f32)
         for t in cutlass.range(nt, unroll=1):
@@ -224,15 +231,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
             araw = nab[0]
             bv = nab[1]
             # Prefetch token t + 1 (the last token re-reads itself).
-            nrow = row0 + cutlass.min(t + 1, nt - 1)
-            pq = qkv + nrow * conv_dim
-            px = x + nrow * stride
-            nq.store(cute.make_tensor(pq + kh * dk + 4 * lr, v4).load().to(f32))
-            nk.store(cute.make_tensor(pq + key_dim + kh * dk + 4 * lr, v4).load().to(f32))
-            for i in cutlass.range_constexpr(rows):
-                nv[i] = cute.make_tensor(pq + 2 * key_dim + h * dv + j0 + i * groups, one)[0].to(f32)
-            nab[0] = cute.make_tensor(px + a_off + h, one)[0].to(f32)
-            nab[1] = cute.make_tensor(px + b_off + h, one)[0].to(f32)
+            load_inputs(qkv, x, row0 + cutlass.min(t + 1, nt - 1), kh, h, j0, lr, nq, nk, nv, nab)
 
             sq = _dsl.warp_sum((q4 * q4).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
             sk = _dsl.warp_sum((k4 * k4).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
