@@ -21,9 +21,11 @@ replay a step with new values: `pos[m]` the token's position, `wrow[m]` the flat
   streaming read of K and V); scores reduce with shuffles; an online softmax in the exp2 domain
   per group, then the groups merge in shared memory. Writes the split's normalised output (fp32)
   and its log2-sum-exp. Row m sees keys 0..pos[m] (causal).
-- `combine_*`: recomputes the row's split length, merges its used splits (the lanes of a head
-  share the max and the sum over splits, then walk the partials), multiplies by `sigmoid(gate)`
-  and writes bf16 `[M, Hq * D]` for o_proj.
+- `combine_*`: one CTA per (row, query head). Recomputes the row's split length and merges its
+  used splits: the max and the sum of the split weights over the whole CTA, then groups of D/8
+  lanes each walk every (threads / (D/8))-th split's partial and the groups add up in shared
+  memory in a fixed order (so many partial loads are in flight, and a row's numbers do not depend
+  on the other rows). Multiplies by `sigmoid(gate)` and writes bf16 `[M, Hq * D]` for o_proj.
 
 Splitting the context is what keeps decode at long contexts from running on a handful of SMs
 (kernel-playbook section 7.2). The same kernels serve prefill (each chunk token is a query row);
@@ -44,6 +46,7 @@ NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634
 SPLIT_THREADS = 128
 UNROLL = 2  # keys per lane group per iteration of the split kernel's key loop
+COMBINE_THREADS = 256
 
 # (name, Hq, Hkv, D, rotary dims): tiny dense model, Qwen3.6-27B, Qwen3.6-35B-A3B.
 _SHAPES = [("q4_kv2_d64", 4, 2, 64, 16), ("q24_kv4_d256", 24, 4, 256, 64), ("q16_kv2_d256", 16, 2, 256, 64)]
@@ -132,7 +135,7 @@ def _split(name: str, hq: int, hkv: int, d: int) -> Variant:
 
 
 def _combine(name: str, hq: int, hkv: int, d: int) -> Variant:
-    threads = hq * (d // 8)
+    threads = COMBINE_THREADS
     stride = x_stride(hq, hkv, d)
     return Variant(
         family=FAMILY,
@@ -148,7 +151,7 @@ def _combine(name: str, hq: int, hkv: int, d: int) -> Variant:
         },
         sizes=("M", "S", "min_split"),
         block=(threads, 1, 1),
-        grid=("M", 1, 1),
+        grid=(f"M * {hq}", 1, 1),
         requires=("M >= 1", "S >= 1", "min_split >= 1"),
         arches=ALL_ARCHES,
         note=f"merge attention splits, times sigmoid(gate), Hq={hq} D={d}",
@@ -459,8 +462,10 @@ def _build_combine(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     cfg = variant.config
-    hq, d, stride = cfg["Hq"], cfg["D"], cfg["x_stride"]
+    hq, d, stride, threads = cfg["Hq"], cfg["D"], cfg["x_stride"], cfg["threads"]
     lanes = d // 8
+    groups = threads // lanes
+    warps = threads // 32
     neg = -3.0e38
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
@@ -468,35 +473,60 @@ def _build_combine(variant: Variant) -> tuple[Any, list[Any]]:
     def kernel(o_part: cute.Pointer, lse: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer,
                m: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        h = tid // lanes
+        bx, _, _ = cute.arch.block_idx()
+        row = bx // hq
+        h = bx % hq
+        kg = tid // lanes
         lr = tid % lanes
+        warp = tid // 32
         v8 = cute.make_layout((8,))
         one = cute.make_layout(1)
         position = cute.make_tensor(pos, cute.make_layout(m))[row]
         split = _split_length(position, ns, min_split)
         n = (position + split) // split  # the splits that hold keys 0..position
         base = (cutlass.Int64(row) * hq + h) * ns
-        # The max and the sum of the split weights: the head's lanes take every lanes-th split,
-        # then combine with shuffles (a fixed order, so a row's numbers do not depend on others).
+        smem = cutlass.memory.SmemAllocator()
+        s_red = smem.allocate_tensor(f32, cute.make_layout((2, warps)), byte_alignment=16)
+        s_acc = smem.allocate_tensor(f32, cute.make_layout((d, groups)), byte_alignment=16)
+        # The max and the sum of the split weights over the CTA: strided over the threads, then
+        # the warps, then the warps' values in order.
         best = f32(neg)
-        for s in cutlass.range(lr, n, lanes):
+        for s in cutlass.range(tid, n, threads):
             best = cute.arch.fmax(best, cute.make_tensor(lse + base + s, one)[0])
-        best = _warp_max(best, lanes)
+        best = _warp_max(best, 32)
+        if tid % 32 == 0:
+            s_red[0, warp] = best
+        cute.arch.sync_threads()
+        best = f32(neg)
+        for w in cutlass.range_constexpr(warps):
+            best = cute.arch.fmax(best, s_red[0, w])
         total = f32(0.0)
-        for s in cutlass.range(lr, n, lanes):
+        for s in cutlass.range(tid, n, threads):
             total = total + cute.math.exp2(cute.make_tensor(lse + base + s, one)[0] - best, fastmath=True)
-        total = _dsl.warp_sum(total, lanes)
+        total = _dsl.warp_sum(total, 32)
+        if tid % 32 == 0:
+            s_red[1, warp] = total
+        cute.arch.sync_threads()
+        total = f32(0.0)
+        for w in cutlass.range_constexpr(warps):
+            total = total + s_red[1, w]
         acc = cute.make_rmem_tensor((8,), f32)
         acc.fill(0.0)
-        for s in cutlass.range(n, unroll=4):
+        for s in cutlass.range(kg, n, groups, unroll=2):
             wgt = cute.math.exp2(cute.make_tensor(lse + base + s, one)[0] - best, fastmath=True)
             part = cute.make_tensor(o_part + (base + s) * d + 8 * lr, v8).load()
             acc.store(acc.load() + part * wgt)
-        o = (acc.load() * (f32(1.0) / total)).to(bf16).to(f32)
-        gate = cute.make_tensor(x + cutlass.Int64(row) * stride + h * 2 * d + d + 8 * lr, v8).load().to(f32)
-        sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))).to(bf16).to(f32)
-        cute.make_tensor(out + (cutlass.Int64(row) * hq + h) * d + 8 * lr, v8).store((o * sig).to(bf16))
+        cute.make_tensor(s_acc.iterator + kg * d + 8 * lr, v8).store(acc.load())
+        cute.arch.sync_threads()
+        if kg == 0:
+            merged = cute.make_rmem_tensor((8,), f32)
+            merged.fill(0.0)
+            for g in cutlass.range_constexpr(groups):
+                merged.store(merged.load() + cute.make_tensor(s_acc.iterator + g * d + 8 * lr, v8).load())
+            o = (merged.load() * (f32(1.0) / total)).to(bf16).to(f32)
+            gate = cute.make_tensor(x + cutlass.Int64(row) * stride + h * 2 * d + d + 8 * lr, v8).load().to(f32)
+            sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))).to(bf16).to(f32)
+            cute.make_tensor(out + (cutlass.Int64(row) * hq + h) * d + 8 * lr, v8).store((o * sig).to(bf16))
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_{variant.key}")
 

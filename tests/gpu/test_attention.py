@@ -24,6 +24,7 @@ from .conftest import assert_close_to_baseline
 
 pytestmark = pytest.mark.gpu
 PAGE = 64
+SMS = 132  # the runner's plan on an H200 (it takes the device's SM count)
 
 
 def _bf(rng, shape, scale=1.0):
@@ -145,7 +146,7 @@ def _check_rows(got, q, pages_k, pages_v, table, qseq, pos, x, hq, d, what):
 
 # Decode plans: the runner's (splits for its longest context, `DECODE_MIN_SPLIT`), a few long
 # ragged splits, and one split per page (many splits, the combine's lane loop over several).
-_PLANS = {"runner": lambda hkv: (default_decode_splits(hkv, 262144 + 64), DECODE_MIN_SPLIT),
+_PLANS = {"runner": lambda hkv: (default_decode_splits(hkv, 262144 + 64, SMS), DECODE_MIN_SPLIT),
           "few": lambda hkv: (3, 64), "pages": lambda hkv: (1024, 64)}
 
 
@@ -186,7 +187,7 @@ def test_one_graph_serves_changing_lengths(library, mem, stream, device):
     table, npages = _scattered(rng, capacity)
     pages_k = _bf(rng, (npages * PAGE, hkv, d))
     pages_v = _bf(rng, (npages * PAGE, hkv, d))
-    splits = default_decode_splits(hkv, 262144)
+    splits = default_decode_splits(hkv, 262144, SMS)
     rows = _Rows(library, mem, name, 4, table.shape, splits, DECODE_MIN_SPLIT, npages, mem.bf16(pages_k),
                  mem.bf16(pages_v))
     rows.upload(np.zeros((4, hq, d), np.float32), np.zeros((4, stride), np.float32), table, np.arange(4),
@@ -221,7 +222,7 @@ def test_a_row_does_not_depend_on_its_neighbours(library, mem, stream):
     q = _bf(rng, (8, hq, d), 2.0)
     x = _bf(rng, (8, stride))
     pos = np.array(lengths) - 1
-    splits = default_decode_splits(hkv, 262144)
+    splits = default_decode_splits(hkv, 262144, SMS)
     batch = _Rows(library, mem, name, 8, table.shape, splits, DECODE_MIN_SPLIT, npages, kbuf, vbuf)
     batch.upload(q, x, table, np.arange(8), pos, stream)
     batch.run(stream)

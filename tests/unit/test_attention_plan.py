@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cute_kernels import attention
-from runtime.model.gpu.storage import DECODE_CTAS, DECODE_MIN_SPLIT, PREFILL_MIN_SPLIT, PREFILL_SPLITS, \
+from runtime.model.gpu.storage import DECODE_CTAS_PER_SM, DECODE_MIN_SPLIT, PREFILL_MIN_SPLIT, PREFILL_SPLITS, \
     default_decode_splits
 
 PAGE = attention.PAGE
@@ -36,21 +36,23 @@ def test_splits_cover_each_key_once_within_the_grid(splits, min_split):
 def test_split_length_values():
     # Short rows take the minimum; long rows spread over all splits, rounded up to a page.
     assert attention.split_length(0, 128, 128) == 128
-    assert attention.split_length(1023, 128, 128) == 128              # 1K context: 8 splits of 128
-    assert attention.split_length(32767, 128, 128) == 256             # 32K: 128 splits of 256
-    assert attention.split_length(249999, 128, 128) == 1984           # ceil(250000 / 128) = 1954 -> 31 pages
+    assert attention.split_length(1023, 198, 128) == 128              # 1K context: 8 splits of 128
+    assert attention.split_length(32767, 198, 128) == 192             # 32K: 171 splits of 192 (of 198)
+    assert attention.split_length(249999, 198, 128) == 1280           # ceil(250000 / 198) = 1263 -> 20 pages
     assert attention.split_length(262143, 128, 128) == 2048
     assert attention.split_length(262144, 128, 128) == 2112           # one key more: one page more per split
     np.testing.assert_array_equal(attention.split_length(np.array([0, 20479, 20480]), 16, 64), [64, 1280, 1344])
 
 
 def test_default_decode_splits():
-    # Enough CTAs at batch 1 (rows x KV heads x splits), no more splits than the longest context fills.
-    assert default_decode_splits(4, 262208) == DECODE_CTAS // 4 == 128     # 27B: 512 CTAs
-    assert default_decode_splits(2, 262208) == 256                         # 35B-A3B
-    assert default_decode_splits(2, 2048) == 2048 // DECODE_MIN_SPLIT      # the tiny model
-    assert default_decode_splits(4, 1) == 1
-    assert default_decode_splits(3, 10 ** 6) * 3 >= DECODE_CTAS
+    # Whole waves at batch 1 (rows x KV heads x splits = 6 CTAs per SM of an H200's 132), no more
+    # splits than the longest context fills.
+    assert DECODE_CTAS_PER_SM == 6
+    assert default_decode_splits(4, 262208, 132) == 198                    # 27B: 792 CTAs, 2 waves of 3 per SM
+    assert default_decode_splits(2, 262208, 132) == 396                    # 35B-A3B: 3 waves of 2 per SM
+    assert default_decode_splits(2, 2048, 132) == 2048 // DECODE_MIN_SPLIT  # the tiny model
+    assert default_decode_splits(4, 1, 132) == 1
+    assert default_decode_splits(3, 10 ** 6, 100) * 3 >= 600
 
 
 def _split_combine(q, k, v, pos, splits, min_split):
