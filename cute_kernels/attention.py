@@ -391,34 +391,45 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                 den[h] = f32(0.0)
             trow = table + cutlass.Int64(seq) * maxp
             # Every lane runs the same trip count (the score reduction is a warp shuffle); a key
-            # past the end computes on the last key and is discarded. A group's UNROLL keys of an
-            # iteration are loaded before any is used, so each lane has 2 * UNROLL 16-byte loads
-            # in flight.
+            # past the end computes on the last key and its score is set to -3e38 (weight 0). A
+            # group's UNROLL keys of an iteration are loaded before any is used, so each lane has
+            # 2 * UNROLL 16-byte loads in flight, and the online softmax takes them in one update
+            # (one rescale per iteration). A group whose first iteration holds no key of the split
+            # keeps the -3e38 max, so the merge below gives it weight 0.
             for base in cutlass.range(start, end, groups * UNROLL):
-                valids = []
+                keys = []
                 ks = []
                 vs = []
                 for u in cutlass.range_constexpr(UNROLL):
                     key = base + u * groups + kg
-                    valids.append(key < end)
+                    keys.append(key)
                     key = cutlass.min(key, end - 1)
                     page = cute.make_tensor(trow + key // PAGE, one)[0]
                     flat = (cutlass.Int64(page) * PAGE + key % PAGE) * hkv + kvh
                     ks.append(cute.make_tensor(k_pages + flat * d + 8 * lr, v8).load())
                     vs.append(cute.make_tensor(v_pages + flat * d + 8 * lr, v8).load())
-                for u in cutlass.range_constexpr(UNROLL):
-                    kv = ks[u].to(f32)
-                    vv = vs[u].to(f32)
-                    valid = valids[u]
-                    for h in cutlass.range_constexpr(r):
-                        sc = _dsl.warp_sum((qs[h] * kv).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
-                        if valid:
-                            new_max = cute.arch.fmax(mx[h], sc)
-                            corr = cute.math.exp2(mx[h] - new_max, fastmath=True)
-                            pr = cute.math.exp2(sc - new_max, fastmath=True)
-                            den[h] = den[h] * corr + pr
-                            mx[h] = new_max
-                            accs[h].store(accs[h].load() * corr + vv * pr)
+                kf = [ks[u].to(f32) for u in range(UNROLL)]
+                vf = [vs[u].to(f32) for u in range(UNROLL)]
+                for h in cutlass.range_constexpr(r):
+                    scores = []
+                    for u in cutlass.range_constexpr(UNROLL):
+                        sc = _dsl.warp_sum((qs[h] * kf[u]).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+                        if keys[u] >= end:
+                            sc = f32(neg)
+                        scores.append(sc)
+                    new_max = mx[h]
+                    for u in cutlass.range_constexpr(UNROLL):
+                        new_max = cute.arch.fmax(new_max, scores[u])
+                    corr = cute.math.exp2(mx[h] - new_max, fastmath=True)
+                    den_h = den[h] * corr
+                    acc_h = accs[h].load() * corr
+                    for u in cutlass.range_constexpr(UNROLL):
+                        pr = cute.math.exp2(scores[u] - new_max, fastmath=True)
+                        den_h = den_h + pr
+                        acc_h = acc_h + vf[u] * pr
+                    den[h] = den_h
+                    mx[h] = new_max
+                    accs[h].store(acc_h)
             for h in cutlass.range_constexpr(r):
                 cute.make_tensor(s_acc.iterator + (h * groups + kg) * d + 8 * lr, v8).store(accs[h].load())
                 if lr == 0:

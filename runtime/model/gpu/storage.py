@@ -37,8 +37,8 @@ PREFILL_SPLITS = 16  # KV splits per query row in prefill (split-KV fallback, MT
 PREFILL_MIN_SPLIT = PAGE_SIZE  # fewest keys per split there
 # Decode attention: the split count per row is fixed at startup (the graph's grid), each row's split
 # length follows its own position (`attention.split_length`). At batch 1, DECODE_CTAS_PER_SM (row,
-# KV head, split) CTAs per SM: whole waves of the split kernels, which keep 3 (27B: 160 registers)
-# or 2 (35B-A3B: 214) CTAs resident per SM; and at least DECODE_MIN_SPLIT keys per split, so a
+# KV head, split) CTAs per SM: whole waves of the split kernels, which keep 3 (27B: 165 registers)
+# or 2 (35B-A3B: 244) CTAs resident per SM; and at least DECODE_MIN_SPLIT keys per split, so a
 # short context does not pay for a combine over many tiny splits.
 DECODE_CTAS_PER_SM = 6
 DECODE_MIN_SPLIT = 128
