@@ -4,6 +4,7 @@ projections FP8 / NVFP4 with `--format`).
 The shape is Qwen3.6-27B unless `--synthetic-shape` names another (qwen3.6-35b-a3b).
 
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
+        [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
@@ -17,7 +18,10 @@ for a MoE model only the experts the step's routing touched, counted from the la
 routing after the timed steps (at batch 1 every layer touches k experts), plus the shared expert;
 KV read for the context; the GDN state read and written) over the device-to-device copy bandwidth
 measured in the same run. A per-kernel breakdown of one step (events between eager launches) and
-the host overhead per step are reported too. Writes `decode.json` and prints a Markdown table.
+the host overhead per step are reported too, and (when torch is importable) decode attention
+alone against torch SDPA at each pair (`bench/decode_attention.py`). `--max-tokens` skips the
+pairs whose batch x context exceeds it and sizes the KV pool for the largest pair kept (batch 8 at
+250K does not fit next to the 27B's weights). Writes `decode.json` and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -47,26 +51,29 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 
 
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
-                decode_split: int | None = None, weight_format: str = "bf16", spare_slots: int = 0,
-                mtp: bool = False, shape: str = "qwen3.6-27b", router: str = "balanced") -> Any:
+                decode_splits: int | None = None, min_split: int | None = None, weight_format: str = "bf16",
+                spare_slots: int = 0, mtp: bool = False, shape: str = "qwen3.6-27b", router: str = "balanced",
+                pages: int | None = None) -> Any:
     """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`),
     "nvfp4": as `tools.convert --recipe nvfp4` writes them (`weights.nvfp4_recipe_format`);
     spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head;
     shape: a name of `runtime.model.shapes.SHAPES` or a JSON text config; router: the synthetic
-    MoE router (`weights.fill_synthetic`)."""
+    MoE router (`weights.fill_synthetic`); decode_splits, min_split: the decode attention plan
+    (runner defaults if None); pages: the KV pool (default: every batch row at max_context)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format, nvfp4_recipe_format
     from runtime.model.shapes import shape_config
 
     config = ModelConfig.from_dict(shape_config(shape))
-    pages = max_batch * (-(-max_context // 64) + 1)
+    pages = pages or max_batch * (-(-max_context // 64) + 1)
     return CudaRunner.synthetic(config, seed, num_pages=pages, num_slots=max_batch + spare_slots, max_batch=max_batch,
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
                                 weight_formats={"fp8": fp8_recipe_format,
                                                 "nvfp4": nvfp4_recipe_format}.get(weight_format),
                                 mtp=mtp, synthetic_router=router,
-                                **({"decode_split": decode_split} if decode_split else {}))
+                                **({"decode_splits": decode_splits} if decode_splits else {}),
+                                **({"decode_min_split": min_split} if min_split else {}))
 
 
 def experts_touched(runner: Any, batch: int) -> int:
@@ -136,63 +143,78 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
     return (time.perf_counter() - wall0) / steps
 
 
-def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
+def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int | None = None,
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
-        shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
-    from bench import mtp_round, verify_step
+        shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
+        max_tokens: int | None = None, sdpa: bool = True) -> dict[str, Any]:
+    from bench import decode_attention, mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
+    pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
+    if not pairs:
+        raise ValueError(f"no (batch, context) pair within --max-tokens {max_tokens}")
     most = max((*drafts, *mtp_drafts), default=-1)
     spare = max(batches) * (most + 1) if most >= 0 else 0
-    runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format,
-                         spare_slots=spare, mtp=bool(mtp_drafts), shape=shape, router=router)
+    # Chained MTP drafts write up to 2k - 1 positions past the context (see below).
+    tail = steps + 2 + 2 * max(mtp_drafts, default=0)
+    pages = max(b * (-(-(c + tail) // 64) + 1) for c, b in pairs)
+    runner = make_runner(max(b for _, b in pairs), max(c for c, _ in pairs), decode_splits=decode_splits,
+                         min_split=min_split, weight_format=weight_format, spare_slots=spare, mtp=bool(mtp_drafts),
+                         shape=shape, router=router, pages=pages)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
+    attention = []
     breakdown = {}
-    for context in contexts:
-        for batch in batches:
-            maxp = -(-(context + steps + 2) // 64)
-            items = [DecodeItem(slot=b, token_id=1000 + b, pos=context, page_table=list(range(b * maxp, (b + 1) * maxp)))
-                     for b in range(batch)]
-            runner.decode(items)  # capture
-            runner.decode(items)
-            wall = {mode: timed_steps(runner, items, context, steps, mode) for mode in SAMPLING_MODES
-                    if mode == "host" or runner.samples_on_device}
-            # GPU-only time of the graph (no host work in between): replay back to back.
-            bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
-            graph = runner.steps.graphs[bucket]
-            start, end = dev.create_event(), dev.create_event()
-            start.record(s)
-            for _ in range(steps):
-                graph.replay(s)
-            end.record(s)
-            end.synchronize()
-            graph_ms = end.elapsed_ms(start) / steps
-            touched = experts_touched(runner, batch)
-            nbytes = step_bytes(runner, batch, context, touched)
-            floor_ms = nbytes / bw * 1e3
-            best = min(wall.values())
-            row = {"batch": batch, "context": context, "experts_touched": touched, "graph_ms": graph_ms,
-                   "wall_ms": best * 1e3,
-                   "tok_s": batch / best, "host_ms": best * 1e3 - graph_ms, "bytes": nbytes,
-                   "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
-                   "roofline_fraction_wall": floor_ms / (best * 1e3),
-                   "wall_ms_by_sampling": {mode: w * 1e3 for mode, w in wall.items()}}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            if batch == 1:
-                breakdown[str(context)] = kernel_breakdown(runner, 1)
-    verification = verify_step.run(runner, batches, list(drafts), min(contexts),
-                                   -(-(max(contexts) + steps + 2) // 64), steps) if drafts else []
+    for context, batch in pairs:
+        maxp = -(-(context + steps + 2) // 64)
+        items = [DecodeItem(slot=b, token_id=1000 + b, pos=context, page_table=list(range(b * maxp, (b + 1) * maxp)))
+                 for b in range(batch)]
+        runner.decode(items)  # capture
+        runner.decode(items)
+        wall = {mode: timed_steps(runner, items, context, steps, mode) for mode in SAMPLING_MODES
+                if mode == "host" or runner.samples_on_device}
+        # GPU-only time of the graph (no host work in between): replay back to back.
+        bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
+        graph = runner.steps.graphs[bucket]
+        start, end = dev.create_event(), dev.create_event()
+        start.record(s)
+        for _ in range(steps):
+            graph.replay(s)
+        end.record(s)
+        end.synchronize()
+        graph_ms = end.elapsed_ms(start) / steps
+        touched = experts_touched(runner, batch)
+        nbytes = step_bytes(runner, batch, context, touched)
+        floor_ms = nbytes / bw * 1e3
+        best = min(wall.values())
+        row = {"batch": batch, "context": context, "experts_touched": touched, "graph_ms": graph_ms,
+               "wall_ms": best * 1e3,
+               "tok_s": batch / best, "host_ms": best * 1e3 - graph_ms, "bytes": nbytes,
+               "floor_ms": floor_ms, "roofline_fraction": floor_ms / graph_ms,
+               "roofline_fraction_wall": floor_ms / (best * 1e3),
+               "wall_ms_by_sampling": {mode: w * 1e3 for mode, w in wall.items()}}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if batch == 1:
+            breakdown[str(context)] = kernel_breakdown(runner, 1)
+        if sdpa:
+            runner.decode(items)  # the device metadata back at `context` (the timed steps moved on)
+            attention.append(decode_attention.attention_vs_sdpa(runner, batch, context,
+                                                                [it.page_table for it in items]))
+            print(json.dumps(attention[-1]), flush=True)
+    kept = sorted({b for _, b in pairs})
+    top = max(c for c, _ in pairs)
+    verification = verify_step.run(runner, kept, list(drafts), min(contexts),
+                                   -(-(top + steps + 2) // 64), steps) if drafts else []
     # Chained drafts write up to 2k - 1 positions past the context: the pages cover steps + 2 + 2k.
-    rounds = mtp_round.run(runner, batches, list(mtp_drafts), min(contexts),
-                           -(-(max(contexts) + steps + 2 + 2 * max(mtp_drafts, default=0)) // 64), steps) \
+    rounds = mtp_round.run(runner, kept, list(mtp_drafts), min(contexts),
+                           -(-(top + tail) // 64), steps) \
         if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
             "verification": verification, "mtp_rounds": rounds,
-            "decode_split": runner.storage.decode_split,
-            "results": results,
+            "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
+            "results": results, "attention_vs_sdpa": attention,
             "breakdown_us": breakdown}
 
 
@@ -206,6 +228,11 @@ def render(data: dict[str, Any]) -> str:
         device, ahead = (f"{by[m]:.2f}" if m in by else "n/a" for m in ("device", "device+ahead"))
         lines.append(f"| {r['batch']} | {r['context']} | {r['graph_ms']:.2f} | {by['host']:.2f} | {device} | {ahead} | "
                      f"{r['tok_s']:.1f} | {r['host_ms']:.2f} | {r['floor_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% |")
+    if data.get("attention_vs_sdpa"):
+        from bench import decode_attention
+
+        lines += ["", "Decode attention alone (one layer: split + combine) against torch SDPA on the same K/V:", "",
+                  decode_attention.render(data["attention_vs_sdpa"], data["copy_bandwidth_tb_s"])]
     for ctx, kernels in data["breakdown_us"].items():
         total = sum(kernels.values())
         lines += ["", f"One eager decode step at batch 1, context {ctx}: {total:.0f} us of kernels", "",
@@ -239,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16",
                     help="projection weights: bf16, fp8 with 128x128 block scales (Qwen's FP8 release), or nvfp4 "
                     "(e2m1 codes, e4m3 scale per 16, fp32 global; lm_head and in_proj_a/b bf16)")
-    ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
+    ap.add_argument("--decode-splits", type=int, help="decode attention splits per row (runner default if omitted)")
+    ap.add_argument("--min-split", type=int, help="fewest keys per decode attention split (runner default if omitted)")
+    ap.add_argument("--max-tokens", type=int, help="skip (batch, context) pairs with batch x context above this; the "
+                    "KV pool is sized for the largest pair kept")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip decode attention alone against torch SDPA")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
@@ -262,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative.render(data))
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-               args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k),
-               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router)
+               args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
+               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
+               args.min_split, args.max_tokens, not args.no_sdpa)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

@@ -11,15 +11,21 @@ replay a step with new values: `pos[m]` the token's position, `wrow[m]` the flat
   RMSNorm (`(1 + w)`, fp32, rounded to bf16 as the model does) and rotate-half RoPE on the first
   `rd` dims (bf16 cos/sin tables `[P, rd/2]`; a position outside `[0, P)` is left unrotated),
   writes q to `q_out [M, Hq, D]` and k, v into the pages `[pages * 64, Hkv, D]`.
-- `split_*`: one CTA per (row, KV head, split of `split` keys). The Hq/Hkv query heads sharing the
+- `split_*`: one CTA per (row, KV head, split). The grid has a fixed split count S per row; the
+  split LENGTH comes from the row's own position (`split_length`: the row's keys over S, rounded
+  up to a page, at least `min_split`), so one captured graph serves any mix of lengths and short
+  rows use few splits (the CTAs past a row's end exit at once). The Hq/Hkv query heads sharing the
   KV head are processed together, so each K/V row is read once per CTA. Keys are spread over
-  groups of D/8 lanes (each lane holds 8 dims); scores reduce with shuffles; an online softmax in
-  the exp2 domain per group, then the groups merge in shared memory. Writes the split's
-  normalised output (fp32) and its log2-sum-exp. Row m sees keys 0..pos[m] (causal); CTAs whose
-  split starts past that exit at once, so a graph can be captured with a split count that covers
-  the longest context it will see.
-- `combine_*`: merges a row's splits, multiplies by `sigmoid(gate)` and writes bf16
-  `[M, Hq * D]` for o_proj.
+  groups of D/8 lanes (each lane holds 8 dims, one 16-byte load), each group taking `UNROLL` keys
+  an iteration so that several loads per lane are in flight (decode at long contexts is a
+  streaming read of K and V); scores reduce with shuffles; an online softmax in the exp2 domain
+  per group, then the groups merge in shared memory. Writes the split's normalised output (fp32)
+  and its log2-sum-exp. Row m sees keys 0..pos[m] (causal).
+- `combine_*`: one CTA per (row, query head). Recomputes the row's split length and merges its
+  used splits: the max and the sum of the split weights over the whole CTA, then groups of D/8
+  lanes each walk every (threads / (D/8))-th split's partial and the groups add up in shared
+  memory in a fixed order (so many partial loads are in flight, and a row's numbers do not depend
+  on the other rows). Multiplies by `sigmoid(gate)` and writes bf16 `[M, Hq * D]` for o_proj.
 
 Splitting the context is what keeps decode at long contexts from running on a handful of SMs
 (kernel-playbook section 7.2). The same kernels serve prefill (each chunk token is a query row);
@@ -39,6 +45,8 @@ PAGE = 64
 NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634
 SPLIT_THREADS = 128
+UNROLL = 2  # keys per lane group per iteration of the split kernel's key loop
+COMBINE_THREADS = 256
 
 # (name, Hq, Hkv, D, rotary dims): tiny dense model, Qwen3.6-27B, Qwen3.6-35B-A3B.
 _SHAPES = [("q4_kv2_d64", 4, 2, 64, 16), ("q24_kv4_d256", 24, 4, 256, 64), ("q16_kv2_d256", 16, 2, 256, 64)]
@@ -61,6 +69,14 @@ def paged_query_tensors(hq: int, hkv: int, d: int) -> dict[str, Any]:
 def x_stride(hq: int, hkv: int, d: int) -> int:
     """Width of the fused attention projection `[q|gate per head ... | k | v]`."""
     return hq * 2 * d + 2 * hkv * d
+
+
+def split_length(pos: Any, splits: int, min_split: int) -> Any:
+    """Keys per split of a row at position pos (it sees pos + 1 keys) when its keys are cut into at
+    most `splits` splits: the keys over the splits rounded up to a page, at least `min_split`. The
+    split and combine kernels compute the same number on the device; works on ints and arrays."""
+    per = (pos + splits) // splits  # ceil((pos + 1) / splits)
+    return np.maximum(min_split, (per + PAGE - 1) // PAGE * PAGE)
 
 
 def _prep(name: str, hq: int, hkv: int, d: int, rd: int) -> Variant:
@@ -100,32 +116,32 @@ def _split(name: str, hq: int, hkv: int, d: int) -> Variant:
     return Variant(
         family=FAMILY,
         key=f"split_{name}",
-        config={"kind": "split", "Hq": hq, "Hkv": hkv, "D": d, "threads": SPLIT_THREADS},
+        config={"kind": "split", "Hq": hq, "Hkv": hkv, "D": d, "threads": SPLIT_THREADS, "unroll": UNROLL},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
-                ptr("lse"), i32("M"), i32("S"), i32("split"), i32("maxp")],
+                ptr("lse"), i32("M"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
             **paged_query_tensors(hq, hkv, d),
             "o_part": tensor("f32", "M", hq, "S", d, role="out"),
             "lse": tensor("f32", "M", hq, "S", role="out"),
         },
-        sizes=("M", "S", "split", "maxp", "R", "NP"),
+        sizes=("M", "S", "min_split", "maxp", "R", "NP"),
         block=(SPLIT_THREADS, 1, 1),
         grid=(f"M * {hkv}", "S", 1),
-        requires=("M >= 1", "S >= 1", "S <= 65535", "split >= 1", "maxp >= 1", "R >= 1", "NP >= 1"),
+        requires=("M >= 1", "S >= 1", "S <= 65535", "min_split >= 1", "maxp >= 1", "R >= 1", "NP >= 1"),
         arches=ALL_ARCHES,
         note=f"split-KV paged attention, GQA {hq}/{hkv}, D={d}",
-        example_sizes={"M": 1, "S": 32, "split": 256, "maxp": 128, "R": 1, "NP": 128},
+        example_sizes={"M": 1, "S": 32, "min_split": 64, "maxp": 128, "R": 1, "NP": 128},
     )
 
 
 def _combine(name: str, hq: int, hkv: int, d: int) -> Variant:
-    threads = hq * (d // 8)
+    threads = COMBINE_THREADS
     stride = x_stride(hq, hkv, d)
     return Variant(
         family=FAMILY,
         key=f"combine_{name}",
         config={"kind": "combine", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": stride, "threads": threads},
-        params=[ptr("o_part"), ptr("lse"), ptr("pos"), ptr("x"), ptr("out"), i32("M"), i32("S"), i32("split")],
+        params=[ptr("o_part"), ptr("lse"), ptr("pos"), ptr("x"), ptr("out"), i32("M"), i32("S"), i32("min_split")],
         tensors={
             "o_part": tensor("f32", "M", hq, "S", d),
             "lse": tensor("f32", "M", hq, "S"),
@@ -133,13 +149,13 @@ def _combine(name: str, hq: int, hkv: int, d: int) -> Variant:
             "x": tensor("bf16", "M", stride),
             "out": tensor("bf16", "M", hq * d, role="out"),
         },
-        sizes=("M", "S", "split"),
+        sizes=("M", "S", "min_split"),
         block=(threads, 1, 1),
-        grid=("M", 1, 1),
-        requires=("M >= 1", "S >= 1", "split >= 1"),
+        grid=(f"M * {hq}", 1, 1),
+        requires=("M >= 1", "S >= 1", "min_split >= 1"),
         arches=ALL_ARCHES,
         note=f"merge attention splits, times sigmoid(gate), Hq={hq} D={d}",
-        example_sizes={"M": 1, "S": 32, "split": 256},
+        example_sizes={"M": 1, "S": 32, "min_split": 64},
     )
 
 
@@ -214,6 +230,25 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     if kind == "split":
         return _build_split(variant)
     return _build_combine(variant)
+
+
+def _split_length(position: Any, ns: Any, min_split: Any) -> Any:
+    """`split_length` on DSL integers, inside the split and combine kernels."""
+    import cutlass
+
+    per = (position + ns) // ns
+    return cutlass.max(min_split, (per + PAGE - 1) // PAGE * PAGE)
+
+
+def _warp_max(value: Any, width: int) -> Any:
+    """Butterfly max over groups of `width` consecutive lanes (width a power of two <= 32)."""
+    import cutlass.cute as cute
+
+    offset = width // 2
+    while offset >= 1:
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+        offset //= 2
+    return value
 
 
 def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
@@ -322,7 +357,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     @cute.kernel
     def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
                qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer,
-               m: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32, maxp: cutlass.Int32):
+               m: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, maxp: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
         bx, sp, _ = cute.arch.block_idx()
         row = bx // hkv
@@ -333,6 +368,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
         one = cute.make_layout(1)
         position = cute.make_tensor(pos, cute.make_layout(m))[row]
         seq = cute.make_tensor(qseq, cute.make_layout(m))[row]
+        split = _split_length(position, ns, min_split)
         start = sp * split
         end = cutlass.min(start + split, position + 1)
         smem = cutlass.memory.SmemAllocator()
@@ -355,24 +391,45 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                 den[h] = f32(0.0)
             trow = table + cutlass.Int64(seq) * maxp
             # Every lane runs the same trip count (the score reduction is a warp shuffle); a key
-            # group past the end computes on the last key and discards it.
-            for base in cutlass.range(start, end, groups):
-                key = base + kg
-                valid = key < end
-                key = cutlass.min(key, end - 1)
-                page = cute.make_tensor(trow + key // PAGE, one)[0]
-                flat = (cutlass.Int64(page) * PAGE + key % PAGE) * hkv + kvh
-                kv = cute.make_tensor(k_pages + flat * d + 8 * lr, v8).load().to(f32)
-                vv = cute.make_tensor(v_pages + flat * d + 8 * lr, v8).load().to(f32)
+            # past the end computes on the last key and its score is set to -3e38 (weight 0). A
+            # group's UNROLL keys of an iteration are loaded before any is used, so each lane has
+            # 2 * UNROLL 16-byte loads in flight, and the online softmax takes them in one update
+            # (one rescale per iteration). A group whose first iteration holds no key of the split
+            # keeps the -3e38 max, so the merge below gives it weight 0.
+            for base in cutlass.range(start, end, groups * UNROLL):
+                keys = []
+                ks = []
+                vs = []
+                for u in cutlass.range_constexpr(UNROLL):
+                    key = base + u * groups + kg
+                    keys.append(key)
+                    key = cutlass.min(key, end - 1)
+                    page = cute.make_tensor(trow + key // PAGE, one)[0]
+                    flat = (cutlass.Int64(page) * PAGE + key % PAGE) * hkv + kvh
+                    ks.append(cute.make_tensor(k_pages + flat * d + 8 * lr, v8).load())
+                    vs.append(cute.make_tensor(v_pages + flat * d + 8 * lr, v8).load())
+                kf = [ks[u].to(f32) for u in range(UNROLL)]
+                vf = [vs[u].to(f32) for u in range(UNROLL)]
                 for h in cutlass.range_constexpr(r):
-                    sc = _dsl.warp_sum((qs[h] * kv).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
-                    if valid:
-                        new_max = cute.arch.fmax(mx[h], sc)
-                        corr = cute.math.exp2(mx[h] - new_max, fastmath=True)
-                        pr = cute.math.exp2(sc - new_max, fastmath=True)
-                        den[h] = den[h] * corr + pr
-                        mx[h] = new_max
-                        accs[h].store(accs[h].load() * corr + vv * pr)
+                    scores = []
+                    for u in cutlass.range_constexpr(UNROLL):
+                        sc = _dsl.warp_sum((qs[h] * kf[u]).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+                        if keys[u] >= end:
+                            sc = f32(neg)
+                        scores.append(sc)
+                    new_max = mx[h]
+                    for u in cutlass.range_constexpr(UNROLL):
+                        new_max = cute.arch.fmax(new_max, scores[u])
+                    corr = cute.math.exp2(mx[h] - new_max, fastmath=True)
+                    den_h = den[h] * corr
+                    acc_h = accs[h].load() * corr
+                    for u in cutlass.range_constexpr(UNROLL):
+                        pr = cute.math.exp2(scores[u] - new_max, fastmath=True)
+                        den_h = den_h + pr
+                        acc_h = acc_h + vf[u] * pr
+                    den[h] = den_h
+                    mx[h] = new_max
+                    accs[h].store(acc_h)
             for h in cutlass.range_constexpr(r):
                 cute.make_tensor(s_acc.iterator + (h * groups + kg) * d + 8 * lr, v8).store(accs[h].load())
                 if lr == 0:
@@ -402,8 +459,8 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     @cute.jit
     def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
                qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer,
-               m: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32, maxp: cutlass.Int32, stream: Any):
-        kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, ns, split, maxp).launch(
+               m: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, maxp: cutlass.Int32, stream: Any):
+        kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, ns, min_split, maxp).launch(
             grid=_dsl.grid(variant, {"M": m, "S": ns}), block=list(variant.block), stream=stream)
 
     return launch, _dsl.example_args(variant, aligns={"table": 4, "qseq": 4, "pos": 4, "lse": 4, "o_part": 4})
@@ -416,45 +473,78 @@ def _build_combine(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     cfg = variant.config
-    hq, d, stride = cfg["Hq"], cfg["D"], cfg["x_stride"]
+    hq, d, stride, threads = cfg["Hq"], cfg["D"], cfg["x_stride"], cfg["threads"]
     lanes = d // 8
+    groups = threads // lanes
+    warps = threads // 32
     neg = -3.0e38
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
     @cute.kernel
     def kernel(o_part: cute.Pointer, lse: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer,
-               m: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32):
+               m: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32):
         tid, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        h = tid // lanes
+        bx, _, _ = cute.arch.block_idx()
+        row = bx // hq
+        h = bx % hq
+        kg = tid // lanes
         lr = tid % lanes
+        warp = tid // 32
         v8 = cute.make_layout((8,))
         one = cute.make_layout(1)
         position = cute.make_tensor(pos, cute.make_layout(m))[row]
-        n = (position + split) // split
+        split = _split_length(position, ns, min_split)
+        n = (position + split) // split  # the splits that hold keys 0..position
         base = (cutlass.Int64(row) * hq + h) * ns
+        smem = cutlass.memory.SmemAllocator()
+        s_red = smem.allocate_tensor(f32, cute.make_layout((2, warps)), byte_alignment=16)
+        s_acc = smem.allocate_tensor(f32, cute.make_layout((d, groups)), byte_alignment=16)
+        # The max and the sum of the split weights over the CTA: strided over the threads, then
+        # the warps, then the warps' values in order.
         best = f32(neg)
-        for s in cutlass.range(n):
+        for s in cutlass.range(tid, n, threads):
             best = cute.arch.fmax(best, cute.make_tensor(lse + base + s, one)[0])
+        best = _warp_max(best, 32)
+        if tid % 32 == 0:
+            s_red[0, warp] = best
+        cute.arch.sync_threads()
+        best = f32(neg)
+        for w in cutlass.range_constexpr(warps):
+            best = cute.arch.fmax(best, s_red[0, w])
         total = f32(0.0)
+        for s in cutlass.range(tid, n, threads):
+            total = total + cute.math.exp2(cute.make_tensor(lse + base + s, one)[0] - best, fastmath=True)
+        total = _dsl.warp_sum(total, 32)
+        if tid % 32 == 0:
+            s_red[1, warp] = total
+        cute.arch.sync_threads()
+        total = f32(0.0)
+        for w in cutlass.range_constexpr(warps):
+            total = total + s_red[1, w]
         acc = cute.make_rmem_tensor((8,), f32)
         acc.fill(0.0)
-        for s in cutlass.range(n):
+        for s in cutlass.range(kg, n, groups, unroll=2):
             wgt = cute.math.exp2(cute.make_tensor(lse + base + s, one)[0] - best, fastmath=True)
-            total = total + wgt
             part = cute.make_tensor(o_part + (base + s) * d + 8 * lr, v8).load()
             acc.store(acc.load() + part * wgt)
-        o = (acc.load() * (f32(1.0) / total)).to(bf16).to(f32)
-        gate = cute.make_tensor(x + cutlass.Int64(row) * stride + h * 2 * d + d + 8 * lr, v8).load().to(f32)
-        sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))).to(bf16).to(f32)
-        cute.make_tensor(out + (cutlass.Int64(row) * hq + h) * d + 8 * lr, v8).store((o * sig).to(bf16))
+        cute.make_tensor(s_acc.iterator + kg * d + 8 * lr, v8).store(acc.load())
+        cute.arch.sync_threads()
+        if kg == 0:
+            merged = cute.make_rmem_tensor((8,), f32)
+            merged.fill(0.0)
+            for g in cutlass.range_constexpr(groups):
+                merged.store(merged.load() + cute.make_tensor(s_acc.iterator + g * d + 8 * lr, v8).load())
+            o = (merged.load() * (f32(1.0) / total)).to(bf16).to(f32)
+            gate = cute.make_tensor(x + cutlass.Int64(row) * stride + h * 2 * d + d + 8 * lr, v8).load().to(f32)
+            sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))).to(bf16).to(f32)
+            cute.make_tensor(out + (cutlass.Int64(row) * hq + h) * d + 8 * lr, v8).store((o * sig).to(bf16))
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_{variant.key}")
 
     @cute.jit
     def launch(o_part: cute.Pointer, lse: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer,
-               m: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32, stream: Any):
-        kernel(o_part, lse, pos, x, out, m, ns, split).launch(
+               m: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, stream: Any):
+        kernel(o_part, lse, pos, x, out, m, ns, min_split).launch(
             grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
 
     return launch, _dsl.example_args(variant, aligns={"pos": 4, "lse": 4})

@@ -61,7 +61,7 @@ def test_one_all_reduce_after_each_row_parallel_projection(runner, rows, prefill
 
     st = runner.storage
     shape = StepShape(m=rows, nseq=1 if prefill else rows, t=rows if prefill else 1,
-                      splits=st.decode_splits, split=st.decode_split, prefill=prefill)
+                      splits=st.decode_splits, min_split=st.decode_min_split, prefill=prefill)
     collective = RecordingCollective()
     sharded = forward(runner, collective).bind(shape)
     single = forward(runner, None).bind(shape)

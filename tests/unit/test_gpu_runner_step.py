@@ -348,7 +348,7 @@ def test_kernel_choice_has_the_27b_lm_head_at_every_chunk_row_count():
     # binds at that row count.
     layout = WeightLayout.plan(config)
     storage = Storage(config, device, kernels, weight_bytes=layout.total, num_pages=33, phys_slots=2, max_batch=1,
-                      prefill_chunk=2048, max_context=2048, decode_split=256)
+                      prefill_chunk=2048, max_context=2048)
     try:
         assert storage.logit_rows == 512
         head = Forward(config, kernels, library, storage, layout, phys_slots=2).lm_head(0, storage.logit_rows)

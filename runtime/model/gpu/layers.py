@@ -25,7 +25,8 @@ GEMV_ROWS = 8  # rows of the BF16 decode GEMV (its MB): every decode bucket and 
 @dataclass(frozen=True)
 class StepShape:
     """One step shape: m rows (tokens) of nseq sequences of t tokens each (m = nseq * t); splits
-    and split: KV splits per query row and keys per split of split-KV attention; prefill: the
+    and min_split: split-KV attention's splits per query row (its grid) and fewest keys per split
+    (each row's split length follows its own position: `attention.split_length`); prefill: the
     prefill kernels (GDN chunked or split form, flash attention where compiled) and in-place
     states, else the decode kernels (states read at `slots_in`, written at `slots`).
 
@@ -46,7 +47,7 @@ class StepShape:
     nseq: int
     t: int
     splits: int
-    split: int
+    min_split: int
     prefill: bool
     exact: bool = True
 
@@ -248,12 +249,12 @@ class Forward:
         else:
             self.launch(out, "attention", k.split, {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"],
                                                     "lse": buf["lse"]},
-                        {"M": m, "S": shape.splits, "split": shape.split, "maxp": st.maxp, "R": st.max_batch,
-                         "NP": pad_pages})
+                        {"M": m, "S": shape.splits, "min_split": shape.min_split, "maxp": st.maxp,
+                         "R": st.max_batch, "NP": pad_pages})
             self.launch(out, "attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"],
                                                       "pos": st.meta_ptr("pos"), "x": buf["proj"],
                                                       "out": buf["attn_out"]},
-                        {"M": m, "S": shape.splits, "split": shape.split})
+                        {"M": m, "S": shape.splits, "min_split": shape.min_split})
         self.linear(out, buf["attn_out"], layer["o_proj"], buf["delta"], m, exact_rows=shape.exact_rows)
         self.all_reduce(out, m)
 

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from runtime.model.gpu.layers import StepShape
-from runtime.model.gpu.storage import BUCKETS, PREFILL_SPLITS, cdiv
-from runtime.model.runner import PAGE_SIZE, MtpRow, checked_page_table, checked_tokens
+from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
+from runtime.model.runner import MtpRow, checked_page_table, checked_tokens
 from runtime.model.sampling import RowSampling
 
 
@@ -195,14 +195,12 @@ class MtpHead:
                 seqs += [q] * (m - 1)
                 at += m - 1
         self.steps.upload_rows(np.array(tokens, np.int64), positions, seqs, [checked[i][2] for i in group], at)
-        end = max(positions) + 1
-        split = cdiv(cdiv(end, PREFILL_SPLITS), PAGE_SIZE) * PAGE_SIZE
         # The projections by row count (a GEMM over a prompt chunk's rows, where GEMV blocks would
         # read every weight once per 8 rows); the lm_head rows, at most `max_batch`, as decode's.
-        shape = StepShape(m=at, nseq=len(group), t=1, splits=cdiv(end, split), split=split, prefill=False,
-                          exact=False)
+        shape = StepShape(m=at, nseq=len(group), t=1, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT,
+                          prefill=False, exact=False)
         heads = len(drafting)
-        key = ("mtp", at, len(group), heads, shape.splits, split)
+        key = ("mtp", at, len(group), heads)
         for launch in self.steps.plans.get(key, lambda: self.bind(shape, st.buf["mtp_in"]) + (
                 self.forward.lm_head(0, heads, exact_rows=True) if heads else [])):
             launch(self.stream)
@@ -226,7 +224,8 @@ class MtpHead:
         """A chained step of `bucket` rows: the head over `mtp_chain`, the lm_head, and the hidden
         output copied back to `mtp_chain` for the next draft."""
         st = self.storage
-        shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, split=st.decode_split, prefill=False)
+        shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, min_split=st.decode_min_split,
+                          prefill=False)
         return self.steps.plans.get(("mtp_chain", bucket), lambda: (
             self.bind(shape, st.buf["mtp_chain"]) + self.forward.lm_head(0, bucket, exact_rows=True)
             + [_Copy2D(self.device, st.buf["mtp_chain"], self.row_bytes, st.buf["h"], self.row_bytes,

@@ -35,7 +35,7 @@ from runtime.model.gpu.layers import Forward
 from runtime.model.gpu.mtp import MtpHead
 from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.step import Steps, consecutive_runs
-from runtime.model.gpu.storage import BUCKETS, Storage, StateSlots
+from runtime.model.gpu.storage import BUCKETS, DECODE_MIN_SPLIT, Storage, StateSlots
 from runtime.model.gpu.weights import FP8, NVFP4, WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
                                   checked_page_table, checked_pages, checked_rows, checked_tokens,
@@ -65,7 +65,8 @@ class CudaRunner:
     def __init__(self, config: ModelConfig, *, num_pages: int, num_slots: int, component: Any = None,
                  synthetic_seed: int | None = None, device: Any = None, library: Any = None,
                  max_batch: int = 8, prefill_chunk: int = 512, max_context: int | None = None,
-                 cuda_graphs: bool = True, decode_split: int = 256, lookahead: bool = True,
+                 cuda_graphs: bool = True, decode_splits: int | None = None,
+                 decode_min_split: int = DECODE_MIN_SPLIT, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
                  weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
                  mtp_component: Any = None, synthetic_router: str = "balanced"):
@@ -108,7 +109,8 @@ class CudaRunner:
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                               max_context=self.max_context, decode_split=decode_split,
+                               max_context=self.max_context, decode_splits=decode_splits,
+                               decode_min_split=decode_min_split,
                                mtp_layers=len(self.layout.mtp_layers))
         st = self.storage
         if component is not None:

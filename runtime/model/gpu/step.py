@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from runtime.model.gpu.layers import StepShape
-from runtime.model.gpu.storage import BUCKETS, PREFILL_SPLITS, cdiv
+from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
 from runtime.model.runner import PAGE_SIZE, DecodeItem, checked_page_table
 
 PREFILL_PLANS = 32  # bound shapes kept besides the decode buckets (prefill pieces, heads, sampling)
@@ -193,7 +193,8 @@ class Steps:
 
     def _verify_shape(self, nseq: int, t: int) -> StepShape:
         st = self.storage
-        return StepShape(m=nseq * t, nseq=nseq, t=t, splits=st.decode_splits, split=st.decode_split, prefill=False)
+        return StepShape(m=nseq * t, nseq=nseq, t=t, splits=st.decode_splits, min_split=st.decode_min_split,
+                         prefill=False)
 
     def verify_plan(self, shape: StepShape) -> list:
         return self.plans.get(("verify", shape.nseq, shape.t),
@@ -201,7 +202,8 @@ class Steps:
 
     def decode_plan(self, bucket: int) -> list:
         st = self.storage
-        shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, split=st.decode_split, prefill=False)
+        shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, min_split=st.decode_min_split,
+                          prefill=False)
         return self.plans.get(("decode", bucket), lambda: self.forward.bind(shape) + self.forward.lm_head(0, bucket))
 
     def _decode_meta(self, meta: dict[str, np.ndarray], positions: Sequence[int], tables: Sequence[np.ndarray],
@@ -267,8 +269,6 @@ class Steps:
         st = self.storage
         t = len(tokens)
         end = start + t
-        split = cdiv(cdiv(end, PREFILL_SPLITS), PAGE_SIZE) * PAGE_SIZE
-        splits = cdiv(end, split)
         meta = self._meta_clear()
         positions = np.arange(start, end)
         meta["pos"][:t] = positions
@@ -283,8 +283,8 @@ class Steps:
             self.device.memcpy_dtod(st.buf["win_scratch"] + n * st.win_slot_bytes,
                                     window + slot * st.win_slot_bytes, st.win_slot_bytes, self.stream)
         self._upload_step(tokens, t)
-        shape = StepShape(m=t, nseq=1, t=t, splits=splits, split=split, prefill=True)
-        for launch in self.plans.get(("prefill", t, splits, split), lambda: self.forward.bind(shape)):
+        shape = StepShape(m=t, nseq=1, t=t, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT, prefill=True)
+        for launch in self.plans.get(("prefill", t), lambda: self.forward.bind(shape)):
             launch(self.stream)
         if sample:
             self._run_lm_head(t - 1, 1)

@@ -33,12 +33,26 @@ from runtime.model.runner import PAGE_SIZE
 from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP
 
 BUCKETS = (1, 2, 4, 8)
-PREFILL_SPLITS = 16  # most KV splits per query row in prefill
+PREFILL_SPLITS = 16  # KV splits per query row in prefill (split-KV fallback, MTP catch-up)
+PREFILL_MIN_SPLIT = PAGE_SIZE  # fewest keys per split there
+# Decode attention: the split count per row is fixed at startup (the graph's grid), each row's split
+# length follows its own position (`attention.split_length`). At batch 1, DECODE_CTAS_PER_SM (row,
+# KV head, split) CTAs per SM: whole waves of the split kernels, which keep 3 (27B: 165 registers)
+# or 2 (35B-A3B: 244) CTAs resident per SM; and at least DECODE_MIN_SPLIT keys per split, so a
+# short context does not pay for a combine over many tiny splits.
+DECODE_CTAS_PER_SM = 6
+DECODE_MIN_SPLIT = 128
 LOGITS_BYTES = 256 << 20  # the logits staging buffer's budget (device and pinned host alike)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def default_decode_splits(kv_heads: int, max_context: int, sm_count: int, min_split: int = DECODE_MIN_SPLIT) -> int:
+    """Decode attention splits per row: `DECODE_CTAS_PER_SM` CTAs per SM at batch 1, no more than
+    the longest context can use (its keys over `min_split`)."""
+    return max(1, min(cdiv(DECODE_CTAS_PER_SM * sm_count, max(kv_heads, 1)), cdiv(max_context, min_split)))
 
 
 class StateSlots:
@@ -80,16 +94,17 @@ class Storage:
     """
 
     def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
-                 phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int, decode_split: int,
-                 mtp_layers: int = 0):
+                 phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int,
+                 decode_splits: int | None = None, decode_min_split: int = DECODE_MIN_SPLIT, mtp_layers: int = 0):
         c = self.config = config
         self.device = device
         self.num_pages = num_pages
         self.max_batch = max_batch
         self.max_context = max_context
         self.maxp = cdiv(max_context, PAGE_SIZE)
-        self.decode_split = decode_split
-        self.decode_splits = cdiv(max_context, decode_split)
+        self.decode_min_split = decode_min_split
+        self.decode_splits = decode_splits or default_decode_splits(config.num_key_value_heads, max_context,
+                                                                    device.sm_count, decode_min_split)
         rows = self.rows = max(prefill_chunk, max_batch)
         h = c.hidden_size
         n_gdn, n_kv = len(c.linear_layers), len(c.attention_layers) + mtp_layers

@@ -1,0 +1,108 @@
+"""Decode attention alone (split-KV + combine, one layer) against torch SDPA on the same K/V.
+
+Called by `bench.decode` after it has timed a (batch, context) pair, with the items of that pair:
+their metadata (positions, page tables) is on the device from the last decode step. Random K/V
+for every row's context is written into the first attention layer's page pool, and a random q and
+gate; our two launches are bound to the runner's own buffers and split plan (`decode_splits`,
+`decode_min_split`), so this is exactly what one decode step launches per attention layer.
+torch's SDPA runs on a contiguous copy `[B, Hkv, context, D]` of the same K/V with one query per
+row, GQA native (`enable_gqa`) on the flash backend when torch offers it, else the K/V heads
+repeated to Hq (then SDPA reads Hq/Hkv times more bytes; the row says which). Bandwidth is the
+K/V bytes over the kernel time. The outputs are compared after dividing our sigmoid gate out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.timing import median_event_seconds
+
+
+def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[list[int]]) -> dict[str, Any]:
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception as exc:  # noqa: BLE001 - torch is optional for the bench
+        return {"batch": batch, "context": context, "error": f"torch unavailable: {exc}"}
+    c, k, st, dev, s = runner.config, runner.kernels, runner.storage, runner.device, runner.stream
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    n = context + 1  # the decode row at position `context` sees context + 1 keys
+    bucket = next(x for x in (1, 2, 4, 8) if x >= batch)
+    torch.cuda.init()
+    g = torch.Generator(device="cuda").manual_seed(batch * 1_000_003 + context)
+    q = torch.randn(bucket, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(bucket, k.attn_stride, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(bucket, hq * d, device="cuda", dtype=torch.bfloat16)
+    kk = torch.randn(batch, n, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+    vv = torch.randn(batch, n, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    row_bytes = hkv * d * 2
+    for b in range(batch):  # the items' pages are consecutive (`bench.decode.run`)
+        first = page_tables[b][0] * 64 * row_bytes
+        dev.memcpy_dtod(st.k_pages[0] + first, kk[b].data_ptr(), n * row_bytes, s)
+        dev.memcpy_dtod(st.v_pages[0] + first, vv[b].data_ptr(), n * row_bytes, s)
+    s.synchronize()
+    rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
+    pad_pages = st.num_pages + 1
+    split = runner.library.kernel("attention", k.split).bind(
+        {"q": q.data_ptr(), "k_pages": st.k_pages[0], "v_pages": st.v_pages[0], **rows, "o_part": st.buf["o_part"],
+         "lse": st.buf["lse"]},
+        {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split, "maxp": st.maxp, "R": st.max_batch,
+         "NP": pad_pages})
+    combine = runner.library.kernel("attention", k.combine).bind(
+        {"o_part": st.buf["o_part"], "lse": st.buf["lse"], "pos": st.meta_ptr("pos"), "x": x.data_ptr(),
+         "out": out.data_ptr()}, {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split})
+
+    def ours(stream: Any) -> None:
+        split(stream)
+        combine(stream)
+
+    ours_us = median_event_seconds(dev, s, ours, repeats=9) * 1e6
+    qt = q[:batch].unsqueeze(2)                              # [B, Hq, 1, D]
+    kt = kk.permute(0, 2, 1, 3).contiguous()                # [B, Hkv, n, D]
+    vt = vv.permute(0, 2, 1, 3).contiguous()
+    mode = "flash, enable_gqa"
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    except Exception:  # noqa: BLE001 - older torch: no GQA on the flash backend
+        mode = "flash, K/V repeated to Hq"
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+    gqa = {"enable_gqa": True} if mode.endswith("enable_gqa") else {}
+    times = []
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(qt, kt, vt, **gqa)
+        for _ in range(9):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            F.scaled_dot_product_attention(qt, kt, vt, **gqa)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    sdpa_us = sorted(times)[4]
+    torch.cuda.synchronize()
+    gate = torch.sigmoid(x[:batch, :hq * 2 * d].view(batch, hq, 2 * d)[..., d:].float())
+    ours_o = out[:batch].view(batch, hq, d).float() / gate
+    want = ref[:, :, 0].float()
+    rel = float((ours_o - want).norm() / want.norm())
+    kv_bytes = batch * n * row_bytes * 2
+    return {"batch": batch, "context": context, "splits": st.decode_splits, "min_split": st.decode_min_split,
+            "ours_us": ours_us, "sdpa_us": sdpa_us, "sdpa_mode": mode, "kv_bytes": kv_bytes,
+            "ours_tb_s": kv_bytes / ours_us / 1e6, "sdpa_tb_s": kv_bytes / sdpa_us / 1e6,
+            "rel_diff_vs_sdpa": rel, "torch": torch.__version__}
+
+
+def render(rows: list[dict[str, Any]], copy_bw_tb_s: float) -> str:
+    lines = ["| batch | context | splits x min | ours us (split + combine) | SDPA us | ours TB/s | SDPA TB/s "
+             "| ours of copy bw | rel diff vs SDPA | SDPA mode |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['batch']} | {r['context']} | {r['splits']} x {r['min_split']} | {r['ours_us']:.1f} | "
+                     f"{r['sdpa_us']:.1f} | {r['ours_tb_s']:.2f} | {r['sdpa_tb_s']:.2f} | "
+                     f"{100 * r['ours_tb_s'] / copy_bw_tb_s:.0f}% | {r['rel_diff_vs_sdpa']:.1e} | {r['sdpa_mode']} |")
+    return "\n".join(lines)
