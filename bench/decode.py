@@ -138,7 +138,8 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 
 def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
-        shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
+        shape: str = "qwen3.6-27b", router: str = "balanced",
+        gdn_min_ctas: int | None = None) -> dict[str, Any]:
     from bench import mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
@@ -146,6 +147,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
     spare = max(batches) * (most + 1) if most >= 0 else 0
     runner = make_runner(max(batches), max(contexts), decode_split=decode_split, weight_format=weight_format,
                          spare_slots=spare, mtp=bool(mtp_drafts), shape=shape, router=router)
+    if gdn_min_ctas is not None:  # before any step is bound: every plan takes the GDN kernels it picks
+        runner.kernels.gdn_min_ctas = gdn_min_ctas
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -190,6 +193,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_split: int |
                            -(-(max(contexts) + steps + 2 + 2 * max(mtp_drafts, default=0)) // 64), steps) \
         if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
+            "gdn_min_ctas": runner.kernels.gdn_min_ctas,
             "verification": verification, "mtp_rounds": rounds,
             "decode_split": runner.storage.decode_split,
             "results": results,
@@ -240,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="projection weights: bf16, fp8 with 128x128 block scales (Qwen's FP8 release), or nvfp4 "
                     "(e2m1 codes, e4m3 scale per 16, fp32 global; lm_head and in_proj_a/b bf16)")
     ap.add_argument("--decode-split", type=int, help="keys per split of decode attention (runner default if omitted)")
+    ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
+                    "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
                args.decode_split, args.format, tuple(int(k) for k in args.verify.split(",") if k),
-               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router)
+               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
+               args.gdn_min_ctas)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

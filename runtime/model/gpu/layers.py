@@ -200,8 +200,9 @@ class Forward:
                                                          "w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                             {"M": m * self.config.linear_num_value_heads})
             else:
-                self.launch(out, "gdn", k.gdn, {**gdn_args, "slots_out": st.meta_ptr("slots"),
-                                                "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                self.launch(out, "gdn", k.gdn_recurrent(nseq, False),
+                            {**gdn_args, "slots_out": st.meta_ptr("slots"), "norm_w": self.w(layer["gdn_norm"]),
+                             "out": buf["gdn_out"]},
                             {"B": nseq, "T": t, "NS": slots})
         else:
             # Decode (t = 1; states read at slots_in and written at slots: the same slot, or a
@@ -220,7 +221,7 @@ class Forward:
                                                     "slots_in": slots_in, "slots_out": slots_out,
                                                     "out": buf["conv_out"]},
                             {"B": nseq, "T": 1, "NI": slots, "NO": slots})
-            self.launch(out, "gdn", k.gdn_verify if verify else k.gdn,
+            self.launch(out, "gdn", k.gdn_recurrent(nseq, verify),
                         {**gdn_args, "qkv": buf["conv_out"], "x": buf["proj"], "slots": slots_in,
                          "slots_out": slots_out, "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                         {"B": nseq, "T": t, "NS": slots})
