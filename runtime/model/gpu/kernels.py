@@ -3,7 +3,8 @@
 `KernelChoice` reads the manifest's compile-time configs and picks, for a `ModelConfig`, the
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
-fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
+fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depend on the row
+count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
 weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
 picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M).
@@ -18,6 +19,7 @@ from runtime.cuda.errors import KernelMissing
 from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
 from runtime.model.gpu.weights import FP8, NVFP4
 
+GEMV_ROWS = (8, 16, 32, 64)  # the row counts (MB) of the BF16 decode GEMV's variants
 # The decode GEMV family of each quantised weight format, and the format's name in messages.
 QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
 # The recurrent GDN kernels (decode, verification, the prefill fallback) take the fewest column
@@ -153,21 +155,30 @@ class KernelChoice:
         cols = next((n for n in counts if nseq * hv * n >= self.gdn_min_ctas), counts[-1])
         return self.gdn_columns[cols][1 if verify else 0]
 
-    def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
-        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T."""
+    def linear(self, n: int, k: int, m: int, exact: bool = False) -> tuple[str, str]:
+        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T: the decode GEMV of the
+        narrowest compiled row count >= m (up to 16; exact: up to 64, a row's numbers are the
+        same in every GEMV variant, cute_kernels/gemv.py), else the GEMM."""
         lib = self.library
-        if m <= 16:
-            for mb in (8, 16):
-                if m <= mb:
-                    key = _find(lib, "gemv", N=n, K=k, MB=mb)
-                    if key is not None:
-                        return "gemv", key
+        for mb in GEMV_ROWS:
+            if m <= mb <= (GEMV_ROWS[-1] if exact else 16):
+                key = _find(lib, "gemv", N=n, K=k, MB=mb)
+                if key is not None:
+                    return "gemv", key
         key = _find(lib, "gemm_sm90", N=n, K=k)
         if key is not None:
             return "gemm_sm90", key
         raise KernelMissing(
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
+
+    def exact_block(self, n: int, k: int) -> int:
+        """The most rows one launch takes for rows that must get a decode step's numbers
+        whatever their count (`layers.Forward.linear` with exact_rows): the widest decode GEMV
+        compiled for a weight [n, k], else 8 (the GEMM then runs them 8 at a time: its numbers
+        depend on the row count beyond a tile)."""
+        widths = [mb for mb in GEMV_ROWS if _find(self.library, "gemv", N=n, K=k, MB=mb) is not None]
+        return max(widths, default=GEMV_ROWS[0])
 
     def linear_quantised(self, fmt: str, n: int, nt: int, k: int) -> tuple[str, str]:
         """(family, key) of the decode GEMV for a weight [n, k] of a quantised format (`FP8`,
