@@ -146,7 +146,7 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int | None = None,
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
-        max_tokens: int | None = None, sdpa: bool = True) -> dict[str, Any]:
+        max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None) -> dict[str, Any]:
     from bench import decode_attention, mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
@@ -161,6 +161,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
     runner = make_runner(max(b for _, b in pairs), max(c for c, _ in pairs), decode_splits=decode_splits,
                          min_split=min_split, weight_format=weight_format, spare_slots=spare, mtp=bool(mtp_drafts),
                          shape=shape, router=router, pages=pages)
+    if gdn_min_ctas is not None:  # before any step is bound: every plan takes the GDN kernels it picks
+        runner.kernels.gdn_min_ctas = gdn_min_ctas
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -212,6 +214,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                            -(-(top + tail) // 64), steps) \
         if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
+            "gdn_min_ctas": runner.kernels.gdn_min_ctas,
             "verification": verification, "mtp_rounds": rounds,
             "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
             "results": results, "attention_vs_sdpa": attention,
@@ -271,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, help="skip (batch, context) pairs with batch x context above this; the "
                     "KV pool is sized for the largest pair kept")
     ap.add_argument("--no-sdpa", action="store_true", help="skip decode attention alone against torch SDPA")
+    ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
+                    "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
                args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
                tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
-               args.min_split, args.max_tokens, not args.no_sdpa)
+               args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

@@ -213,8 +213,10 @@ def bench_gemv(b: Bench, quick: bool) -> None:
         wbytes = n * k * 2
         copies = max(1, min(8, -(-3 * L2_BYTES // wbytes)))
         ws = [_bf16(torch, n, k, scale=0.05) for _ in range(copies)]
-        for m, mb in ((1, 8), (8, 8), (16, 16)):
-            if quick and m == 16:
+        # M = 32 and 64: a verification step of 8 sequences (k = 3, 7) in one launch; the runner
+        # ran it before as M / 8 launches of the M = 8 row.
+        for m, mb in ((1, 8), (8, 8), (16, 16), (32, 32), (64, 64)):
+            if quick and m >= 16:
                 continue
             x = _bf16(torch, m, k)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -301,7 +303,44 @@ def bench_moe(b: Bench, rows: tuple[int, ...] = (1, 8)) -> None:
         del xs
 
 
-SECTIONS = ("norms", "elementwise", "gemv", "gemm", "moe")
+def bench_gdn(b: Bench) -> None:
+    """The recurrent GDN kernels of the 27B shape at each column-block count side by side: decode
+    (T = 1) and verification (T = 4, 8) at batch 1 and 8. Each of the graph's launches has its own
+    state slots (pools of 3 MiB per sequence) so L2 cannot serve them, as in the model's 48 layers.
+    Rates count the state read once and written once per token (a snapshot per verified token).
+    No peer: torch has no fused delta-rule step."""
+    from cute_kernels import gdn
+
+    torch = b.torch
+    reps = 8
+    for batch, t in ((1, 1), (1, 4), (1, 8), (8, 1), (8, 4)):
+        mode = "fused" if t == 1 else "verify"
+        for v in gdn.variants():
+            cfg = v.config
+            if cfg["mode"] != mode or (cfg["Hk"], cfg["Hv"]) != (16, 48):
+                continue
+            hv, dv, dk = cfg["Hv"], cfg["dv"], cfg["dk"]
+            m = batch * t
+            per_launch = batch + (m if mode == "verify" else 0)  # own slots, then snapshots
+            state = torch.zeros(reps * per_launch, hv, dv, dk, device="cuda", dtype=torch.float32)
+            qkv, x = _bf16(torch, m, cfg["conv_dim"]), _bf16(torch, m, cfg["x_stride"])
+            a_log, dt_bias, norm_w = _bf16(torch, hv), _bf16(torch, hv), _bf16(torch, dv)
+            out = torch.empty(m, hv * dv, device="cuda", dtype=torch.bfloat16)
+            slots = [torch.arange(i * per_launch, (i + 1) * per_launch, device="cuda", dtype=torch.int32)
+                     for i in range(reps)]
+            kern = b.lib.kernel("gdn", v.key)
+            bound = [kern.bind({"qkv": qkv.data_ptr(), "x": x.data_ptr(), "a_log": a_log.data_ptr(),
+                                "dt_bias": dt_bias.data_ptr(), "norm_w": norm_w.data_ptr(), "state": state.data_ptr(),
+                                "slots": s.data_ptr(),
+                                "slots_out": (s[batch:] if mode == "verify" else s).data_ptr(), "out": out.data_ptr()},
+                               {"B": batch, "T": t, "NS": reps * per_launch}) for s in slots]
+            us, _ = b.compare(b.ours(bound), None)
+            b.record("gdn", v.key, f"B={batch} T={t}, {cfg['cols']} column block(s)", us, None, "",
+                     batch * hv * dv * dk * 4 * (1 + t))
+            del state
+
+
+SECTIONS = ("norms", "elementwise", "gemv", "gemm", "moe", "gdn")
 
 
 def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -311,7 +350,7 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: bench_moe(b))]
+                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: bench_moe(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:
             continue
@@ -392,7 +431,7 @@ def _sections(ap: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Kernel microbenchmarks against peers and ceilings.")
     ap.add_argument("--out", type=Path, default=Path("results"), help="folder for kernels.json and kernels.md")
-    ap.add_argument("--quick", action="store_true", help="skip the M=16 GEMV cases")
+    ap.add_argument("--quick", action="store_true", help="skip the GEMV cases of M >= 16")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison (median reported)")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default all)")

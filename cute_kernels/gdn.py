@@ -22,6 +22,13 @@ Three modes:
 - `fused` (decode; keys `k16_v48_d128`, ...): one CTA per (value head, sequence) keeps its [dv, dk]
   state in registers for the whole chunk, each thread 4 columns of dv * dk / (4 * threads) rows,
   and applies the gated norm (a block reduction over dv per token) before writing `out`.
+  Column blocks (keys `..._c2`, `_c4`, `_c8`; config `cols`): the head's rows ("value columns":
+  row j of S is o_j's) are spread over a cluster of `cols` CTAs, each running whole warps of the
+  one-CTA layout with the same rows per thread, so at batch 1 `cols` times more SMs share the
+  work. The per-row arithmetic is the one-CTA kernel's, and the norm's per-warp partial sums go to
+  every CTA of the cluster through distributed shared memory and are added in the one-CTA order:
+  the output and the state are bit-identical to `cols = 1` (whose code and cubin are unchanged).
+  The l2norms of q and k and q.k are recomputed by every CTA (a few shuffles) rather than shared.
 - `verify` (a speculative verification step; keys `..._verify`): the `fused` kernel's code, so
   each token's arithmetic is that of a decode step, for B sequences of T tokens with rows
   position-major (row t * B + b is token t of sequence b, as the step lays them out). The state
@@ -51,13 +58,16 @@ FAMILY = "gdn"
 L2_EPS = 1e-6
 NORM_EPS = 1e-6
 
-# (key, Hk, Hv, dk, dv, threads): tiny dense model, Qwen3.6-27B, Qwen3.6-35B-A3B / Next-80B.
+# (key, Hk, Hv, dk, dv, threads, column blocks): tiny dense model, Qwen3.6-27B, Qwen3.6-35B-A3B /
+# Next-80B. threads: per head (over all its column blocks). Each shape has a `fused` and a `verify`
+# variant per column-block count; the runner picks the count by batch size (gpu/kernels.py).
 _SHAPES = [
-    ("k2_v4_d32", 2, 4, 32, 32, 128),
-    ("k16_v48_d128", 16, 48, 128, 128, 512),
-    ("k16_v32_d128", 16, 32, 128, 128, 512),
+    ("k2_v4_d32", 2, 4, 32, 32, 128, (1, 2, 4)),
+    ("k16_v48_d128", 16, 48, 128, 128, 512, (1, 2, 4, 8)),
+    ("k16_v32_d128", 16, 32, 128, 128, 512, (1, 2, 4, 8)),
 ]
-VERIFY_SUFFIX = "_verify"  # the `verify` variant of each shape above: its key plus this
+VERIFY_SUFFIX = "_verify"  # the `verify` variant of each `fused` variant: its key plus this
+MAX_COLS = 8  # the largest portable cluster: the column blocks of a head form one cluster
 
 # (key, Hk, Hv, dk, dv, threads, splits): the prefill variants (rows of each head over `splits` CTAs).
 _SPLIT_SHAPES = [
@@ -76,18 +86,27 @@ def layout(hk: int, hv: int, dk: int, dv: int) -> dict[str, int]:
     return {"conv_dim": conv_dim, "z_off": z_off, "b_off": b_off, "a_off": a_off, "x_stride": a_off + hv}
 
 
-def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, verify: bool = False) -> Variant:
-    """A `fused` variant, or (verify) the `verify` variant of the same shape."""
+def column_key(key: str, cols: int) -> str:
+    """The key of a shape's `fused` variant with `cols` column blocks (one block: the shape's key)."""
+    return key if cols == 1 else f"{key}_c{cols}"
+
+
+def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, cols: int, verify: bool = False) -> Variant:
+    """A `fused` variant with `cols` column blocks, or (verify) the `verify` variant of the same."""
     lay = layout(hk, hv, dk, dv)
     lanes = dk // 4
     groups = threads // lanes
     if dk % 4 or 32 % lanes or threads % 32 or dv % groups or hv % hk:
         raise ValueError(f"gdn {key}: dk={dk}, dv={dv}, threads={threads} do not tile")
+    # Each column block is whole warps of the one-block layout (so its norm partials are that
+    # layout's), and the blocks of a head fit one portable cluster.
+    if not 1 <= cols <= MAX_COLS or (threads // 32) % cols:
+        raise ValueError(f"gdn {key}: {threads} threads do not split into {cols} column blocks of whole warps")
     return Variant(
         family=FAMILY,
-        key=key + (VERIFY_SUFFIX if verify else ""),
-        config={"mode": "verify" if verify else "fused", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads, **lay,
-                "l2_eps": L2_EPS, "norm_eps": NORM_EPS},
+        key=column_key(key, cols) + (VERIFY_SUFFIX if verify else ""),
+        config={"mode": "verify" if verify else "fused", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads,
+                "cols": cols, **lay, "l2_eps": L2_EPS, "norm_eps": NORM_EPS},
         params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("norm_w"), ptr("state"), ptr("slots"),
                 ptr("slots_out"), ptr("out"), i32("B"), i32("T")],
         tensors={
@@ -102,11 +121,13 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, verify:
             "out": tensor("bf16", "B * T", hv * dv, role="out"),
         },
         sizes=("B", "T", "NS"),
-        block=(threads, 1, 1),
-        grid=(hv, "B", 1),
+        block=(threads // cols, 1, 1),
+        grid=(hv * cols, "B", 1),
+        cluster=(cols, 1, 1),
         requires=("B >= 1", "T >= 1", "B <= 65535", "NS >= 1"),
         arches=ALL_ARCHES,
         note=f"recurrent Gated DeltaNet, Hk={hk} Hv={hv} dk={dk} dv={dv}, fp32 state, gated norm fused"
+             + (f", value columns over a cluster of {cols} CTAs per head" if cols > 1 else "")
              + (", position-major rows, the state after each token to its row's slot" if verify else ""),
         example_sizes={"B": 1, "T": 1, "NS": 1},
     )
@@ -173,8 +194,9 @@ def _split_variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, s
 
 
 def variants() -> list[Variant]:
-    return ([_variant(*s) for s in _SHAPES] + [_split_variant(*s) for s in _SPLIT_SHAPES]
-            + [_variant(*s, verify=True) for s in _SHAPES])
+    fused = [(*shape, cols) for *shape, all_cols in _SHAPES for cols in all_cols]
+    return ([_variant(*s) for s in fused] + [_split_variant(*s) for s in _SPLIT_SHAPES]
+            + [_variant(*s, verify=True) for s in fused])
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:

@@ -18,11 +18,24 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     return _build_recurrent(variant)
 
 
+def _store_cluster(smem_ptr: Any, rank: int, value: Any) -> None:
+    """Store an fp32 `value` at `smem_ptr`'s offset in the shared memory of CTA `rank` of the
+    cluster (st.shared::cluster: the DSL's tensors and `store` take no distributed pointer)."""
+    import cutlass
+    from cutlass._mlir.dialects import llvm, nvvm
+
+    cluster_space = 7  # NVPTX's shared::cluster address space
+    remote = nvvm.mapa(llvm.PointerType.get(cluster_space), smem_ptr.to_llvm_ptr(), cutlass.Int32(rank).ir_value())
+    llvm.store(cutlass.Float32(value).ir_value(), remote)
+
+
 def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
     """The `fused` kernel (B sequences of T tokens, rows sequence-major, the state read at
     slots[b] and written once at slots_out[b]) and the `verify` kernel: the same code, so the
     same arithmetic per token, but rows position-major (row t * B + b) and the state read at
-    slots[b] and written after each token at slots_out[row] (a snapshot slot per row)."""
+    slots[b] and written after each token at slots_out[row] (a snapshot slot per row). With
+    column blocks (cols > 1) each CTA of a head's cluster runs whole warps of the one-block layout
+    and the norm's per-warp partials cross the cluster through distributed shared memory."""
     import cutlass
     import cutlass.cute as cute
 
@@ -32,16 +45,19 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
     hk, hv, dk, dv, nt_threads = cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"], cfg["threads"]
     conv_dim, stride = cfg["conv_dim"], cfg["x_stride"]
     z_off, b_off, a_off = cfg["z_off"], cfg["b_off"], cfg["a_off"]
+    cols = cfg["cols"]  # column blocks: the CTAs (one cluster) of each (head, sequence)
     key_dim = hk * dk
     rep = hv // hk
     lanes = dk // 4
-    groups = nt_threads // lanes
+    groups = nt_threads // lanes  # row groups of the whole head; groups // cols per CTA
     rows = dv // groups  # state rows per thread
-    warps = nt_threads // 32
+    warps = nt_threads // 32  # warps of the whole head; warps // cols per CTA
     q_scale = dk ** -0.5
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
-    # Compile-time: `fused` traces exactly the code it had before `verify` existed (same cubin).
+    # Compile-time: `fused` traces exactly the code it had before `verify` existed (same cubin),
+    # and one column block (cols = 1) the code it had before column blocks existed.
     verify = cfg["mode"] == "verify"
+    split = cols > 1
 
     @cute.kernel
     def kernel(qkv: cute.Pointer, x: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
@@ -53,6 +69,15 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
         grp = tid // lanes
         warp = tid // 32
         lane = tid % 32
+        if cutlass.const_expr(split):
+            # CTA `blk` of the head's cluster is the head's row groups [blk * groups / cols, ...)
+            # of the one-CTA kernel (whole warps), so grp and warp below are the head-wide numbers
+            # that kernel gives the same rows: the same per-row code and the same norm partials.
+            cute.arch.cluster_arrive_relaxed()  # (waited before the first remote store)
+            blk = h % cols
+            h = h // cols
+            grp = grp + blk * (groups // cols)
+            warp = warp + blk * (warps // cols)
         kh = h // rep
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(f32, cute.make_layout((warps, 2)), byte_alignment=16)
@@ -74,6 +99,10 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
         o = cute.make_rmem_tensor((rows,), f32)
         if cutlass.const_expr(verify):
             zv = cute.make_rmem_tensor((rows,), f32)
+        if cutlass.const_expr(split):
+            # Every CTA of the cluster has started (its shared memory exists) before any writes
+            # into it; the state loads above are in flight meanwhile.
+            cute.arch.cluster_wait()
         for t in cutlass.range(nt):
             if cutlass.const_expr(verify):
                 row = cutlass.Int64(t) * nb + b
@@ -120,9 +149,21 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
                 part = f32(0.0)
             part = _dsl.warp_sum(part, 32)
             parity = t % 2
-            if lane == 0:
-                red[warp, parity] = part
-            cute.arch.sync_threads()
+            if cutlass.const_expr(split):
+                # Each warp's partial into red[warp, parity] of every CTA of the cluster, then a
+                # cluster barrier (release / acquire): every CTA then sums all the head's partials
+                # in the one-CTA kernel's order. The parity keeps token t + 1's stores off the
+                # slots a slower CTA may still be reading for token t, as the block barrier does.
+                if lane == 0:
+                    mine = red.iterator + red.layout((warp, parity))
+                    for r in cutlass.range_constexpr(cols):
+                        _store_cluster(mine, r, part)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                if lane == 0:
+                    red[warp, parity] = part
+                cute.arch.sync_threads()
             total = f32(0.0)
             for w in cutlass.range_constexpr(warps):
                 total = total + red[w, parity]
@@ -151,7 +192,8 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
                norm_w: cute.Pointer, state: cute.Pointer, slots: cute.Pointer, slots_out: cute.Pointer,
                out: cute.Pointer, nb: cutlass.Int32, nt: cutlass.Int32, stream: Any):
         kernel(qkv, x, a_log, dt_bias, norm_w, state, slots, slots_out, out, nb, nt).launch(
-            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block), stream=stream)
+            grid=_dsl.grid(variant, {"B": nb, "T": nt}), block=list(variant.block),
+            **({"cluster": list(variant.cluster)} if split else {}), stream=stream)
 
     return launch, _dsl.example_args(variant, aligns={"a_log": 2, "dt_bias": 2, "slots": 4, "slots_out": 4})
 

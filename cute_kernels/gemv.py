@@ -1,4 +1,4 @@
-"""Decode GEMV / skinny GEMM: `out[M, N] = x[M, K] @ W[N, K]^T` for M = 1..16, BF16, fp32 accumulate.
+"""Decode GEMV / skinny GEMM: `out[M, N] = x[M, K] @ W[N, K]^T` for M = 1..64, BF16, fp32 accumulate.
 
 At decode the weights are read once per step and M is tiny, so the kernel is built to stream W at
 memory bandwidth, not to use the tensor cores fully. The weights are the MMA's M side ("swap AB"):
@@ -15,8 +15,14 @@ memory bandwidth, not to use the tensor cores fully. The weights are the MMA's M
 - the 8 warps' 16 x M partial sums meet in shared memory, are added in a fixed order
   (deterministic) and written as bf16.
 
-Tokens past M read token M - 1 again (valid memory); their MMA columns are never stored. `MB` (8
-or 16) is the largest M a variant accepts.
+Tokens past M read token M - 1 again (valid memory); their MMA columns are never stored. `MB` (8,
+16, 32 or 64) is the largest M a variant accepts: one 8-token MMA column group per 8 tokens, each
+weight chunk loaded once and fed to every group. A token's result does not depend on MB: its
+group's MMAs see the same weight fragments in the same K order (chunks, then the 4 k16 steps), the
+token sits in the same MMA column (token % 8) and the warps' partials are added in warp order, so
+row t of an `m32` or `m64` launch equals row t % 8 of the `m8` launch over t's block of 8 bit for
+bit. The wide variants exist for verification steps (k + 1 tokens of up to 8 sequences): one launch
+reads each weight once for all their rows.
 """
 
 from typing import Any
@@ -40,6 +46,12 @@ SPREAD = {("o_proj", 8): 6}
 # against 86 % for 4 (5 x 132 CTAs) in the same run; 6 fell to 70 % (docs/performance.md).
 UNROLL = {("o_proj", 8): 12}
 CHUNK = 64  # K columns per warp step: 4 lanes x 32 bytes = one 128-byte line per row
+MBS = (8, 16, 32, 64)  # the row counts of each shape's variants
+# Chunks in flight per warp at MB = 64: each chunk holds MB / 8 activation fragments in registers
+# (8 each). ptxas: m32 with the default 4 uses 100 registers, m64 with 2 uses 142 (one CTA per
+# SM), with 1 100 (two), none spilling. Unrolling changes only the schedule, not the order of each
+# accumulator's MMAs.
+WIDE_UNROLL = {64: 1}
 
 # (name, N, K): every linear layer of the 27B (and of its MTP head) at decode (BF16 weights).
 SHAPES = [
@@ -61,7 +73,7 @@ SHAPES = [
 def _variant(name: str, n: int, k: int, mb: int) -> Variant:
     spread = SPREAD.get((name, mb))
     ctas = spread * SMS if spread else n // ROWS
-    unroll = UNROLL.get((name, mb), min(k // WARPS // CHUNK, 4))
+    unroll = UNROLL.get((name, mb), min(k // WARPS // CHUNK, WIDE_UNROLL.get(mb, 4)))
     rows = -(-n // ctas)  # the most rows one CTA owns
     if spread and rows > ROWS // 2:
         raise ValueError(f"gemv {name} m{mb}: {ctas} CTAs give {rows} rows per CTA, more than {ROWS // 2}")
@@ -78,7 +90,7 @@ def _variant(name: str, n: int, k: int, mb: int) -> Variant:
         requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
         note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once",
-        example_sizes={"M": 1 if mb == 8 else 16},
+        example_sizes={"M": 1 if mb == 8 else mb},
     )
 
 
@@ -87,7 +99,7 @@ def variants() -> list[Variant]:
     for name, n, k in SHAPES:
         if n % ROWS or k % (CHUNK * WARPS):
             raise ValueError(f"gemv shape {name} {n}x{k} does not tile by {ROWS} rows and {CHUNK * WARPS} columns")
-        for mb in (8, 16):
+        for mb in MBS:
             out.append(_variant(name, n, k, mb))
     return out
 
@@ -163,7 +175,17 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             if cutlass.const_expr(not half):
                 partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
                 partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
-        _dsl.sum_warp_partials(partial, tid, out, n, row0, m, count, rows, mb, WARPS)
+        # The epilogue adds one (row, token) per thread: MB = 32 and 64 take it in passes of
+        # `per` tokens (a pass is the m16 epilogue over a slice of the partials and the output).
+        per = min(mb, 32 * WARPS // rows)
+        for p in cutlass.range_constexpr(mb // per):
+            if cutlass.const_expr(p == 0):
+                _dsl.sum_warp_partials(partial, tid, out, n, row0, m, count, rows, per, WARPS)
+            else:
+                part = cute.make_tensor(partial.iterator + p * per * rows,
+                                        cute.make_layout((rows, per, WARPS), stride=(1, rows, rows * mb)))
+                _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * n, n, row0, m - p * per, count,
+                                       rows, per, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_{variant.key}")
 

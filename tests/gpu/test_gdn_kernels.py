@@ -5,7 +5,8 @@ initial window and state (a continued sequence), odd lengths, and several sequen
 that use scattered slots of the pool. Outputs must be within 2x the error of the same-precision
 baseline (fp32 maths with the model's bf16 roundings) against a float64 reference; states and
 windows are compared directly. The prefill `split` GDN variants (then the `rmsnorm` gated_x norm)
-are checked against the references and against the `fused` kernel on the same inputs.
+are checked against the references and against the `fused` kernel on the same inputs; the `fused`
+column-block variants against the references and, bit for bit, against the one-block kernel.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def test_conv1d(library, mem, stream, device, key, b, t, alias):
 
 
 @pytest.mark.parametrize("key,b,t", [("k2_v4_d32", 1, 1), ("k2_v4_d32", 3, 1), ("k2_v4_d32", 1, 70),
-                                     ("k16_v48_d128", 2, 1), ("k16_v48_d128", 1, 20)])
+                                     ("k16_v48_d128", 2, 1), ("k16_v48_d128", 1, 20),
+                                     # column blocks (a cluster of CTAs per head)
+                                     ("k2_v4_d32_c4", 3, 1), ("k2_v4_d32_c2", 1, 70), ("k16_v48_d128_c8", 1, 1),
+                                     ("k16_v48_d128_c4", 2, 1), ("k16_v48_d128_c2", 1, 20),
+                                     ("k16_v48_d128_c8", 1, 20), ("k16_v32_d128_c8", 3, 1)])
 @pytest.mark.parametrize("out_of_place", [False, True])
 def test_gdn(library, mem, stream, key, b, t, out_of_place):
     v = _variant(gdn, key)
@@ -110,6 +115,38 @@ def test_gdn(library, mem, stream, key, b, t, out_of_place):
         assert rel_err(new_state[slots_out[i]], want_state) < 2e-5, f"state of seq {i}"
     untouched = np.setdiff1d(np.arange(ns), slots_out)
     np.testing.assert_array_equal(new_state[untouched], state_vk[untouched])
+
+
+_COLUMN_VARIANTS = [v.key for v in gdn.variants() if v.config["mode"] == "fused" and v.config["cols"] > 1]
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (5, 1), (1, 9)])
+@pytest.mark.parametrize("key", _COLUMN_VARIANTS)
+def test_gdn_column_blocks_equal_one_block(library, mem, stream, key, b, t):
+    """A column-block kernel runs the one-block kernel's arithmetic per row, and adds the norm's
+    per-warp partial sums in its order: output and state bit for bit equal to it, at the shapes'
+    real sizes, batch 1 (the case column blocks exist for) and more."""
+    cfg = _variant(gdn, key).config
+    one = next(v.key for v in gdn.variants() if v.config["mode"] == "fused" and v.config["cols"] == 1
+               and all(v.config[k] == cfg[k] for k in ("Hk", "Hv", "dk", "dv", "threads")))
+    hv, dv = cfg["Hv"], cfg["dv"]
+    ns = 7
+    slots, slots_out = np.array([6, 1, 3, 0, 4][:b]), np.array([2, 5, 0, 6, 3][:b])
+    inp = _gdn_inputs(cfg, b, t, ns, 13 * b + t + cfg["cols"])
+    common = {"qkv": mem.bf16(inp["qkv"]), "x": mem.bf16(inp["x"]), "a_log": mem.bf16(inp["a_log"]),
+              "dt_bias": mem.bf16(inp["dt_bias"]), "norm_w": mem.bf16(inp["norm_w"]), "slots": mem.i32(slots),
+              "slots_out": mem.i32(slots_out)}
+    got = {}
+    for k in (one, key):
+        state = mem.alloc(inp["state"].nbytes)
+        mem.device.memcpy_htod(state, inp["state"], stream)
+        out = mem.poisoned((b * t + 1) * hv * dv)
+        library.kernel("gdn", k).launch(stream, {**common, "state": state, "out": out}, {"B": b, "T": t, "NS": ns})
+        got[k] = (mem.read_bf16(out, (b * t + 1, hv * dv)), mem.read_f32(state, inp["state"]))
+    (out1, state1), (outc, statec) = got[one], got[key]
+    assert not np.isnan(outc[:b * t]).any() and np.isnan(outc[b * t]).all(), f"{key}: rows written"
+    np.testing.assert_array_equal(outc.view(np.uint32), out1.view(np.uint32), err_msg=f"{key} vs {one}: out")
+    np.testing.assert_array_equal(statec.view(np.uint32), state1.view(np.uint32), err_msg=f"{key} vs {one}: state")
 
 
 def _gdn_inputs(cfg, b, t, ns, seed):

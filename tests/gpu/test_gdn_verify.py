@@ -10,11 +10,14 @@ The same inputs go through both paths, as `layers.Forward.gdn` runs them:
   reading the sequences' own slots and writing every row's snapshot.
 The conv outputs, the GDN outputs, and every state and window in the pools must be equal bit for
 bit: the `verify` kernels run the decode kernels' code per token (fp32 state kept in registers
-instead of stored and reloaded, which loses nothing). Snapshot and unused slots start poisoned
-(NaN), so a missed write or a write to a wrong slot shows; the sequences' own slots must stay as
-they were. On some cases the verify outputs are also checked against the float64 references
-(`gdn.reference_snapshots`, `conv1d.reference(snapshots=True)`) within 2.5x the error of the
-same-precision baseline, as tests/gpu/test_gdn_kernels.py does for the decode kernels.
+instead of stored and reloaded, which loses nothing), and a GDN kernel with its value columns
+over a cluster of CTAs (column blocks) the one-CTA kernel's arithmetic, so the per-position path
+runs the one-block or the column-block decode kernel and the verify path a column-block one.
+Snapshot and unused slots start poisoned (NaN), so a missed write or a write to a wrong slot shows;
+the sequences' own slots must stay as they were. On some cases the verify outputs are also checked
+against the float64 references (`gdn.reference_snapshots`, `conv1d.reference(snapshots=True)`)
+within 2.5x the error of the same-precision baseline, as tests/gpu/test_gdn_kernels.py does for
+the decode kernels.
 """
 
 from __future__ import annotations
@@ -32,9 +35,19 @@ pytestmark = pytest.mark.gpu
 # (conv1d key, gdn key): tiny model, Qwen3.6-27B, Qwen3.6-35B-A3B (conv channels = GDN conv_dim).
 SHAPES = {"tiny": ("c256_s392", "k2_v4_d32"), "27b": ("c10240_s16480", "k16_v48_d128"),
           "35b": ("c8192_s12352", "k16_v32_d128")}
-CASES = ([(shape, nseq, t) for shape in ("tiny", "27b") for t in range(2, 9) for nseq in range(1, 9)]
-         + [("35b", 1, 4), ("35b", 3, 8)])
-REFERENCE_CASES = {("tiny", 1, 2), ("tiny", 3, 8), ("tiny", 8, 5), ("27b", 1, 4), ("27b", 2, 8), ("35b", 3, 8)}
+# Column blocks of each shape's variants (their keys: `gdn.column_key`).
+COLS = {"tiny": (2, 4), "27b": (2, 4, 8), "35b": (2, 4, 8)}
+# (shape, nseq, t, decode column blocks, verify column blocks). The one-block kernels over the full
+# grid; then each column-block verify kernel against the one-block decode kernel (today's decode
+# numbers) and against its own column-block decode kernel (the pair the runner launches).
+CASES = ([(shape, nseq, t, 1, 1) for shape in ("tiny", "27b") for t in range(2, 9) for nseq in range(1, 9)]
+         + [("35b", 1, 4, 1, 1), ("35b", 3, 8, 1, 1)]
+         + [(shape, nseq, t, 1, c) for shape, cols in COLS.items() for c in cols
+            for nseq, t in ((1, 2), (1, 4), (1, 8), (3, 5), (8, 4))]
+         + [(shape, nseq, t, c, c) for shape, cols in COLS.items() for c in cols for nseq, t in ((1, 4), (2, 8))])
+REFERENCE_CASES = {("tiny", 1, 2, 1, 1), ("tiny", 3, 8, 1, 1), ("tiny", 8, 5, 1, 1), ("27b", 1, 4, 1, 1),
+                   ("27b", 2, 8, 1, 1), ("35b", 3, 8, 1, 1), ("tiny", 1, 8, 1, 4), ("27b", 1, 8, 1, 8),
+                   ("27b", 1, 4, 4, 4), ("35b", 3, 5, 1, 8)}
 POISON16 = 0xFFFF  # a bf16 NaN
 POISON32 = 0xFFFFFFFF  # an fp32 NaN
 
@@ -75,8 +88,8 @@ def _assert_bitwise(what: str, got: np.ndarray, want: np.ndarray) -> None:
                          f"{float(np.nanmax(np.abs(g.astype(np.float64) - w))):.3e}")
 
 
-@pytest.mark.parametrize("shape,nseq,t", CASES)
-def test_verify_launches_equal_per_position_decode_launches(library, mem, stream, shape, nseq, t):
+@pytest.mark.parametrize("shape,nseq,t,dcols,vcols", CASES)
+def test_verify_launches_equal_per_position_decode_launches(library, mem, stream, shape, nseq, t, dcols, vcols):
     conv_key, gdn_key = SHAPES[shape]
     cv, gv = _variant(conv1d, conv_key).config, _variant(gdn, gdn_key).config
     c, stride, kc = cv["C"], cv["x_stride"], cv["Kc"]
@@ -104,7 +117,7 @@ def test_verify_launches_equal_per_position_decode_launches(library, mem, stream
     for name in ("per_position", "verify"):
         paths[name] = {"win": _upload(mem, windows), "state": _upload(mem, states),
                        "conv_out": _upload(mem, conv_rows), "out": _upload(mem, out_rows)}
-    conv, rec = library.kernel("conv1d", conv_key), library.kernel("gdn", gdn_key)
+    conv, rec = library.kernel("conv1d", conv_key), library.kernel("gdn", gdn.column_key(gdn_key, dcols))
     p_bufs = paths["per_position"]
     for p in range(t):
         slots_in = mem.i32(own if p == 0 else snaps[p - 1])
@@ -123,7 +136,7 @@ def test_verify_launches_equal_per_position_decode_launches(library, mem, stream
     library.kernel("conv1d", conv_key + conv1d.VERIFY_SUFFIX).launch(stream, {
         "x": common["x"], "w": common["w"], "win": v_bufs["win"], "slots_in": own_ptr, "slots_out": snaps_ptr,
         "out": v_bufs["conv_out"]}, {"B": nseq, "T": t, "NS": ns})
-    library.kernel("gdn", gdn_key + gdn.VERIFY_SUFFIX).launch(stream, {
+    library.kernel("gdn", gdn.column_key(gdn_key, vcols) + gdn.VERIFY_SUFFIX).launch(stream, {
         "qkv": v_bufs["conv_out"], "x": common["x"], "a_log": common["a_log"], "dt_bias": common["dt_bias"],
         "norm_w": common["norm_w"], "state": v_bufs["state"], "slots": own_ptr, "slots_out": snaps_ptr,
         "out": v_bufs["out"]}, {"B": nseq, "T": t, "NS": ns})
@@ -131,7 +144,7 @@ def test_verify_launches_equal_per_position_decode_launches(library, mem, stream
     got = {name: {"conv_out": _read(mem, bufs["conv_out"], conv_rows), "out": _read(mem, bufs["out"], out_rows),
                   "win": _read(mem, bufs["win"], windows), "state": _read(mem, bufs["state"], states)}
            for name, bufs in paths.items()}
-    case = f"{shape} nseq={nseq} t={t}"
+    case = f"{shape} nseq={nseq} t={t} column blocks decode={dcols} verify={vcols}"
     per, ver = got["per_position"], got["verify"]
     for name in ("conv_out", "out", "win", "state"):
         _assert_bitwise(f"{case} {name}", ver[name], per[name])
@@ -147,7 +160,7 @@ def test_verify_launches_equal_per_position_decode_launches(library, mem, stream
     assert (ver["win"][spare] == POISON16).all() and (ver["state"][spare] == POISON32).all(), case
     assert not np.isnan(bf16.from_bits(ver["win"][snaps])).any(), f"{case}: a window snapshot not written"
     assert not np.isnan(ver["state"][snaps].view(np.float32)).any(), f"{case}: a state snapshot not written"
-    if (shape, nseq, t) in REFERENCE_CASES:
+    if (shape, nseq, t, dcols, vcols) in REFERENCE_CASES:
         _check_against_references(case, ver, x, w, a_log, dt_bias, norm_w, windows, states, own, snaps, gv, kc)
 
 

@@ -242,7 +242,8 @@ def test_a_verification_step_has_one_launch_per_kernel_and_layer(tiny_path):
         got, one_step = launch_names(verify.device.log), launch_names(decode.device.log)
         k = verify.kernels
         swapped = {}
-        for family, key, verify_key in (("conv1d", k.conv, k.conv_verify), ("gdn", k.gdn, k.gdn_verify)):
+        gdn_key, gdn_verify = k.gdn_recurrent(2, False), k.gdn_recurrent(2, True)
+        for family, key, verify_key in (("conv1d", k.conv, k.conv_verify), ("gdn", gdn_key, gdn_verify)):
             assert verify_key == key + "_verify"
             entries = verify.library.manifest.kernels
             swapped[entries[(family, key)].entry] = entries[(family, verify_key)].entry
@@ -255,7 +256,7 @@ def test_a_verification_step_has_one_launch_per_kernel_and_layer(tiny_path):
         assert len(mixers) == 2 * len(verify.config.linear_layers)
         slots_in, slots_out = st.meta_ptr("slots_in"), st.meta_ptr("slots")
         for n, (conv, rec) in enumerate(zip(mixers[::2], mixers[1::2])):
-            assert (conv.kernel.entry.key, rec.kernel.entry.key) == (k.conv_verify, k.gdn_verify)
+            assert (conv.kernel.entry.key, rec.kernel.entry.key) == (k.conv_verify, gdn_verify)
             args = bound_args(conv)
             assert {name: args[name] for name in ("x", "win", "slots_in", "slots_out", "out", "B", "T")} == {
                 "x": buf["proj"], "win": st.windows[n], "slots_in": slots_in, "slots_out": slots_out,

@@ -31,7 +31,8 @@ def _pairs(module):
 @pytest.mark.parametrize("module", [conv1d, gdn], ids=lambda m: m.FAMILY)
 def test_every_decode_shape_has_a_verify_variant_of_the_same_shape(module):
     pairs = _pairs(module)
-    assert len(pairs) == 3  # tiny model, Qwen3.6-27B, 35B-A3B
+    # tiny model, Qwen3.6-27B, 35B-A3B; the GDN's in 3, 4 and 4 column-block counts
+    assert len(pairs) == (3 if module is conv1d else 11)
     for dec, ver in pairs:
         assert ver.config["mode"] == "verify"
         # Same shape (so `KernelChoice` finds it by the decode kernel's config) and, for the
@@ -41,6 +42,8 @@ def test_every_decode_shape_has_a_verify_variant_of_the_same_shape(module):
         assert ver.tensors["slots_out"].shape == ("B * T",)  # a snapshot slot per row
         assert ver.tensors["slots_in" if module is conv1d else "slots"].shape == ("B",)
         assert ver.block == dec.block
+        if module is gdn:  # a GDN pair also has the same grid and cluster (column blocks)
+            assert (ver.grid, ver.cluster) == (dec.grid, dec.cluster)
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -3,7 +3,8 @@
 `KernelChoice` reads the manifest's compile-time configs and picks, for a `ModelConfig`, the
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
-fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
+fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depend on the row
+count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
 weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
 picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M).
@@ -18,8 +19,14 @@ from runtime.cuda.errors import KernelMissing
 from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
 from runtime.model.gpu.weights import FP8, NVFP4
 
+GEMV_ROWS = (8, 16, 32, 64)  # the row counts (MB) of the BF16 decode GEMV's variants
 # The decode GEMV family of each quantised weight format, and the format's name in messages.
 QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
+# The recurrent GDN kernels (decode, verification, the prefill fallback) take the fewest column
+# blocks (CTAs per value head, cute_kernels/gdn.py) that give a step at least this many CTAs, else
+# the most compiled: about two per SM of an H100 / H200 (132 SMs), so batch 1 of the 27B (48 heads)
+# runs 8 blocks per head and batch 8 one. `python -m bench.kernels --only gdn` times every count.
+GDN_MIN_CTAS = 256
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -72,15 +79,28 @@ class KernelChoice:
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
+        # Column blocks -> (`fused` key, `verify` key) of the recurrent GDN kernels, and the CTA
+        # count `gdn_recurrent` aims for (a benchmark may lower it to 0: the one-block kernels).
+        self.gdn_columns: dict[int, tuple[str, str]] = {}
+        self.gdn_min_ctas = GDN_MIN_CTAS
         if c.linear_layers:
             hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim)
-            self.gdn = _need(lib, "gdn", "Gated DeltaNet", mode="fused", Hk=hk, Hv=hv, dk=dk, dv=dv)
+            self.gdn = _need(lib, "gdn", "Gated DeltaNet", mode="fused", cols=1, Hk=hk, Hv=hv, dk=dk, dv=dv)
             stride = lib.manifest.kernels[("gdn", self.gdn)].config["x_stride"]
             # Verification steps (t > 1 tokens per sequence, a state snapshot per token): the
             # decode kernels' code over all positions in one launch (`layers.StepShape`).
-            self.gdn_verify = _need(lib, "gdn", "Gated DeltaNet verification steps", mode="verify", Hk=hk, Hv=hv,
-                                    dk=dk, dv=dv)
+            self.gdn_verify = _need(lib, "gdn", "Gated DeltaNet verification steps", mode="verify", cols=1, Hk=hk,
+                                    Hv=hv, dk=dk, dv=dv)
+            # Every column-block count compiled in both modes (the same numbers as one block).
+            self.gdn_columns[1] = (self.gdn, self.gdn_verify)
+            for (fam, key), entry in lib.manifest.kernels.items():
+                cfg = entry.config
+                if fam == "gdn" and cfg.get("mode") == "fused" and cfg.get("cols", 1) > 1 \
+                        and (cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"]) == (hk, hv, dk, dv):
+                    verify = _find(lib, "gdn", mode="verify", cols=cfg["cols"], Hk=hk, Hv=hv, dk=dk, dv=dv)
+                    if verify is not None:
+                        self.gdn_columns[cfg["cols"]] = (key, verify)
             # Prefill: the chunked (WY, tensor-core) kernel where one was compiled for the shape,
             # else the recurrent one with each head's rows over several CTAs; either writes the
             # un-normalised output and the gated norm runs as its own launch. All None (prefill
@@ -126,21 +146,39 @@ class KernelChoice:
             self.sample_candidates = self.sample_pick = None
             self.sample_ctas = 0
 
-    def linear(self, n: int, k: int, m: int) -> tuple[str, str]:
-        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T."""
+    def gdn_recurrent(self, nseq: int, verify: bool) -> str:
+        """The key of the recurrent GDN kernel (`verify` mode, or `fused`) for a step of nseq
+        sequences: the fewest column blocks giving nseq * Hv * blocks >= `gdn_min_ctas`, else
+        the most compiled. Every count computes the same numbers bit for bit."""
+        hv = self.config.linear_num_value_heads
+        counts = sorted(self.gdn_columns)
+        cols = next((n for n in counts if nseq * hv * n >= self.gdn_min_ctas), counts[-1])
+        return self.gdn_columns[cols][1 if verify else 0]
+
+    def linear(self, n: int, k: int, m: int, exact: bool = False) -> tuple[str, str]:
+        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T: the decode GEMV of the
+        narrowest compiled row count >= m (up to 16; exact: up to 64, a row's numbers are the
+        same in every GEMV variant, cute_kernels/gemv.py), else the GEMM."""
         lib = self.library
-        if m <= 16:
-            for mb in (8, 16):
-                if m <= mb:
-                    key = _find(lib, "gemv", N=n, K=k, MB=mb)
-                    if key is not None:
-                        return "gemv", key
+        for mb in GEMV_ROWS:
+            if m <= mb <= (GEMV_ROWS[-1] if exact else 16):
+                key = _find(lib, "gemv", N=n, K=k, MB=mb)
+                if key is not None:
+                    return "gemv", key
         key = _find(lib, "gemm_sm90", N=n, K=k)
         if key is not None:
             return "gemm_sm90", key
         raise KernelMissing(
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
+
+    def exact_block(self, n: int, k: int) -> int:
+        """The most rows one launch takes for rows that must get a decode step's numbers
+        whatever their count (`layers.Forward.linear` with exact_rows): the widest decode GEMV
+        compiled for a weight [n, k], else 8 (the GEMM then runs them 8 at a time: its numbers
+        depend on the row count beyond a tile)."""
+        widths = [mb for mb in GEMV_ROWS if _find(self.library, "gemv", N=n, K=k, MB=mb) is not None]
+        return max(widths, default=GEMV_ROWS[0])
 
     def linear_quantised(self, fmt: str, n: int, nt: int, k: int) -> tuple[str, str]:
         """(family, key) of the decode GEMV for a weight [n, k] of a quantised format (`FP8`,
@@ -163,6 +201,7 @@ class KernelChoice:
                   ("embedding", self.embedding), ("gdn", self.gdn), ("gdn", self.gdn_split),
                   ("gdn_chunked", self.gdn_chunked), ("rmsnorm", self.gdn_norm), ("conv1d", self.conv),
                   ("gdn", self.gdn_verify), ("conv1d", self.conv_verify),
+                  *[("gdn", key) for cols, pair in sorted(self.gdn_columns.items()) if cols > 1 for key in pair],
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),

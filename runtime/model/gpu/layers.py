@@ -19,7 +19,6 @@ from runtime.model.gpu.collective import AllReduce, Collective
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
 QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
-GEMV_ROWS = 8  # rows of the BF16 decode GEMV (its MB): every decode bucket and verification block
 
 
 @dataclass(frozen=True)
@@ -36,8 +35,9 @@ class StepShape:
     written at `slots[r]` (its snapshot slot). The GDN conv and recurrent step are their
     `verify` kernels, one launch each over all rows, with the decode kernels' arithmetic per
     token; every other launch takes all m rows too, and projections and the head run the decode
-    GEMV in blocks of `GEMV_ROWS` rows. So each position's numbers are those of a decode step
-    (reading the snapshot the position before wrote), and each weight is read once per block.
+    GEMV in blocks of up to 64 rows (`KernelChoice.exact_block`; a row's numbers are the same in
+    every GEMV width). So each position's numbers are those of a decode step (reading the
+    snapshot the position before wrote), and each weight is read once per block.
 
     exact: False lets the projections of a decode-kernel step pick the kernel by row count (the
     GEMM for many rows) instead of decode GEMV blocks: the MTP head's catch-up over a prompt chunk,
@@ -53,7 +53,7 @@ class StepShape:
 
     @property
     def exact_rows(self) -> bool:
-        """Decode and verification: the decode GEMV in blocks of `GEMV_ROWS` rows."""
+        """Decode and verification: the decode GEMV in blocks of `KernelChoice.exact_block` rows."""
         return not self.prefill and self.exact
 
 
@@ -123,9 +123,9 @@ class Forward:
                exact_rows: bool = False) -> None:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
         shape: BF16, the GEMV for a few rows, the GEMM otherwise (exact_rows: the decode GEMV
-        in blocks of `GEMV_ROWS` rows, whatever `rows` is, so a row's numbers do not depend on
-        how many there are); FP8, the FP8 GEMV with the block scales bound, and `tail` (a BF16
-        slot after the FP8 rows; y is then N + NT wide) computed by the same launch. There is
+        in blocks of `KernelChoice.exact_block` rows, whatever `rows` is, so a row's numbers do
+        not depend on how many there are); FP8, the FP8 GEMV with the block scales bound, and
+        `tail` (a BF16 slot after the FP8 rows; y is then N + NT wide) computed by the same launch. There is
         no FP8 GEMM yet, so FP8 prefill rows run through the GEMV 8 at a time: the same numbers
         as decode, the weights read once per 8 rows. NVFP4 likewise with the NVFP4 GEMV (block
         scales and per-row global scales bound)."""
@@ -147,10 +147,10 @@ class Forward:
             raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "
                                       "CudaRunner runs bf16 weights only so far")
         n, k = weight.shape
-        block = GEMV_ROWS if exact_rows else rows
+        block = self.kernels.exact_block(n, k) if exact_rows else rows
         for r0 in range(0, rows, block):
             m = min(block, rows - r0)
-            family, key = self.kernels.linear(n, k, m)
+            family, key = self.kernels.linear(n, k, m, exact=exact_rows)
             self.launch(out, family, key, {"x": x + r0 * k * 2, "w": self.w(weight), "out": y + r0 * n * 2},
                         {"M": m})
 
@@ -201,8 +201,9 @@ class Forward:
                                                          "w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                             {"M": m * self.config.linear_num_value_heads})
             else:
-                self.launch(out, "gdn", k.gdn, {**gdn_args, "slots_out": st.meta_ptr("slots"),
-                                                "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
+                self.launch(out, "gdn", k.gdn_recurrent(nseq, False),
+                            {**gdn_args, "slots_out": st.meta_ptr("slots"), "norm_w": self.w(layer["gdn_norm"]),
+                             "out": buf["gdn_out"]},
                             {"B": nseq, "T": t, "NS": slots})
         else:
             # Decode (t = 1; states read at slots_in and written at slots: the same slot, or a
@@ -221,7 +222,7 @@ class Forward:
                                                     "slots_in": slots_in, "slots_out": slots_out,
                                                     "out": buf["conv_out"]},
                             {"B": nseq, "T": 1, "NI": slots, "NO": slots})
-            self.launch(out, "gdn", k.gdn_verify if verify else k.gdn,
+            self.launch(out, "gdn", k.gdn_recurrent(nseq, verify),
                         {**gdn_args, "qkv": buf["conv_out"], "x": buf["proj"], "slots": slots_in,
                          "slots_out": slots_out, "norm_w": self.w(layer["gdn_norm"]), "out": buf["gdn_out"]},
                         {"B": nseq, "T": t, "NS": slots})
