@@ -73,8 +73,11 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
     e, k, h, inter, p, renorm, uf = cfg["E"], cfg["K"], cfg["H"], cfg["I"], cfg["P"], cfg["renorm"], cfg["features"]
     vecs = h // 256
     per_warp = uf // WARPS
-    per = -(-e // 32)  # logits per lane in the all-E denominator (route's order)
-    cands = -(-e // THREADS)  # logits each thread ranks
+    n_groups = -(-e // 32)  # groups of 32 logits (one warp ranks each; route's logits per lane)
+    n_groups_per_warp = -(-n_groups // WARPS)
+    n_cand = n_groups * k  # a group's k best
+    if k > min(32, e):
+        raise ValueError(f"{variant.name}: top-{k} of {e} logits in groups of 32")
     f32, bf16, i32_t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
     neg_inf = float("-inf")
 
@@ -88,26 +91,45 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
         s = slot - row * p
         smem = cutlass.utils.SmemAllocator()
         s_w = smem.allocate_tensor(bf16, cute.make_layout(per_warp * 2 * vecs * THREADS * 8), byte_alignment=128)
-        s_logit = smem.allocate_tensor(f32, cute.make_layout(e), byte_alignment=16)
+        s_cand_v = smem.allocate_tensor(f32, cute.make_layout(n_cand), byte_alignment=16)
+        s_cand_i = smem.allocate_tensor(i32_t, cute.make_layout(n_cand), byte_alignment=16)
         s_top_v = smem.allocate_tensor(f32, cute.make_layout(k), byte_alignment=16)
         s_top_i = smem.allocate_tensor(i32_t, cute.make_layout(k), byte_alignment=16)
         expert = i32_t(e)  # the shared slot s == k
+        src = cute.make_tensor(logits + cutlass.Int64(row) * e, cute.make_layout(e))
         if s < k:
-            src = cute.make_tensor(logits + cutlass.Int64(row) * e, cute.make_layout(e))
-            for c in cutlass.range_constexpr(cands):
-                if c * THREADS + tid < e:
-                    s_logit[c * THREADS + tid] = src[c * THREADS + tid]
-            cute.arch.sync_threads()
-            # Rank = how many logits beat this one by (value desc, index asc): a permutation of
-            # 0..E-1, so the logits of rank < k are the top k in order, ties to the lowest index.
-            for c in cutlass.range_constexpr(cands):
-                i = c * THREADS + tid
-                if i < e:
-                    v = s_logit[i]
+            # Top k in two rounds. A logit's rank is how many logits beat it by (value desc, index
+            # asc). Round 1: each warp ranks the 32 logits of its group among themselves (lane
+            # i ^ o through a butterfly shuffle) and keeps its k best as candidates; every global
+            # top-k logit is a candidate (fewer than k beat it anywhere). Round 2: each candidate
+            # is ranked among the candidates; every logit that beats a top-k logit is itself in
+            # the top k, so that rank is its global rank, and the candidates outside the top k
+            # rank k or later.
+            for c in cutlass.range_constexpr(n_groups_per_warp):
+                g = c * WARPS + warp
+                if g < n_groups:
+                    i = g * 32 + lane
+                    v = f32(neg_inf)
+                    if i < e:
+                        v = src[i]
                     rank = i32_t(0)
-                    for jj in cutlass.range(e, unroll=8):
-                        u = s_logit[jj]
-                        if u > v or (u == v and jj < i):
+                    for o in cutlass.range_constexpr(1, 32):
+                        u = cute.arch.shuffle_sync_bfly(v, offset=o)
+                        if u > v or (u == v and (lane ^ o) < lane):
+                            rank = rank + 1
+                    if rank < k:
+                        s_cand_v[g * k + rank] = v
+                        s_cand_i[g * k + rank] = i
+            cute.arch.sync_threads()
+            for c in cutlass.range_constexpr(-(-n_cand // THREADS)):
+                t = c * THREADS + tid
+                if t < n_cand:
+                    v = s_cand_v[t]
+                    i = s_cand_i[t]
+                    rank = i32_t(0)
+                    for jj in cutlass.range(n_cand, unroll=8):
+                        u = s_cand_v[jj]
+                        if u > v or (u == v and s_cand_i[jj] < i):
                             rank = rank + 1
                     if rank < k:
                         s_top_v[rank] = v
@@ -132,10 +154,10 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
                     for r in cutlass.range_constexpr(k):
                         denom = denom + cute.math.exp(s_top_v[r] - lead, fastmath=True)
                 else:
-                    for c in cutlass.range_constexpr(per):
+                    for c in cutlass.range_constexpr(n_groups):
                         val = f32(neg_inf)
                         if c * 32 + lane < e:
-                            val = s_logit[c * 32 + lane]
+                            val = src[c * 32 + lane]
                         denom = denom + cute.math.exp(val - lead, fastmath=True)
                     denom = _dsl.warp_sum(denom, 32)
                 if tid == 0:
