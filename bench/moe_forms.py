@@ -2,8 +2,8 @@
 
 One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the experts' gate/up
 + SwiGLU, down + routing weight + combine) at decode row counts, in every form compiled: the
-split form (logits, route, up, down) and each decode form (logits, route_up with F features a
-CTA, down_wide with R rows a warp; runtime/model/gpu/kernels.py MOE_DECODE_FORM picks one). Then
+split form (logits, route, up, down) and each decode form (logits_wide, route_up with F features
+a CTA, down_wide with R rows a warp; runtime/model/gpu/kernels.py MOE_DECODE_FORM picks one). Then
 each kernel alone, so the table shows where a layer's time goes.
 
 Each of 8 graph reps has its own hidden rows and its own routing buffers, so the experts read
@@ -33,7 +33,7 @@ def forms(h: int) -> list[tuple[str, list[str]]]:
     for ru in keys["route_up"]:
         for dw in keys["down_wide"]:
             name = f"decode_f{by_key[ru].config['features']}_{by_key[dw].config['form']}"
-            out.append((name, [keys["logits"][0], ru, dw]))
+            out.append((name, [keys["logits_wide"][0], ru, dw]))
     return out
 
 
@@ -47,6 +47,7 @@ def launch_args(key: str, bufs: dict[str, int], weights: dict[str, int]) -> dict
     """The buffers of a moe/<key> launch over one rep's buffers (the kind decides them)."""
     return {
         "logits": {"x": bufs["x"], "w": weights["router"], "out": bufs["logits"]},
+        "logits_wide": {"x": bufs["x"], "w": weights["router"], "out": bufs["logits"]},
         "route": {"logits": bufs["logits"], "x": bufs["x"], "w_sg": weights["w_sg"], "ids": bufs["ids"],
                   "wts": bufs["wts"]},
         "up": {"x": bufs["x"], "w": weights["gate_up"], "ids": bufs["ids"], "act": bufs["act"]},
@@ -106,7 +107,7 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
         b.stream.synchronize()
         kernels = dict.fromkeys(key for _, keys in layer_forms for key in keys)
         for key in kernels:
-            share = {"logits": "logits", "up": "up", "route_up": "up", "down": "down",
+            share = {"logits": "logits", "logits_wide": "logits", "up": "up", "route_up": "up", "down": "down",
                      "down_wide": "down"}.get(kind_of(key))
             us, _ = b.compare(b.ours([_bind(b, key, rep, weights, m) for rep in reps]), None)
             b.record("moe", key, case, us, None, "", nbytes[share] if share else 0.0)

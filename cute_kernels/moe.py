@@ -29,10 +29,13 @@ itself: with several rows routed to one expert the weights are read again (from 
 kernel that reads each expert once for all its rows is later work (docs/kernels.md).
 
 The decode form (cute_kernels/moe_decode_kernels.py) computes the same numbers in three launches,
-with its weight loads made asynchronous (`cp.async` into shared memory: a lane's plain loads go
+with its loads made asynchronous (`cp.async` into shared memory: a lane's plain loads go
 out one slot at a time, ptxas sinks them to their use, so `up` and `down` wait on DRAM once per
 dot product; staged copies are all in flight at once, and each lane reads back only what it
-copied itself, so no barrier guards them): `logits`, then
+copied itself, so no barrier guards them):
+
+1'. `logits_wide`: `logits` with every lane's x and router vectors staged before the first product
+   (the same sums in the same order).
 
 3'. `route_up`: `up` with the routing fused in front, UF features a CTA. A CTA of a routed slot s
    loads its row's E logits into shared memory and every thread ranks its logits (rank = how
@@ -120,6 +123,10 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                  "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
                  "out": tensor("bf16", "M", h, role="out")},
                 ("M", h // fd, 1), 32 * WARPS, f"expert down x routing weight, summed over {p} slots in order"),
+        _variant(name, "logits_wide", f"e{e}_h{h}", {"E": e, "H": h},
+                [ptr("x"), ptr("w"), ptr("out"), i32("M")],
+                {"x": tensor("bf16", "M", h), "w": tensor("bf16", e, h), "out": tensor("f32", "M", e, role="out")},
+                ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
     ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
         _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS]
 
@@ -213,7 +220,7 @@ def reference(x: np.ndarray, router: np.ndarray, w_sg: np.ndarray, gate_up: np.n
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
-    if variant.config["kind"] in ("route_up", "down_wide"):
+    if variant.config["kind"] in ("logits_wide", "route_up", "down_wide"):
         from .moe_decode_kernels import build as build_decode
 
         return build_decode(variant)

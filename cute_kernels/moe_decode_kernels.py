@@ -1,5 +1,6 @@
-"""The CuTe DSL code of the `moe` family's decode forms: `route_up` (top-k routing fused in front of
-the experts' gate/up) and `down_wide` (`down` with every slot's weights staged at once). What each
+"""The CuTe DSL code of the `moe` family's decode form: `logits_wide` (`logits` with its loads
+staged), `route_up` (top-k routing fused in front of the experts' gate/up) and `down_wide`
+(`down` with every slot's weights staged at once). What each
 computes, and why the loads are staged, is in cute_kernels/moe.py's docstring; the arithmetic is
 `route`'s, `up`'s and `down`'s op for op, so the forms agree (down_wide and down bit for bit).
 
@@ -18,7 +19,7 @@ THREADS = 32 * WARPS
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
-    builder = {"route_up": _route_up, "down_wide": _down_wide}[variant.config["kind"]]
+    builder = {"logits_wide": _logits_wide, "route_up": _route_up, "down_wide": _down_wide}[variant.config["kind"]]
     return builder(variant)
 
 
@@ -59,6 +60,46 @@ def _dot(x_vecs: list, w_vecs: list, lanes: int) -> Any:
     from . import _dsl
 
     return _dsl.warp_sum(_dot_lane(x_vecs, w_vecs), lanes)
+
+
+# --- logits_wide --------------------------------------------------------------------------------
+
+def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    e, h = variant.config["E"], variant.config["H"]
+    vecs = h // 256
+    f32 = cutlass.Float32
+
+    @cute.kernel
+    def kernel(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        row, tile, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        expert = tile * WARPS + warp
+        smem = cutlass.utils.SmemAllocator()
+        s_v = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * vecs * THREADS * 8), byte_alignment=128)
+        # The lane's x vectors and router-row vectors, all in flight before the first product.
+        for c in cutlass.range_constexpr(vecs):
+            _stage(x, cutlass.Int64(row) * h + (c * 32 + lane) * 8, s_v.iterator, (c * THREADS + tid) * 8)
+            _stage(w, cutlass.Int64(expert) * h + (c * 32 + lane) * 8, s_v.iterator, ((vecs + c) * THREADS + tid) * 8)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        xs = [_staged(s_v.iterator, c, tid).to(f32) for c in range(vecs)]
+        total = _dot(xs, [_staged(s_v.iterator, vecs + c, tid) for c in range(vecs)], 32)
+        if lane == 0:
+            _at(out, row * e + expert)[0] = total
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32, stream: Any):
+        kernel(x, w, out, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
 
 
 # --- route_up -----------------------------------------------------------------------------------

@@ -207,6 +207,27 @@ def _form_keys(kind: str, h: int) -> list[str]:
     return [v.key for v in moe.variants() if v.config["kind"] == kind and v.config["H"] == h]
 
 
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_logits_wide_equals_logits(library, mem, stream, name, m):
+    """logits_wide: the reference's logits as `logits` is, and `logits`'s bit for bit (the same
+    sums in the same order, only the loads staged); the row past M stays untouched."""
+    _, h, e, _, _, _, _ = SHAPES[name]
+    rng = np.random.default_rng(300 + m)
+    x = _bf(rng, (m, h))
+    router = _bf(rng, (e, h), h ** -0.5)
+    got = {}
+    for kind in ("logits", "logits_wide"):
+        out = _f32_poisoned(mem, (m + 1) * e)
+        library.kernel("moe", _key(kind, h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
+                                                    {"M": m})
+        got[kind] = mem.read_f32(out, np.empty((m + 1, e)))
+        assert np.isnan(got[kind][m]).all(), f"{kind}: the row past M was written"
+    want = moe.reference_logits(x, router)
+    assert rel_err(got["logits_wide"][:m].astype(np.float64), want) < 1e-5
+    np.testing.assert_array_equal(got["logits_wide"], got["logits"])
+
+
 def _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up):
     """ids, wts, act of one route_up launch over the rows of logits; checks the row past M."""
     _, h, e, k, inter, _, _ = SHAPES[name]
@@ -314,14 +335,15 @@ def test_down_wide_equals_down(library, mem, stream, name, m):
 
 
 def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key):
-    """logits -> route_up -> down_wide over the rows of x; returns (ids, delta rows)."""
+    """logits_wide -> route_up -> down_wide over the rows of x; returns (ids, delta rows)."""
     _, h, e, k, inter, _, _ = SHAPES[name]
     m, p = x.shape[0], k + 1
     router, w_sg, gate_up, down = weights
     bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
             "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
     run = library.kernel
-    run("moe", _key("logits", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]}, {"M": m})
+    run("moe", _key("logits_wide", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]},
+                                              {"M": m})
     run("moe", route_up_key).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg, "w": gate_up,
                                              "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]}, {"M": m})
     run("moe", down_key).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"], "wts": bufs["wts"],
@@ -331,7 +353,7 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
-    """logits -> route_up -> down_wide (every pair of variants) on 8 rows: the split chain's
+    """logits_wide -> route_up -> down_wide (every pair of variants) on 8 rows: the split chain's
     ids and delta rows bit for bit, close to `moe.reference`, and each row alone equal to its
     row in the batch."""
     _, h, e, k, inter, renorm, _ = SHAPES[name]

@@ -23,7 +23,7 @@ def test_forms_cover_every_decode_variant_and_the_runner_choice():
     assert {(keys[1], keys[2]) for _, keys in named[1:]} == {(r, d) for r in route_ups for d in down_wides}
     features, form = MOE_DECODE_FORM
     assert f"decode_f{features}_{form}" in dict(named)
-    assert dict(named)["decode_f8_r1"] == ["logits_e256_h2048", "route_up_h2048_e256_k8_i512_f8",
+    assert dict(named)["decode_f8_r1"] == ["logits_wide_e256_h2048", "route_up_h2048_e256_k8_i512_f8",
                                            "down_wide_h2048_e256_k8_i512_r1"]
 
 

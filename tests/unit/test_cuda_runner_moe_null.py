@@ -101,7 +101,7 @@ def test_a_moe_layer_is_four_launches_over_all_rows_above_the_decode_rows(runner
 @pytest.mark.parametrize("rows, m", [(1, 1), (3, 4)])
 def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
     """Decode (one sequence; three, in the batch-4 bucket): the decode form of MOE_DECODE_FORM,
-    logits, route_up, down_wide over all m rows, grids (m, E / 8), (m * (k + 1), I / F),
+    logits_wide, route_up, down_wide over all m rows, grids (m, E / 8), (m * (k + 1), I / F),
     (m, H / (8 R)) (tiny: F = 8, R rounded up to 4 rows a warp), and the layer's slots bound."""
     from runtime.model.gpu.kernels import MOE_DECODE_FORM
 
@@ -112,7 +112,7 @@ def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
     assert len(moe) == 3 * c.num_hidden_layers
     p = c.num_experts_per_tok + 1
     assert [launch.grid for launch in moe[:3]] == [(m, 1, 1), (m * p, 64 // features, 1), (m, 8, 1)]
-    assert _kinds(moe[:3]) == ["logits", "route_up", "down_wide"]
+    assert _kinds(moe[:3]) == ["logits_wide", "route_up", "down_wide"]
     base = st.weights_base
     for layer, (logits, route_up, down) in zip(runner.layout.layers, zip(*[iter(moe)] * 3)):
         assert _ptr(logits.params[1]) == base + layer["router"].offset
@@ -153,8 +153,8 @@ def test_the_35b_a3b_shape_plans():
     assert moe == 40 * (256 * 2048 + 2048 + 257 * 3 * 512 * 2048) * 2
     grids = [tuple(evaluate(g, {"M": 8}) for g in lib.manifest.kernels[("moe", key)].grid)
              for key in (choice.moe_logits, choice.moe_route, choice.moe_up, choice.moe_down,
-                         choice.moe_route_up, choice.moe_down_wide)]
-    assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1), (72, 64, 1), (8, 256, 1)]
+                         choice.moe_logits_wide, choice.moe_route_up, choice.moe_down_wide)]
+    assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1), (8, 32, 1), (72, 64, 1), (8, 256, 1)]
 
 
 def _moe_config(**overrides):

@@ -7,7 +7,7 @@ fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP
 weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
 picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
-(logits, route_up, down_wide) up to MOE_DECODE_ROWS rows, its split form (logits, route, up, down)
+(logits_wide, route_up, down_wide) up to MOE_DECODE_ROWS rows, its split form (logits, route, up, down)
 above.
 """
 
@@ -70,7 +70,7 @@ class KernelChoice:
             self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
         # MoE layers: router logits, top-k, expert gate/up, expert down + combine (cute_kernels/moe.py).
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
-        self.moe_route_up = self.moe_down_wide = None  # the decode form (MOE_DECODE_FORM)
+        self.moe_logits_wide = self.moe_route_up = self.moe_down_wide = None  # the decode form (MOE_DECODE_FORM)
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
@@ -79,6 +79,8 @@ class KernelChoice:
             self.moe_down = _need(lib, "moe", "the MoE experts' down", kind="down", **shape)
             if MOE_DECODE_FORM is not None:
                 features, form = MOE_DECODE_FORM
+                self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=h,
+                                             E=c.num_experts)
                 self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up",
                                           kind="route_up", renorm=c.norm_topk_prob, features=features, **shape)
                 self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
@@ -180,6 +182,6 @@ class KernelChoice:
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
-                  ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_route_up),
-                  ("moe", self.moe_down_wide)]
+                  ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
+                  ("moe", self.moe_route_up), ("moe", self.moe_down_wide)]
         return [(family, key) for family, key in chosen if key]

@@ -273,13 +273,14 @@ class Forward:
         (cute_kernels/moe.py). Every launch takes all m rows: each row's experts come from the
         device (no host read, so the step captures in a graph) and each row is reduced on its own,
         in a fixed order, so a row's numbers do not depend on the others (prefill included).
-        Up to MOE_DECODE_ROWS rows the decode form runs (routing fused into gate/up, staged loads
-        in down), above it the split form; both compute the same numbers."""
+        Up to MOE_DECODE_ROWS rows the decode form runs (staged loads, routing fused into gate/up),
+        above it the split form; both compute the same numbers."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
-        self.launch(out, "moe", k.moe_logits, {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]},
-                    {"M": m})
-        if k.moe_route_up and m <= MOE_DECODE_ROWS:
+        decode = k.moe_route_up is not None and m <= MOE_DECODE_ROWS
+        self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits,
+                    {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}, {"M": m})
+        if decode:
             self.launch(out, "moe", k.moe_route_up, {"logits": buf["moe_logits"], "x": buf["h"],
                                                      "w_sg": self.w(layer["shared_gate"]),
                                                      "w": self.w(layer["experts_gate_up"]), **route,
