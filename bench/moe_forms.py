@@ -2,9 +2,9 @@
 
 One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the experts' gate/up
 + SwiGLU, down + routing weight + combine) at decode row counts, in every form compiled: the
-split form (logits, route, up, down) and each decode form (logits_wide, route_up with F features
-a CTA, down_wide with R rows a warp; runtime/model/gpu/kernels.py MOE_DECODE_FORM picks one). Then
-each kernel alone, so the table shows where a layer's time goes.
+split form (logits, route, up, down) and each decode form (logits_wide; route_up with F features
+a CTA, or route then up_wide; down_wide with R rows a warp; runtime/model/gpu/kernels.py
+MOE_DECODE_FORM picks one). Then each kernel alone, so the table shows where a layer's time goes.
 
 Each of 8 graph reps has its own hidden rows and its own routing buffers, so the experts read
 change from rep to rep and L2 cannot serve them; the rate counts the distinct experts each rep's
@@ -21,7 +21,8 @@ REPS = 8
 
 def forms(h: int) -> list[tuple[str, list[str]]]:
     """(form name, the `moe` variant keys it launches in order) for hidden size h: the split form
-    first, then every (route_up, down_wide) pair compiled."""
+    first, then every decode form compiled: each (route_up or route + up_wide, down_wide) pair;
+    the name is the MOE_DECODE_FORM tuple joined by "_" ("route_up_f8_r1")."""
     from cute_kernels import moe
 
     keys: dict[str, list[str]] = {}
@@ -29,11 +30,13 @@ def forms(h: int) -> list[tuple[str, list[str]]]:
         if v.config["H"] == h:
             keys.setdefault(v.config["kind"], []).append(v.key)
     by_key = {v.key: v for v in moe.variants()}
-    out = [("split", [keys["logits"][0], keys["route"][0], keys["up"][0], keys["down"][0]])]
-    for ru in keys["route_up"]:
-        for dw in keys["down_wide"]:
-            name = f"decode_f{by_key[ru].config['features']}_{by_key[dw].config['form']}"
-            out.append((name, [keys["logits_wide"][0], ru, dw]))
+    logits, route = keys["logits_wide"][0], keys["route"][0]
+    out = [("split", [keys["logits"][0], route, keys["up"][0], keys["down"][0]])]
+    for gate_up in ("route_up", "up_wide"):
+        for gu in keys[gate_up]:
+            for dw in keys["down_wide"]:
+                name = f"{gate_up}_f{by_key[gu].config['features']}_{by_key[dw].config['form']}"
+                out.append((name, [logits, gu, dw] if gate_up == "route_up" else [logits, route, gu, dw]))
     return out
 
 
@@ -51,6 +54,7 @@ def launch_args(key: str, bufs: dict[str, int], weights: dict[str, int]) -> dict
         "route": {"logits": bufs["logits"], "x": bufs["x"], "w_sg": weights["w_sg"], "ids": bufs["ids"],
                   "wts": bufs["wts"]},
         "up": {"x": bufs["x"], "w": weights["gate_up"], "ids": bufs["ids"], "act": bufs["act"]},
+        "up_wide": {"x": bufs["x"], "w": weights["gate_up"], "ids": bufs["ids"], "act": bufs["act"]},
         "down": {"act": bufs["act"], "w": weights["down"], "ids": bufs["ids"], "wts": bufs["wts"], "out": bufs["out"]},
         "route_up": {"logits": bufs["logits"], "x": bufs["x"], "w_sg": weights["w_sg"], "w": weights["gate_up"],
                      "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]},
@@ -107,8 +111,8 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
         b.stream.synchronize()
         kernels = dict.fromkeys(key for _, keys in layer_forms for key in keys)
         for key in kernels:
-            share = {"logits": "logits", "logits_wide": "logits", "up": "up", "route_up": "up", "down": "down",
-                     "down_wide": "down"}.get(kind_of(key))
+            share = {"logits": "logits", "logits_wide": "logits", "up": "up", "route_up": "up", "up_wide": "up",
+                     "down": "down", "down_wide": "down"}.get(kind_of(key))
             us, _ = b.compare(b.ours([_bind(b, key, rep, weights, m) for rep in reps]), None)
             b.record("moe", key, case, us, None, "", nbytes[share] if share else 0.0)
         del tensors

@@ -128,6 +128,7 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                 {"x": tensor("bf16", "M", h), "w": tensor("bf16", e, h), "out": tensor("f32", "M", e, role="out")},
                 ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
     ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
+        _up_wide(name, key, shape, uf) for uf in ROUTE_UP_FEATURES] + [
         _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS]
 
 
@@ -142,6 +143,16 @@ def _route_up(name: str, key: str, shape: dict, renorm: bool, uf: int) -> Varian
                      "wts": tensor("f32", "M", p, role="out"), "act": tensor("bf16", "M", p, inter, role="out")},
                     (f"M * {p}", inter // uf, 1), 32 * WARPS,
                     f"top-{k} of {e} + shared gate fused into the experts' gate/up + SwiGLU, {uf} features a CTA")
+
+
+def _up_wide(name: str, key: str, shape: dict, uf: int) -> Variant:
+    h, e, inter, p = shape["H"], shape["E"], shape["I"], shape["P"]
+    return _variant(name, "up_wide", f"{key}_f{uf}", {**shape, "features": uf},
+                    [ptr("x"), ptr("w"), ptr("ids"), ptr("act"), i32("M")],
+                    {"x": tensor("bf16", "M", h), "w": tensor("bf16", (e + 1) * 2 * inter, h),
+                     "ids": tensor("i32", "M", p), "act": tensor("bf16", "M", p, inter, role="out")},
+                    (f"M * {p}", inter // uf, 1), 32 * WARPS,
+                    f"expert gate/up + SwiGLU with its loads staged, {uf} features a CTA")
 
 
 def _down_wide(name: str, key: str, shape: dict, rows: int) -> Variant:
@@ -220,7 +231,7 @@ def reference(x: np.ndarray, router: np.ndarray, w_sg: np.ndarray, gate_up: np.n
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
-    if variant.config["kind"] in ("logits_wide", "route_up", "down_wide"):
+    if variant.config["kind"] in ("logits_wide", "route_up", "up_wide", "down_wide"):
         from .moe_decode_kernels import build as build_decode
 
         return build_decode(variant)

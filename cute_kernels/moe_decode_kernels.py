@@ -19,7 +19,8 @@ THREADS = 32 * WARPS
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
-    builder = {"logits_wide": _logits_wide, "route_up": _route_up, "down_wide": _down_wide}[variant.config["kind"]]
+    builder = {"logits_wide": _logits_wide, "route_up": _route_up, "up_wide": _up_wide,
+               "down_wide": _down_wide}[variant.config["kind"]]
     return builder(variant)
 
 
@@ -102,7 +103,80 @@ def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
     return launch, _dsl.example_args(variant)
 
 
-# --- route_up -----------------------------------------------------------------------------------
+# --- route_up and up_wide ------------------------------------------------------------------------
+
+def _stage_gate_up(w: Any, expert: Any, f0: Any, per_warp: int, h: int, inter: int, s_w: Any, lane: Any,
+                   tid: Any) -> None:
+    """Stage this warp's gate and up rows (features f0 .. f0 + per_warp - 1 of the expert's
+    [2I, H] block), every vector in flight at once, as one commit group."""
+    import cutlass
+    import cutlass.cute as cute
+
+    vecs = h // 256
+    for t in range(per_warp):
+        for half in range(2):
+            for c in range(vecs):
+                _stage(w, cutlass.Int64(expert) * (2 * inter * h) + cutlass.Int64(half * inter + f0 + t) * h
+                       + (c * 32 + lane) * 8, s_w, (((t * 2 + half) * vecs + c) * THREADS + tid) * 8)
+    cute.arch.cp_async_commit_group()
+
+
+def _gate_up_act(xs: list, per_warp: int, s_w: Any, tid: Any) -> list:
+    """Per staged feature t: bf16(bf16(silu(g)) * u), g and u the bf16-rounded dot products of x
+    with the staged gate and up rows (`up`'s roundings)."""
+    import cutlass
+
+    from . import _dsl
+
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    vecs = len(xs)
+    values = []
+    for t in range(per_warp):
+        g = _dot(xs, [_staged(s_w, (t * 2) * vecs + c, tid) for c in range(vecs)], 32).to(bf16).to(f32)
+        u = _dot(xs, [_staged(s_w, (t * 2 + 1) * vecs + c, tid) for c in range(vecs)], 32).to(bf16).to(f32)
+        values.append((_dsl.silu_f32(g).to(bf16).to(f32) * u).to(bf16))
+    return values
+
+
+def _up_wide(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    cfg = variant.config
+    e, h, inter, uf = cfg["E"], cfg["H"], cfg["I"], cfg["features"]
+    p = cfg["P"]
+    vecs = h // 256
+    per_warp = uf // WARPS
+
+    @cute.kernel
+    def kernel(x: cute.Pointer, w: cute.Pointer, ids: cute.Pointer, act: cute.Pointer, m: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, tile, _ = cute.arch.block_idx()
+        warp, lane = tid // 32, tid % 32
+        row = slot // p
+        smem = cutlass.utils.SmemAllocator()
+        s_w = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(per_warp * 2 * vecs * THREADS * 8),
+                                   byte_alignment=128)
+        f0 = tile * uf + warp * per_warp
+        _stage_gate_up(w, _expert(ids, slot, e), f0, per_warp, h, inter, s_w.iterator, lane, tid)
+        xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
+        cute.arch.cp_async_wait_group(0)
+        values = _gate_up_act(xs, per_warp, s_w.iterator, tid)
+        for t in cutlass.range_constexpr(per_warp):
+            if lane == 0:
+                _at(act, slot * inter + f0 + t)[0] = values[t]
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Pointer, w: cute.Pointer, ids: cute.Pointer, act: cute.Pointer, m: cutlass.Int32,
+               stream: Any):
+        kernel(x, w, ids, act, m).launch(grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant)
+
 
 def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
@@ -177,14 +251,8 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
                         s_top_i[rank] = i
             cute.arch.sync_threads()
             expert = s_top_i[s]
-        # This warp's gate and up rows, every vector of them in flight at once.
         f0 = tile * uf + warp * per_warp
-        for t in cutlass.range_constexpr(per_warp):
-            for half in cutlass.range_constexpr(2):
-                for c in cutlass.range_constexpr(vecs):
-                    _stage(w, cutlass.Int64(expert) * (2 * inter * h) + cutlass.Int64(half * inter + f0 + t) * h
-                           + (c * 32 + lane) * 8, s_w.iterator, (((t * 2 + half) * vecs + c) * THREADS + tid) * 8)
-        cute.arch.cp_async_commit_group()
+        _stage_gate_up(w, expert, f0, per_warp, h, inter, s_w.iterator, lane, tid)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
         if tile == 0:
             # The slot's id and routing weight for `down`, as `route` computes them.
@@ -212,13 +280,10 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
                         _at(ids, slot)[0] = i32_t(e)
                         _at(wts, slot)[0] = f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))
         cute.arch.cp_async_wait_group(0)
+        values = _gate_up_act(xs, per_warp, s_w.iterator, tid)
         for t in cutlass.range_constexpr(per_warp):
-            g = _dot(xs, [_staged(s_w.iterator, (t * 2) * vecs + c, tid) for c in range(vecs)], 32)
-            u = _dot(xs, [_staged(s_w.iterator, (t * 2 + 1) * vecs + c, tid) for c in range(vecs)], 32)
-            g = g.to(bf16).to(f32)
-            u = u.to(bf16).to(f32)
             if lane == 0:
-                _at(act, slot * inter + f0 + t)[0] = (_dsl.silu_f32(g).to(bf16).to(f32) * u).to(bf16)
+                _at(act, slot * inter + f0 + t)[0] = values[t]
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_moe_{variant.key}")
 

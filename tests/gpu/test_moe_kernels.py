@@ -4,8 +4,8 @@ Per MoE shape we serve (the tiny test model's and the 35B-A3B's): router logits;
 logits, a row of equal logits and renormalised weights; the experts' gate/up and down with ids
 that leave experts without a row and with one expert taking every row; the four kernels chained,
 each row computed alone equal to the batch bit for bit. The decode form (every compiled
-route_up and down_wide variant): against the same references, and equal to the split form bit
-for bit (same operations in the same order), chained and row by row. Outputs are poisoned with
+logits_wide, route_up, up_wide and down_wide variant): against the same references, and equal to
+the split form bit for bit (same operations in the same order), chained and row by row. Outputs are poisoned with
 NaN first (an element a kernel forgets stays NaN) with one poisoned row past M that must stay
 untouched.
 """
@@ -334,8 +334,36 @@ def test_down_wide_equals_down(library, mem, stream, name, m):
                                      moe.reference_down(act_in, down, ids, wts), f"{key} {case} M={m}")
 
 
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_up_wide_equals_up(library, mem, stream, name, m):
+    """Every up_wide variant against `up` bit for bit (the same dot products, only the loads
+    staged) and against the reference as `up` is, for random ids and one expert set taking every
+    row; the row past M stays untouched."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    rng = np.random.default_rng(400 + m)
+    p = k + 1
+    _, _, gate_up, _ = _weights(name)
+    x = _bf(rng, (m, h))
+    d_gate_up, d_x = mem.bf16(gate_up), mem.bf16(x)
+    for case, ids in _ids_cases(rng, m, e, k).items():
+        d_ids = mem.i32(ids)
+        outs = {}
+        for key in [_key("up", h)] + _form_keys("up_wide", h):
+            act = mem.poisoned((m + 1) * p * inter)
+            library.kernel("moe", key).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act}, {"M": m})
+            outs[key] = mem.read_bf16(act, (m + 1, p, inter))
+            assert np.isnan(outs[key][m]).all(), f"{key}: the row past M was written"
+        split = outs.pop(_key("up", h))
+        for key, got in outs.items():
+            np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
+            assert_close_to_baseline(got[:m], _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids),
+                                     f"{key} {case} M={m}")
+
+
 def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key):
-    """logits_wide -> route_up -> down_wide over the rows of x; returns (ids, delta rows)."""
+    """logits_wide -> route_up (or route -> up_wide) -> down_wide over the rows of x; returns (ids,
+    delta rows)."""
     _, h, e, k, inter, _, _ = SHAPES[name]
     m, p = x.shape[0], k + 1
     router, w_sg, gate_up, down = weights
@@ -344,8 +372,14 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
     run = library.kernel
     run("moe", _key("logits_wide", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]},
                                               {"M": m})
-    run("moe", route_up_key).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg, "w": gate_up,
-                                             "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]}, {"M": m})
+    if route_up_key.startswith("route_up"):
+        run("moe", route_up_key).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg, "w": gate_up,
+                                                 "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]}, {"M": m})
+    else:  # route, then up_wide
+        run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
+                                                     "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
+        run("moe", route_up_key).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
+                                                 "act": bufs["act"]}, {"M": m})
     run("moe", down_key).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"], "wts": bufs["wts"],
                                          "out": bufs["out"]}, {"M": m})
     return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
@@ -353,9 +387,9 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
-    """logits_wide -> route_up -> down_wide (every pair of variants) on 8 rows: the split chain's
-    ids and delta rows bit for bit, close to `moe.reference`, and each row alone equal to its
-    row in the batch."""
+    """logits_wide -> route_up or route + up_wide -> down_wide (every decode form) on 8 rows: the
+    split chain's ids and delta rows bit for bit, close to `moe.reference`, and each row alone
+    equal to its row in the batch."""
     _, h, e, k, inter, renorm, _ = SHAPES[name]
     rng = np.random.default_rng(43)
     x = _bf(rng, (8, h))
@@ -366,7 +400,7 @@ def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
     exact = moe.reference_down(_exact_act(x, gate_up, want_ids), down, want_ids, want_wts, exact=True)
     baseline = moe.reference(x, router, w_sg, gate_up, down, k, renorm)
-    for ru in _form_keys("route_up", h):
+    for ru in _form_keys("route_up", h) + _form_keys("up_wide", h):
         for dw in _form_keys("down_wide", h):
             ids, got = _decode_chain(library, mem, stream, name, x, on_device, ru, dw)
             np.testing.assert_array_equal(ids, want_ids)

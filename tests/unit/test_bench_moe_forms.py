@@ -17,14 +17,20 @@ def test_forms_cover_every_decode_variant_and_the_runner_choice():
     assert named[0] == ("split", ["logits_e256_h2048", "route_h2048_e256_k8_i512", "up_h2048_e256_k8_i512",
                                   "down_h2048_e256_k8_i512"])
     a3b = [v for v in moe.variants() if v.config["H"] == 2048]
-    route_ups = {v.key for v in a3b if v.config["kind"] == "route_up"}
-    down_wides = {v.key for v in a3b if v.config["kind"] == "down_wide"}
-    assert len(route_ups) == len(moe.ROUTE_UP_FEATURES) and len(down_wides) == len(moe.DOWN_WIDE_ROWS)
-    assert {(keys[1], keys[2]) for _, keys in named[1:]} == {(r, d) for r in route_ups for d in down_wides}
-    features, form = MOE_DECODE_FORM
-    assert f"decode_f{features}_{form}" in dict(named)
-    assert dict(named)["decode_f8_r1"] == ["logits_wide_e256_h2048", "route_up_h2048_e256_k8_i512_f8",
-                                           "down_wide_h2048_e256_k8_i512_r1"]
+    kinds = {kind: {v.key for v in a3b if v.config["kind"] == kind} for kind in ("route_up", "up_wide", "down_wide")}
+    assert len(kinds["route_up"]) == len(kinds["up_wide"]) == len(moe.ROUTE_UP_FEATURES)
+    assert len(kinds["down_wide"]) == len(moe.DOWN_WIDE_ROWS)
+    fused = {(keys[1], keys[2]) for name, keys in named[1:] if name.startswith("route_up")}
+    staged = {(keys[2], keys[3]) for name, keys in named[1:] if name.startswith("up_wide")}
+    assert fused == {(g, d) for g in kinds["route_up"] for d in kinds["down_wide"]}
+    assert staged == {(g, d) for g in kinds["up_wide"] for d in kinds["down_wide"]}
+    assert len(named) == 1 + len(fused) + len(staged)
+    gate_up, features, form = MOE_DECODE_FORM
+    assert f"{gate_up}_f{features}_{form}" in dict(named)
+    assert dict(named)["route_up_f8_r1"] == ["logits_wide_e256_h2048", "route_up_h2048_e256_k8_i512_f8",
+                                             "down_wide_h2048_e256_k8_i512_r1"]
+    assert dict(named)["up_wide_f16_r2"] == ["logits_wide_e256_h2048", "route_h2048_e256_k8_i512",
+                                             "up_wide_h2048_e256_k8_i512_f16", "down_wide_h2048_e256_k8_i512_r2"]
 
 
 def test_every_launch_passes_exactly_its_kernels_buffers():

@@ -106,8 +106,8 @@ def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
     from runtime.model.gpu.kernels import MOE_DECODE_FORM
 
     c, st = runner.config, runner.storage
-    features, form = MOE_DECODE_FORM
-    assert (features, form) == (8, "r1")
+    gate_up, features, form = MOE_DECODE_FORM
+    assert (gate_up, features, form) == ("route_up", 8, "r1")
     moe = _moe_launches(runner, rows)
     assert len(moe) == 3 * c.num_hidden_layers
     p = c.num_experts_per_tok + 1
@@ -124,6 +124,33 @@ def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
         assert _ptr(down.params[4]) == st.buf["delta"]
         assert _ptr(route_up.params[4]) == _ptr(down.params[2]) == st.buf["moe_ids"]
         assert _ptr(route_up.params[5]) == _ptr(down.params[3]) == st.buf["moe_wts"]
+
+
+def test_the_staged_decode_form_is_route_then_up_wide(tiny_moe_path, monkeypatch):
+    """MOE_DECODE_FORM = ("up_wide", 16, "r2"), the one-line switch to the staged form without the
+    fused routing: logits_wide, route, up_wide, down_wide at decode, ids from route to both."""
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu import kernels
+    from runtime.model.gpu.runner import CudaRunner
+
+    monkeypatch.setattr(kernels, "MOE_DECODE_FORM", ("up_wide", 16, "r2"))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_moe_path, num_pages=16, num_slots=4,
+                                                       device=NullDevice(2 << 30), prefill_chunk=64))
+    try:
+        assert r.kernels.moe_route_up is None and r.kernels.moe_up_wide.endswith("_f16")
+        assert r.kernels.moe_down_wide.endswith("_r2")
+        moe = _moe_launches(r, 1)
+        c, st = r.config, r.storage
+        assert len(moe) == 4 * c.num_hidden_layers
+        assert _kinds(moe[:4]) == ["logits_wide", "route", "up_wide", "down_wide"]
+        p = c.num_experts_per_tok + 1
+        assert [launch.grid for launch in moe[:4]] == [(1, 1, 1), (1, 1, 1), (p, 4, 1), (1, 8, 1)]
+        logits, route, up, down = moe[:4]
+        assert _ptr(route.params[3]) == _ptr(up.params[2]) == _ptr(down.params[2]) == st.buf["moe_ids"]
+        assert _ptr(up.params[3]) == _ptr(down.params[0]) == st.buf["moe_act"]
+        assert _ptr(up.params[1]) == st.weights_base + r.layout.layers[0]["experts_gate_up"].offset
+    finally:
+        r.close()
 
 
 def test_the_35b_a3b_shape_plans():
@@ -154,6 +181,7 @@ def test_the_35b_a3b_shape_plans():
     grids = [tuple(evaluate(g, {"M": 8}) for g in lib.manifest.kernels[("moe", key)].grid)
              for key in (choice.moe_logits, choice.moe_route, choice.moe_up, choice.moe_down,
                          choice.moe_logits_wide, choice.moe_route_up, choice.moe_down_wide)]
+    assert choice.moe_up_wide is None  # route_up carries the routing
     assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1), (8, 32, 1), (72, 64, 1), (8, 256, 1)]
 
 
