@@ -5,9 +5,9 @@ logits, a row of equal logits and renormalised weights; the experts' gate/up and
 that leave experts without a row and with one expert taking every row; the four kernels chained,
 each row computed alone equal to the batch bit for bit. The decode form (every compiled
 logits_wide, route_up, up_wide and down_wide variant): against the same references, and equal to
-the split form bit for bit (same operations in the same order), chained and row by row. Outputs are poisoned with
-NaN first (an element a kernel forgets stays NaN) with one poisoned row past M that must stay
-untouched.
+the split form bit for bit (same operations in the same order), chained and row by row.
+Outputs are poisoned with NaN first (an element a kernel forgets stays NaN) with one poisoned row
+past M that must stay untouched.
 """
 
 from __future__ import annotations
