@@ -43,11 +43,13 @@ copied itself, so no barrier guards them):
    is the slot's expert. No launch boundary stands between the routing and the weight loads, and
    the shared slot's CTAs start loading at once. The CTAs of feature tile 0 write ids and wts
    (`route`'s formulas, sums in `route`'s order) for `down`.
+   `up_wide` is `up` with the same staging and the ids from `route` (the decode form without
+   the fused routing: four launches, no ranking in every CTA).
 4'. `down_wide`: `down` with every slot's weight rows staged at once (R rows per warp, FD = 8 R
    features a CTA) and the row's act vectors staged once per CTA. The sums are `down`'s, in the
    same order, so the two agree bit for bit.
 
-Which forms the runner launches is one switch in runtime/model/gpu/kernels.py (DECODE_FORM);
+Which form the runner launches is one switch in runtime/model/gpu/kernels.py (MOE_DECODE_FORM);
 bench/kernels.py --only moe times every form side by side.
 """
 
@@ -61,8 +63,8 @@ from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 FAMILY = "moe"
 WARPS = 8  # warps per CTA of logits, up and down
 UP_FEATURES = 16  # intermediate features per `up` and `route_up` CTA (2 per warp)
-# The decode forms built (bench/kernels.py times each; runtime/model/gpu/kernels.py DECODE_FORM
-# picks one): `route_up` features a CTA, `down_wide` rows a warp.
+# The decode forms built (bench/kernels.py times each; runtime/model/gpu/kernels.py
+# MOE_DECODE_FORM picks one): `route_up` / `up_wide` features a CTA, `down_wide` rows a warp.
 ROUTE_UP_FEATURES = (8, 16)
 DOWN_WIDE_ROWS = (1, 2)
 
