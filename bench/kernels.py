@@ -256,51 +256,10 @@ def bench_gemm(b: Bench, m: int) -> None:
         del xs, ws, out
 
 
-def bench_moe(b: Bench, rows: tuple[int, ...] = (1, 8)) -> None:
-    """One 35B-A3B MoE MLP layer (router logits, top-8 routing and shared gate, the experts' gate/up
-    + SwiGLU, down + routing weight + combine: the four `moe` launches) at decode row counts. Each
-    of 8 graph reps has its own hidden rows, so the routing (and the experts read) changes from rep
-    to rep and L2 cannot serve them; the rate counts the distinct experts each rep's routing
-    touches (computed with torch from the same logits), the shared expert, the router and the rows.
-    No peer: a torch MoE reads the routing on the host (not capturable)."""
-    from cute_kernels import moe
+def _bench_moe(b: Bench) -> None:
+    from .moe_forms import bench_moe  # the MoE layer's forms side by side
 
-    torch = b.torch
-    _, h, e, k, inter, _, _ = next(shape for shape in moe.SHAPES if shape[0] == "a3b")
-    p, reps = k + 1, 8
-    keys = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
-    router = _bf16(torch, e, h, scale=h ** -0.5)
-    w_sg = _bf16(torch, h, scale=h ** -0.5)
-    gate_up = _bf16(torch, (e + 1) * 2 * inter, h, scale=h ** -0.5)
-    down = _bf16(torch, (e + 1) * h, inter, scale=inter ** -0.5)
-    expert_bytes = 3 * inter * h * 2
-    for m in rows:
-        xs = [_bf16(torch, m, h) for _ in range(reps)]
-        logits = torch.empty(m, e, device="cuda", dtype=torch.float32)
-        ids = torch.empty(m, p, device="cuda", dtype=torch.int32)
-        wts = torch.empty(m, p, device="cuda", dtype=torch.float32)
-        act = torch.empty(m, p, inter, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        bound = []
-        for x in xs:
-            bufs = {"x": x.data_ptr(), "logits": logits.data_ptr(), "ids": ids.data_ptr(), "wts": wts.data_ptr(),
-                    "act": act.data_ptr(), "out": out.data_ptr()}
-            bound += [b.lib.kernel("moe", keys["logits"]).bind({"x": bufs["x"], "w": router.data_ptr(),
-                                                                 "out": bufs["logits"]}, {"M": m}),
-                      b.lib.kernel("moe", keys["route"]).bind({"logits": bufs["logits"], "x": bufs["x"],
-                                                                "w_sg": w_sg.data_ptr(), "ids": bufs["ids"],
-                                                                "wts": bufs["wts"]}, {"M": m}),
-                      b.lib.kernel("moe", keys["up"]).bind({"x": bufs["x"], "w": gate_up.data_ptr(), "ids": bufs["ids"],
-                                                             "act": bufs["act"]}, {"M": m}),
-                      b.lib.kernel("moe", keys["down"]).bind({"act": bufs["act"], "w": down.data_ptr(),
-                                                               "ids": bufs["ids"], "wts": bufs["wts"],
-                                                               "out": bufs["out"]}, {"M": m})]
-        touched = [len(torch.topk(x.float() @ router.float().T, k, dim=-1).indices.unique()) for x in xs]
-        nbytes = (sum(touched) / reps + 1) * expert_bytes + (e + 1) * h * 2 + m * h * 4
-        us, _ = b.compare(b.ours(bound), None)
-        b.record("moe", "layer_a3b", f"M={m}, {sum(touched) / reps:.1f} experts + shared", us * 4, None, "",
-                 nbytes)
-        del xs
+    bench_moe(b)
 
 
 def bench_gdn(b: Bench) -> None:
@@ -350,7 +309,7 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: bench_moe(b)), ("gdn", lambda: bench_gdn(b))]
+                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: _bench_moe(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:
             continue

@@ -27,6 +27,30 @@ lane j takes vectors j, j + L, ...), so a warp works on 32 / L rows at once; the
 through a butterfly over the L lanes, a fixed order. Every expert slot reads its expert's weights
 itself: with several rows routed to one expert the weights are read again (from L2); a grouped
 kernel that reads each expert once for all its rows is later work (docs/kernels.md).
+
+The decode form (cute_kernels/moe_decode_kernels.py) computes the same numbers in three launches,
+with its loads made asynchronous (`cp.async` into shared memory: a lane's plain loads go
+out one slot at a time, ptxas sinks them to their use, so `up` and `down` wait on DRAM once per
+dot product; staged copies are all in flight at once, and each lane reads back only what it
+copied itself, so no barrier guards them):
+
+1'. `logits_wide`: `logits` with every lane's x and router vectors staged before the first product
+   (the same sums in the same order).
+
+3'. `route_up`: `up` with the routing fused in front, UF features a CTA. A CTA of a routed slot s
+   loads its row's E logits into shared memory and every thread ranks its logits (rank = how
+   many logits beat it by (value desc, index asc), a permutation of 0..E-1); the logit of rank s
+   is the slot's expert. No launch boundary stands between the routing and the weight loads, and
+   the shared slot's CTAs start loading at once. The CTAs of feature tile 0 write ids and wts
+   (`route`'s formulas, sums in `route`'s order) for `down`.
+   `up_wide` is `up` with the same staging and the ids from `route` (the decode form without
+   the fused routing: four launches, no ranking in every CTA).
+4'. `down_wide`: `down` with every slot's weight rows staged at once (R rows per warp, FD = 8 R
+   features a CTA) and the row's act vectors staged once per CTA. The sums are `down`'s, in the
+   same order, so the two agree bit for bit.
+
+Which form the runner launches is one switch in runtime/model/gpu/kernels.py (MOE_DECODE_FORM);
+bench/kernels.py --only moe times every form side by side.
 """
 
 from typing import Any
@@ -38,7 +62,11 @@ from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 
 FAMILY = "moe"
 WARPS = 8  # warps per CTA of logits, up and down
-UP_FEATURES = 16  # intermediate features per `up` CTA (2 per warp)
+UP_FEATURES = 16  # intermediate features per `up` and `route_up` CTA (2 per warp)
+# The decode forms built (bench/kernels.py times each; runtime/model/gpu/kernels.py
+# MOE_DECODE_FORM picks one): `route_up` / `up_wide` features a CTA, `down_wide` rows a warp.
+ROUTE_UP_FEATURES = (8, 16)
+DOWN_WIDE_ROWS = (1, 2)
 
 # (name, H, E, k, I, renormalise, rows per warp of `down`): the MoE shapes we serve.
 SHAPES = [
@@ -97,7 +125,53 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                  "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
                  "out": tensor("bf16", "M", h, role="out")},
                 ("M", h // fd, 1), 32 * WARPS, f"expert down x routing weight, summed over {p} slots in order"),
-    ]
+        _variant(name, "logits_wide", f"e{e}_h{h}", {"E": e, "H": h},
+                [ptr("x"), ptr("w"), ptr("out"), i32("M")],
+                {"x": tensor("bf16", "M", h), "w": tensor("bf16", e, h), "out": tensor("f32", "M", e, role="out")},
+                ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
+    ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
+        _up_wide(name, key, shape, uf) for uf in ROUTE_UP_FEATURES] + [
+        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS]
+
+
+def _route_up(name: str, key: str, shape: dict, renorm: bool, uf: int) -> Variant:
+    h, e, k, inter, p = shape["H"], shape["E"], shape["K"], shape["I"], shape["P"]
+    if uf % WARPS or inter % uf:
+        raise ValueError(f"moe shape {name}: route_up with {uf} features a CTA does not tile I={inter}")
+    return _variant(name, "route_up", f"{key}_f{uf}", {**shape, "renorm": renorm, "features": uf},
+                    [ptr("logits"), ptr("x"), ptr("w_sg"), ptr("w"), ptr("ids"), ptr("wts"), ptr("act"), i32("M")],
+                    {"logits": tensor("f32", "M", e), "x": tensor("bf16", "M", h), "w_sg": tensor("bf16", h),
+                     "w": tensor("bf16", (e + 1) * 2 * inter, h), "ids": tensor("i32", "M", p, role="out"),
+                     "wts": tensor("f32", "M", p, role="out"), "act": tensor("bf16", "M", p, inter, role="out")},
+                    (f"M * {p}", inter // uf, 1), 32 * WARPS,
+                    f"top-{k} of {e} + shared gate fused into the experts' gate/up + SwiGLU, {uf} features a CTA")
+
+
+def _up_wide(name: str, key: str, shape: dict, uf: int) -> Variant:
+    h, e, inter, p = shape["H"], shape["E"], shape["I"], shape["P"]
+    return _variant(name, "up_wide", f"{key}_f{uf}", {**shape, "features": uf},
+                    [ptr("x"), ptr("w"), ptr("ids"), ptr("act"), i32("M")],
+                    {"x": tensor("bf16", "M", h), "w": tensor("bf16", (e + 1) * 2 * inter, h),
+                     "ids": tensor("i32", "M", p), "act": tensor("bf16", "M", p, inter, role="out")},
+                    (f"M * {p}", inter // uf, 1), 32 * WARPS,
+                    f"expert gate/up + SwiGLU with its loads staged, {uf} features a CTA")
+
+
+def _down_wide(name: str, key: str, shape: dict, rows: int) -> Variant:
+    """The `down_wide` form with `rows` rows a warp; a warp takes at least one row per lane group
+    (the tiny shape's I = 64 splits over 8 lanes, so 4 rows at once), so small shapes round up."""
+    h, e, inter, p = shape["H"], shape["E"], shape["I"], shape["P"]
+    form = f"r{rows}"
+    rows = max(rows, 32 // lanes_per_row(inter))
+    if h % (WARPS * rows) or rows % (32 // lanes_per_row(inter)):
+        raise ValueError(f"moe shape {name}: down_wide {form} does not tile H={h}")
+    return _variant(name, "down_wide", f"{key}_{form}", {**shape, "form": form, "rows_per_warp": rows},
+                    [ptr("act"), ptr("w"), ptr("ids"), ptr("wts"), ptr("out"), i32("M")],
+                    {"act": tensor("bf16", "M", p, inter), "w": tensor("bf16", (e + 1) * h, inter),
+                     "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
+                     "out": tensor("bf16", "M", h, role="out")},
+                    ("M", h // (WARPS * rows), 1), 32 * WARPS,
+                    f"expert down x routing weight, every slot's loads at once, {WARPS * rows} features a CTA")
 
 
 def variants() -> list[Variant]:
@@ -159,6 +233,10 @@ def reference(x: np.ndarray, router: np.ndarray, w_sg: np.ndarray, gate_up: np.n
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
+    if variant.config["kind"] in ("logits_wide", "route_up", "up_wide", "down_wide"):
+        from .moe_decode_kernels import build as build_decode
+
+        return build_decode(variant)
     from .moe_kernels import build as build_kernel
 
     return build_kernel(variant)

@@ -39,8 +39,15 @@ def tiny_path(tmp_path_factory):
 
 
 def test_the_model_is_moe_and_runs_the_moe_kernels(runners):
+    """Both MoE forms are loaded: decode steps (up to MOE_DECODE_ROWS rows) run the decode form,
+    prompts longer than that the split form, so `test_decode_matches_prefill` also holds the two
+    forms to the same numbers."""
+    from runtime.model.gpu.kernels import MOE_DECODE_FORM
+
     cuda, _ = runners
     assert cuda.config.family == "moe" and cuda.kernels.moe_down is not None
+    assert MOE_DECODE_FORM is None or ((cuda.kernels.moe_route_up or cuda.kernels.moe_up_wide)
+                                       and cuda.kernels.moe_down_wide)
 
 
 def test_a_batch_of_eight_equals_each_row_alone(runners):

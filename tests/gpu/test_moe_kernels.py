@@ -3,8 +3,11 @@
 Per MoE shape we serve (the tiny test model's and the 35B-A3B's): router logits; routing with tied
 logits, a row of equal logits and renormalised weights; the experts' gate/up and down with ids
 that leave experts without a row and with one expert taking every row; the four kernels chained,
-each row computed alone equal to the batch bit for bit. Outputs are poisoned with NaN first (an
-element a kernel forgets stays NaN) with one poisoned row past M that must stay untouched.
+each row computed alone equal to the batch bit for bit. The decode form (every compiled
+logits_wide, route_up, up_wide and down_wide variant): against the same references, and equal to
+the split form bit for bit (same operations in the same order), chained and row by row.
+Outputs are poisoned with NaN first (an element a kernel forgets stays NaN) with one poisoned row
+past M that must stay untouched.
 """
 
 from __future__ import annotations
@@ -196,3 +199,214 @@ def test_chained_mlp_and_rows_alone(library, mem, stream, name):
     for r in (0, 3, 7):
         _, alone = _chain(library, mem, stream, name, x[r:r + 1], on_device)
         np.testing.assert_array_equal(alone[0], got[r])
+
+
+# --- the decode form: route_up and down_wide (every compiled variant) ----------------------------
+
+def _form_keys(kind: str, h: int) -> list[str]:
+    return [v.key for v in moe.variants() if v.config["kind"] == kind and v.config["H"] == h]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_logits_wide_equals_logits(library, mem, stream, name, m):
+    """logits_wide: the reference's logits as `logits` is, and `logits`'s bit for bit (the same
+    sums in the same order, only the loads staged); the row past M stays untouched."""
+    _, h, e, _, _, _, _ = SHAPES[name]
+    rng = np.random.default_rng(300 + m)
+    x = _bf(rng, (m, h))
+    router = _bf(rng, (e, h), h ** -0.5)
+    got = {}
+    for kind in ("logits", "logits_wide"):
+        out = _f32_poisoned(mem, (m + 1) * e)
+        library.kernel("moe", _key(kind, h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
+                                                    {"M": m})
+        got[kind] = mem.read_f32(out, np.empty((m + 1, e)))
+        assert np.isnan(got[kind][m]).all(), f"{kind}: the row past M was written"
+    want = moe.reference_logits(x, router)
+    assert rel_err(got["logits_wide"][:m].astype(np.float64), want) < 1e-5
+    np.testing.assert_array_equal(got["logits_wide"], got["logits"])
+
+
+def _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up):
+    """ids, wts, act of one route_up launch over the rows of logits; checks the row past M."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    m, p = logits.shape[0], k + 1
+    ids = mem.i32(np.full((m + 1) * p, -7))
+    wts = _f32_poisoned(mem, (m + 1) * p)
+    act = mem.poisoned((m + 1) * p * inter)
+    library.kernel("moe", key).launch(stream, {"logits": _f32(mem, logits), "x": mem.bf16(x), "w_sg": mem.bf16(w_sg),
+                                               "w": d_gate_up, "ids": ids, "wts": wts, "act": act}, {"M": m})
+    got_ids = mem.read_i32(ids, (m + 1) * p).reshape(m + 1, p)
+    got_wts = mem.read_f32(wts, np.empty((m + 1, p)))
+    got_act = mem.read_bf16(act, (m + 1, p, inter))
+    assert (got_ids[m] == -7).all() and np.isnan(got_wts[m]).all() and np.isnan(got_act[m]).all(), \
+        "the row past M was written"
+    return got_ids[:m], got_wts[:m], got_act[:m]
+
+
+def _split_route_up(library, mem, stream, name, logits, x, w_sg, d_gate_up):
+    """The split form's route then up on the same inputs: ids, wts, act."""
+    _, h, _, k, inter, _, _ = SHAPES[name]
+    m = logits.shape[0]
+    ids, wts = _route(library, mem, stream, name, logits, x, w_sg)
+    act = mem.poisoned(m * (k + 1) * inter)
+    library.kernel("moe", _key("up", h)).launch(stream, {"x": mem.bf16(x), "w": d_gate_up, "ids": mem.i32(ids),
+                                                         "act": act}, {"M": m})
+    return ids, wts, mem.read_bf16(act, (m, k + 1, inter))
+
+
+def _tied_logits(rng, m, e):
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    if m >= 4:
+        logits[1] = 0.25  # every expert tied: the first k ids win
+        logits[2, [3, 1, e - 1, e // 2]] = 9.0  # a four-way tie at the top: ascending ids
+        logits[3, ::2] = logits[3, 1::2]  # pairs of equal logits everywhere
+    return logits
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 6, 8])
+def test_route_up_against_the_references(library, mem, stream, name, m):
+    """Ids exactly the reference's (ties included: rows 1-3 at m >= 4), weights as tight as
+    `route`'s test, act as close to the exact act as the bf16 reference is, for every
+    route_up variant."""
+    _, h, e, k, inter, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(70 + m)
+    logits = _tied_logits(rng, m, e)
+    x = _bf(rng, (m, h))
+    _, w_sg, gate_up, _ = _weights(name)
+    d_gate_up = mem.bf16(gate_up)
+    want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
+    for key in _form_keys("route_up", h):
+        ids, wts, act = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
+        print(key, "ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(wts[:, :k], want_wts[:, :k], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(wts[:, k], want_wts[:, k], rtol=1e-5)
+        assert_close_to_baseline(act, _exact_act(x, gate_up, want_ids), moe.reference_up(x, gate_up, want_ids),
+                                 f"{key} act M={m}")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 6, 8])
+def test_route_up_equals_the_split_form(library, mem, stream, name, m):
+    """route_up computes route's and up's numbers with the same operations in the same order:
+    ids, weights and act equal to the split form's bit for bit."""
+    _, h, e, _, _, _, _ = SHAPES[name]
+    rng = np.random.default_rng(80 + m)
+    logits = _tied_logits(rng, m, e)
+    x = _bf(rng, (m, h))
+    _, w_sg, gate_up, _ = _weights(name)
+    d_gate_up = mem.bf16(gate_up)
+    split = _split_route_up(library, mem, stream, name, logits, x, w_sg, d_gate_up)
+    for key in _form_keys("route_up", h):
+        fused = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
+        for what, a, b in zip(("ids", "wts", "act"), fused, split):
+            np.testing.assert_array_equal(a, b, err_msg=f"{key} {what} M={m}")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_down_wide_equals_down(library, mem, stream, name, m):
+    """Every down_wide variant against `down` bit for bit (same sums, same order) and against the
+    reference as `down` is, with ids leaving experts without a row and one expert set taking
+    every row; the row past M stays untouched."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    rng = np.random.default_rng(200 + m)
+    p = k + 1
+    _, _, _, down = _weights(name)
+    d_down = mem.bf16(down)
+    for case, ids in _ids_cases(rng, m, e, k).items():
+        wts = rng.uniform(0.05, 1.0, (m, p)).astype(np.float32)
+        act_in = _bf(rng, (m, p, inter))
+        bufs = {"act": mem.bf16(act_in), "w": d_down, "ids": mem.i32(ids), "wts": _f32(mem, wts)}
+        outs = {}
+        for key in [_key("down", h)] + _form_keys("down_wide", h):
+            out = mem.poisoned((m + 1) * h)
+            library.kernel("moe", key).launch(stream, {**bufs, "out": out}, {"M": m})
+            outs[key] = mem.read_bf16(out, (m + 1, h))
+            assert np.isnan(outs[key][m]).all(), f"{key}: the row past M was written"
+        split = outs.pop(_key("down", h))
+        for key, got in outs.items():
+            np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
+            assert_close_to_baseline(got[:m], moe.reference_down(act_in, down, ids, wts, exact=True),
+                                     moe.reference_down(act_in, down, ids, wts), f"{key} {case} M={m}")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_up_wide_equals_up(library, mem, stream, name, m):
+    """Every up_wide variant against `up` bit for bit (the same dot products, only the loads
+    staged) and against the reference as `up` is, for random ids and one expert set taking every
+    row; the row past M stays untouched."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    rng = np.random.default_rng(400 + m)
+    p = k + 1
+    _, _, gate_up, _ = _weights(name)
+    x = _bf(rng, (m, h))
+    d_gate_up, d_x = mem.bf16(gate_up), mem.bf16(x)
+    for case, ids in _ids_cases(rng, m, e, k).items():
+        d_ids = mem.i32(ids)
+        outs = {}
+        for key in [_key("up", h)] + _form_keys("up_wide", h):
+            act = mem.poisoned((m + 1) * p * inter)
+            library.kernel("moe", key).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act}, {"M": m})
+            outs[key] = mem.read_bf16(act, (m + 1, p, inter))
+            assert np.isnan(outs[key][m]).all(), f"{key}: the row past M was written"
+        split = outs.pop(_key("up", h))
+        for key, got in outs.items():
+            np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
+            assert_close_to_baseline(got[:m], _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids),
+                                     f"{key} {case} M={m}")
+
+
+def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key):
+    """logits_wide -> route_up (or route -> up_wide) -> down_wide over the rows of x; returns (ids,
+    delta rows)."""
+    _, h, e, k, inter, _, _ = SHAPES[name]
+    m, p = x.shape[0], k + 1
+    router, w_sg, gate_up, down = weights
+    bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
+            "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
+    run = library.kernel
+    run("moe", _key("logits_wide", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]},
+                                              {"M": m})
+    if route_up_key.startswith("route_up"):
+        run("moe", route_up_key).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg, "w": gate_up,
+                                                 "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]}, {"M": m})
+    else:  # route, then up_wide
+        run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
+                                                     "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
+        run("moe", route_up_key).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
+                                                 "act": bufs["act"]}, {"M": m})
+    run("moe", down_key).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"], "wts": bufs["wts"],
+                                         "out": bufs["out"]}, {"M": m})
+    return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
+    """logits_wide -> route_up or route + up_wide -> down_wide (every decode form) on 8 rows: the
+    split chain's ids and delta rows bit for bit, close to `moe.reference`, and each row alone
+    equal to its row in the batch."""
+    _, h, e, k, inter, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(43)
+    x = _bf(rng, (8, h))
+    weights = _weights(name)
+    on_device = [mem.bf16(w) for w in weights]
+    split_ids, split = _chain(library, mem, stream, name, x, on_device)
+    router, w_sg, gate_up, down = weights
+    want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
+    exact = moe.reference_down(_exact_act(x, gate_up, want_ids), down, want_ids, want_wts, exact=True)
+    baseline = moe.reference(x, router, w_sg, gate_up, down, k, renorm)
+    for ru in _form_keys("route_up", h) + _form_keys("up_wide", h):
+        for dw in _form_keys("down_wide", h):
+            ids, got = _decode_chain(library, mem, stream, name, x, on_device, ru, dw)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_array_equal(ids, split_ids)
+            assert_close_to_baseline(got, exact, baseline, f"{name} {ru} {dw} chained")
+            np.testing.assert_array_equal(got, split, err_msg=f"{ru} {dw} vs the split chain")
+            for r in (0, 5):
+                _, alone = _decode_chain(library, mem, stream, name, x[r:r + 1], on_device, ru, dw)
+                np.testing.assert_array_equal(alone[0], got[r])

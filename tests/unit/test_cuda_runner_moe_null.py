@@ -61,23 +61,33 @@ def _ptr(raw: bytes) -> int:
     return int.from_bytes(raw, "little")
 
 
-@pytest.mark.parametrize("rows, m", [(1, 1), (3, 4), (40, 40)])
-def test_a_moe_layer_is_four_launches_over_all_rows(runner, rows, m):
-    """Decode (one sequence; three, in the batch-4 bucket) and prefill alike: logits, route, up,
-    down over all m rows, with grids (m, E / 8), (m,), (m * (k + 1), I / 16), (m, H / 32) and the
-    layer's slots bound."""
-    dev, c, st = runner.device, runner.config, runner.storage
+def _moe_launches(runner, rows):
+    dev = runner.device
     n = len(dev.launches)
     if rows == 40:
         runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, rows + 1)), start_pos=0, page_table=[0]))
     else:
         runner.decode([DecodeItem(slot=s, token_id=5, pos=3, page_table=[s]) for s in range(rows)])
-    moe = [launch for launch in dev.launches[n:] if "_moe_" in launch.function]
+    return [launch for launch in dev.launches[n:] if "_moe_" in launch.function]
+
+
+def _kinds(launches):
+    return [launch.function.split("_moe_")[1].split("_h")[0].split("_e")[0] for launch in launches]
+
+
+def test_a_moe_layer_is_four_launches_over_all_rows_above_the_decode_rows(runner):
+    """Prefill (40 rows, past MOE_DECODE_ROWS): the split form, logits, route, up, down over all m
+    rows, with grids (m, E / 8), (m,), (m * (k + 1), I / 16), (m, H / 32) and the layer's slots
+    bound."""
+    from runtime.model.gpu.kernels import MOE_DECODE_ROWS
+
+    c, st, m = runner.config, runner.storage, 40
+    assert m > MOE_DECODE_ROWS
+    moe = _moe_launches(runner, m)
     assert len(moe) == 4 * c.num_hidden_layers
     p = c.num_experts_per_tok + 1
     assert [launch.grid for launch in moe[:4]] == [(m, 1, 1), (m, 1, 1), (m * p, 4, 1), (m, 8, 1)]
-    assert [launch.function.split("_moe_")[1].split("_")[0] for launch in moe[:4]] == ["logits", "route", "up",
-                                                                                         "down"]
+    assert _kinds(moe[:4]) == ["logits", "route", "up", "down"]
     base = st.weights_base
     for layer, (logits, route, up, down) in zip(runner.layout.layers, zip(*[iter(moe)] * 4)):
         assert _ptr(logits.params[1]) == base + layer["router"].offset
@@ -86,6 +96,61 @@ def test_a_moe_layer_is_four_launches_over_all_rows(runner, rows, m):
         assert _ptr(down.params[1]) == base + layer["experts_down"].offset
         assert _ptr(down.params[4]) == st.buf["delta"]
         assert _ptr(up.params[2]) == _ptr(down.params[2]) == _ptr(route.params[3]) == st.buf["moe_ids"]
+
+
+@pytest.mark.parametrize("rows, m", [(1, 1), (3, 4)])
+def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
+    """Decode (one sequence; three, in the batch-4 bucket): the decode form of MOE_DECODE_FORM,
+    logits_wide, route_up, down_wide over all m rows, grids (m, E / 8), (m * (k + 1), I / F),
+    (m, H / (8 R)) (tiny: F = 8, R rounded up to 4 rows a warp), and the layer's slots bound."""
+    from runtime.model.gpu.kernels import MOE_DECODE_FORM
+
+    c, st = runner.config, runner.storage
+    gate_up, features, form = MOE_DECODE_FORM
+    assert (gate_up, features, form) == ("route_up", 8, "r1")
+    moe = _moe_launches(runner, rows)
+    assert len(moe) == 3 * c.num_hidden_layers
+    p = c.num_experts_per_tok + 1
+    assert [launch.grid for launch in moe[:3]] == [(m, 1, 1), (m * p, 64 // features, 1), (m, 8, 1)]
+    assert _kinds(moe[:3]) == ["logits_wide", "route_up", "down_wide"]
+    base = st.weights_base
+    for layer, (logits, route_up, down) in zip(runner.layout.layers, zip(*[iter(moe)] * 3)):
+        assert _ptr(logits.params[1]) == base + layer["router"].offset
+        assert _ptr(route_up.params[0]) == _ptr(logits.params[2]) == st.buf["moe_logits"]
+        assert _ptr(route_up.params[2]) == base + layer["shared_gate"].offset
+        assert _ptr(route_up.params[3]) == base + layer["experts_gate_up"].offset
+        assert _ptr(route_up.params[6]) == _ptr(down.params[0]) == st.buf["moe_act"]
+        assert _ptr(down.params[1]) == base + layer["experts_down"].offset
+        assert _ptr(down.params[4]) == st.buf["delta"]
+        assert _ptr(route_up.params[4]) == _ptr(down.params[2]) == st.buf["moe_ids"]
+        assert _ptr(route_up.params[5]) == _ptr(down.params[3]) == st.buf["moe_wts"]
+
+
+def test_the_staged_decode_form_is_route_then_up_wide(tiny_moe_path, monkeypatch):
+    """MOE_DECODE_FORM = ("up_wide", 16, "r2"), the one-line switch to the staged form without the
+    fused routing: logits_wide, route, up_wide, down_wide at decode, ids from route to both."""
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu import kernels
+    from runtime.model.gpu.runner import CudaRunner
+
+    monkeypatch.setattr(kernels, "MOE_DECODE_FORM", ("up_wide", 16, "r2"))
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_moe_path, num_pages=16, num_slots=4,
+                                                       device=NullDevice(2 << 30), prefill_chunk=64))
+    try:
+        assert r.kernels.moe_route_up is None and r.kernels.moe_up_wide.endswith("_f16")
+        assert r.kernels.moe_down_wide.endswith("_r2")
+        moe = _moe_launches(r, 1)
+        c, st = r.config, r.storage
+        assert len(moe) == 4 * c.num_hidden_layers
+        assert _kinds(moe[:4]) == ["logits_wide", "route", "up_wide", "down_wide"]
+        p = c.num_experts_per_tok + 1
+        assert [launch.grid for launch in moe[:4]] == [(1, 1, 1), (1, 1, 1), (p, 4, 1), (1, 8, 1)]
+        logits, route, up, down = moe[:4]
+        assert _ptr(route.params[3]) == _ptr(up.params[2]) == _ptr(down.params[2]) == st.buf["moe_ids"]
+        assert _ptr(up.params[3]) == _ptr(down.params[0]) == st.buf["moe_act"]
+        assert _ptr(up.params[1]) == st.weights_base + r.layout.layers[0]["experts_gate_up"].offset
+    finally:
+        r.close()
 
 
 def test_the_35b_a3b_shape_plans():
@@ -114,8 +179,10 @@ def test_the_35b_a3b_shape_plans():
               for role in ("router", "shared_gate", "experts_gate_up", "experts_down"))
     assert moe == 40 * (256 * 2048 + 2048 + 257 * 3 * 512 * 2048) * 2
     grids = [tuple(evaluate(g, {"M": 8}) for g in lib.manifest.kernels[("moe", key)].grid)
-             for key in (choice.moe_logits, choice.moe_route, choice.moe_up, choice.moe_down)]
-    assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1)]
+             for key in (choice.moe_logits, choice.moe_route, choice.moe_up, choice.moe_down,
+                         choice.moe_logits_wide, choice.moe_route_up, choice.moe_down_wide)]
+    assert choice.moe_up_wide is None  # route_up carries the routing
+    assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1), (8, 32, 1), (72, 64, 1), (8, 256, 1)]
 
 
 def _moe_config(**overrides):

@@ -7,7 +7,9 @@ fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depe
 count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
 weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
 picks by the weight's format.
-MoE layers run the `moe` family at every row count (its kernels take any M).
+MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
+(logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
+(logits, route, up, down) above.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
 # the most compiled: about two per SM of an H100 / H200 (132 SMs), so batch 1 of the 27B (48 heads)
 # runs 8 blocks per head and batch 8 one. `python -m bench.kernels --only gdn` times every count.
 GDN_MIN_CTAS = 256
+
+# The MoE decode form (cute_kernels/moe.py), one of the forms bench/kernels.py --only moe times:
+# (gate/up kernel: "route_up" with the routing fused in, or "up_wide" after `route`; its features
+# a CTA; the down_wide form). None launches the split form at every row count.
+MOE_DECODE_FORM: tuple[str, int, str] | None = ("route_up", 8, "r1")
+MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -70,12 +78,26 @@ class KernelChoice:
             self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
         # MoE layers: router logits, top-k, expert gate/up, expert down + combine (cute_kernels/moe.py).
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
+        # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
+        self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
             self.moe_route = _need(lib, "moe", "MoE top-k routing", kind="route", renorm=c.norm_topk_prob, **shape)
             self.moe_up = _need(lib, "moe", "the MoE experts' gate/up", kind="up", **shape)
             self.moe_down = _need(lib, "moe", "the MoE experts' down", kind="down", **shape)
+            if MOE_DECODE_FORM is not None:
+                gate_up, features, form = MOE_DECODE_FORM
+                self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=h,
+                                             E=c.num_experts)
+                if gate_up == "route_up":
+                    self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up",
+                                              kind="route_up", renorm=c.norm_topk_prob, features=features, **shape)
+                else:
+                    self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
+                                             features=features, **shape)
+                self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
+                                           **shape)
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -205,5 +227,6 @@ class KernelChoice:
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
-                  ("moe", self.moe_up), ("moe", self.moe_down)]
+                  ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
+                  ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide)]
         return [(family, key) for family, key in chosen if key]

@@ -16,6 +16,7 @@ from typing import Any
 
 from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
+from runtime.model.gpu.kernels import MOE_DECODE_ROWS
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
 QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
@@ -273,15 +274,24 @@ class Forward:
         experts' gate/up + SwiGLU and their down projections weighted and summed per row
         (cute_kernels/moe.py). Every launch takes all m rows: each row's experts come from the
         device (no host read, so the step captures in a graph) and each row is reduced on its own,
-        in a fixed order, so a row's numbers do not depend on the others (prefill included)."""
+        in a fixed order, so a row's numbers do not depend on the others (prefill included).
+        Up to MOE_DECODE_ROWS rows the decode form runs (staged loads; with route_up, the routing
+        fused into gate/up), above it the split form; both compute the same numbers."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
-        self.launch(out, "moe", k.moe_logits, {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]},
-                    {"M": m})
-        self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
-                                              "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-        self.launch(out, "moe", k.moe_up, {"x": buf["h"], "w": self.w(layer["experts_gate_up"]), "ids": route["ids"],
-                                           "act": buf["moe_act"]}, {"M": m})
-        self.launch(out, "moe", k.moe_down, {"act": buf["moe_act"], "w": self.w(layer["experts_down"]), **route,
-                                             "out": buf["delta"]}, {"M": m})
+        decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
+        gate_up, experts_down = self.w(layer["experts_gate_up"]), self.w(layer["experts_down"])
+        self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits,
+                    {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}, {"M": m})
+        if decode and k.moe_route_up:
+            self.launch(out, "moe", k.moe_route_up, {"logits": buf["moe_logits"], "x": buf["h"],
+                                                     "w_sg": self.w(layer["shared_gate"]), "w": gate_up, **route,
+                                                     "act": buf["moe_act"]}, {"M": m})
+        else:
+            self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
+                                                  "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
+            self.launch(out, "moe", k.moe_up_wide if decode else k.moe_up,
+                        {"x": buf["h"], "w": gate_up, "ids": route["ids"], "act": buf["moe_act"]}, {"M": m})
+        self.launch(out, "moe", k.moe_down_wide if decode else k.moe_down,
+                    {"act": buf["moe_act"], "w": experts_down, **route, "out": buf["delta"]}, {"M": m})
         self.all_reduce(out, m)
