@@ -6,7 +6,8 @@ family, the shape and the build command. Linear layers use the decode GEMV when 
 fits one of its variants (M <= 16) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
 weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
 picks by the weight's format.
-MoE layers run the `moe` family at every row count (its kernels take any M).
+MoE layers run the `moe` family at every row count (its kernels take any M); prefill steps run
+the grouped GEMMs of `moe_grouped` after its routing where they were compiled (`moe_prefill`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from runtime.cuda.errors import KernelMissing
 from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
+from runtime.model.gpu.moe_prefill import MoePrefill
 from runtime.model.gpu.weights import FP8, NVFP4
 
 # The decode GEMV family of each quantised weight format, and the format's name in messages.
@@ -63,12 +65,14 @@ class KernelChoice:
             self.silu_mul = _need(lib, "silu_mul", "the MLP activation", I=c.intermediate_size)
         # MoE layers: router logits, top-k, expert gate/up, expert down + combine (cute_kernels/moe.py).
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
+        self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
             self.moe_route = _need(lib, "moe", "MoE top-k routing", kind="route", renorm=c.norm_topk_prob, **shape)
             self.moe_up = _need(lib, "moe", "the MoE experts' gate/up", kind="up", **shape)
             self.moe_down = _need(lib, "moe", "the MoE experts' down", kind="down", **shape)
+            self.moe_prefill = MoePrefill.find(lib, _find, c)
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -167,4 +171,6 @@ class KernelChoice:
                   ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down)]
+        if self.moe_prefill:
+            chosen += self.moe_prefill.required()
         return [(family, key) for family, key in chosen if key]

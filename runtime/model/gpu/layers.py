@@ -278,6 +278,12 @@ class Forward:
                     {"M": m})
         self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                               "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
+        if shape.prefill and k.moe_prefill:
+            # Many rows: sorted by expert and run through grouped GEMMs (`gpu.moe_prefill`); the
+            # same routing, slot order and final rounding as below.
+            k.moe_prefill.bind(self, out, m, layer, route)
+            self.all_reduce(out, m)
+            return
         self.launch(out, "moe", k.moe_up, {"x": buf["h"], "w": self.w(layer["experts_gate_up"]), "ids": route["ids"],
                                            "act": buf["moe_act"]}, {"M": m})
         self.launch(out, "moe", k.moe_down, {"act": buf["moe_act"], "w": self.w(layer["experts_down"]), **route,
