@@ -37,7 +37,8 @@ class MoePrefill:
     def find(cls, library: Any, find: Any, config: Any) -> MoePrefill | None:
         """The variants for the model's MoE shape, or None (prefill then takes the decode
         kernels) when any of them was not compiled."""
-        h, e, k, inter = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+        h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+        inter = config.moe_intermediate_size
         shape = {"H": h, "E": e, "K": k, "I": inter}
         keys = {kind: find(library, "moe_grouped", kind=kind, **shape) for kind in ("perm", "gather", "combine")}
         keys["gate_up"] = find(library, "moe_grouped", kind="gemm", proj="gate_up", E1=e + 1, N=2 * inter, K=h)
@@ -74,7 +75,8 @@ class MoePrefill:
                                                        "src": buf["moe_src"], "tiles": buf["moe_tiles"]}, rows)
         forward.launch(out, "moe_grouped", self.gather, {"x": buf["h"], "src": buf["moe_src"],
                                                          "tiles": buf["moe_tiles"], "xg": buf["moe_rows"]}, rows)
-        forward.launch(out, "moe_grouped", self.gate_up, {"x": buf["moe_rows"], "w": forward.w(layer["experts_gate_up"]),
+        forward.launch(out, "moe_grouped", self.gate_up, {"x": buf["moe_rows"],
+                                                          "w": forward.w(layer["experts_gate_up"]),
                                                           "tiles": buf["moe_tiles"], "out": buf["moe_gu"]}, {"C": c})
         forward.launch(out, "silu_mul", self.silu, {"x": buf["moe_gu"], "out": buf["moe_gact"]}, {"M": c})
         forward.launch(out, "moe_grouped", self.down, {"x": buf["moe_gact"], "w": forward.w(layer["experts_down"]),
