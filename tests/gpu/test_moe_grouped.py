@@ -182,7 +182,7 @@ def _prefill_chain(library, mem, stream, name, x, weights):
 
 
 @pytest.mark.parametrize("name", SHAPES)
-@pytest.mark.parametrize("m", [7, 300])
+@pytest.mark.parametrize("m", [7, 300, 2048])
 def test_prefill_chain_matches_decode_and_rows_alone(library, mem, stream, name, m):
     """The whole prefill MLP against float64 (on the kernels' routing) with the reference chain
     as the baseline, against the decode kernels' chain (only the K order of the dot products
