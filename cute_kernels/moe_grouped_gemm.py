@@ -1,7 +1,7 @@
 """The grouped GEMM of the `moe_grouped` family: `out[q] = xg[q] @ W[e(q)]^T` over expert segments.
 
 gemm_sm90's kernel (warp-specialised TMA + WGMMA, 128 x BN x 64 tiles, 4-stage ring, persistent
-CTAs; see that module's docstring) with three changes:
+CTAs; see that module's docstring), changed where experts come in:
 
 - the tiles come from the device: `tiles[0]` BM-row tiles are in use (written by `perm`), and tile
   t's rows all belong to expert `tiles[1 + t]`, so the grid is sized for the capacity C and CTAs
@@ -21,7 +21,7 @@ from typing import Any
 from runtime.cuda.manifest import TmaEncode
 
 from .gemm_sm90 import BK, CONSUMER_REGS, PRODUCER_REGS, SMS, STAGES, THREADS
-from .moe_grouped import BM
+from .moe_grouped import BM, FAMILY
 from .variant import HOPPER, Variant, i32, ptr, tensor, tma
 
 
@@ -34,7 +34,7 @@ def gemm_variant(name: str, proj: str, e1: int, n: int, k: int, out_dtype: str, 
     enc_b = TmaEncode(dtype="BFLOAT16", dims=(k, e1 * n), strides_bytes=(k * 2,), box=(BK, bn),
                       elem_strides=(1, 1))
     return Variant(
-        family="moe_grouped",
+        family=FAMILY,
         key=f"gemm_{proj}_e{e1}_n{n}_k{k}",
         config={"kind": "gemm", "proj": proj, "E1": e1, "N": n, "K": k, "out": out_dtype, "tile": [BM, bn, BK],
                 "stages": STAGES, "threads": THREADS, "persistent_ctas": SMS},
