@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.moe_grouped import bench_moe_prefill
+
 DOC_BEGIN = "<!-- kernels:begin (written by bench/kernels.py) -->"
 DOC_END = "<!-- kernels:end -->"
 L2_BYTES = 60 << 20
@@ -309,7 +311,8 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: _bench_moe(b)), ("gdn", lambda: bench_gdn(b))]
+                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: _bench_moe(b)),
+                ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:
             continue

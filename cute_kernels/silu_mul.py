@@ -14,7 +14,8 @@ from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 FAMILY = "silu_mul"
 THREADS = 256
 
-_SHAPES = [("i17408", 17408), ("i512", 512)]  # 27B dense MLP; 35B/80B expert and shared-expert width
+# 27B dense MLP; 35B/80B expert and shared-expert width; the tiny MoE model's experts (moe_grouped prefill)
+_SHAPES = [("i17408", 17408), ("i512", 512), ("i64", 64)]
 
 
 def _variant(key: str, inter: int) -> Variant:

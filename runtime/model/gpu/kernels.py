@@ -9,7 +9,8 @@ weights use their format's GEMV at every row count (`linear_quantised`); `layers
 picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
 (logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
-(logits, route, up, down) above.
+(logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
+after the split form's routing where they were compiled (`moe_prefill`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from runtime.cuda.errors import KernelMissing
 from runtime.model.config import DENSE_MLP, MOE_MLP, ModelConfig
+from runtime.model.gpu.moe_prefill import MoePrefill
 from runtime.model.gpu.weights import FP8, NVFP4
 
 GEMV_ROWS = (8, 16, 32, 64)  # the row counts (MB) of the BF16 decode GEMV's variants
@@ -80,6 +82,7 @@ class KernelChoice:
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
+        self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
@@ -98,6 +101,7 @@ class KernelChoice:
                                              features=features, **shape)
                 self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
                                            **shape)
+            self.moe_prefill = MoePrefill.find(lib, _find, c)
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -229,4 +233,6 @@ class KernelChoice:
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide)]
+        if self.moe_prefill:
+            chosen += self.moe_prefill.required()
         return [(family, key) for family, key in chosen if key]

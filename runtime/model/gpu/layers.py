@@ -290,6 +290,12 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
+            if shape.prefill and k.moe_prefill and not decode:
+                # Many rows: sorted by expert and run through grouped GEMMs (`gpu.moe_prefill`); the
+                # same routing, slot order and final rounding as the split form.
+                k.moe_prefill.bind(self, out, m, layer, route)
+                self.all_reduce(out, m)
+                return
             self.launch(out, "moe", k.moe_up_wide if decode else k.moe_up,
                         {"x": buf["h"], "w": gate_up, "ids": route["ids"], "act": buf["moe_act"]}, {"M": m})
         self.launch(out, "moe", k.moe_down_wide if decode else k.moe_down,

@@ -14,7 +14,7 @@ Arenas (`runtime.cuda.memory.DeviceArenas`):
   rows, slots, page tables); with an MTP head its rows (`mtp_x`: [embedding | hidden] rows of 2H,
   `mtp_in`: the hidden rows it reads, `mtp_chain`: its own outputs when chaining drafts), the kept
   hidden rows (`mtp_kept`: `max_batch` entries of `rows` rows, `gpu.mtp.KeptHidden`) and those of
-  a decode step computed ahead (`mtp_ahead`).
+  a decode step computed ahead (`mtp_ahead`); prefill's expert-sorted MoE rows (`gpu.moe_prefill`).
 
 Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
 `logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding
@@ -142,6 +142,9 @@ class Storage:
             p = c.num_experts_per_tok + 1
             sizes.update({"moe_logits": rows * c.num_experts * 4, "moe_ids": rows * p * 4, "moe_wts": rows * p * 4,
                           "moe_act": rows * p * (c.moe_intermediate_size or 0) * 2})
+            if k.moe_prefill:
+                # Prefill's expert-sorted rows (`gpu.moe_prefill`).
+                sizes.update(k.moe_prefill.buffer_sizes(rows, h, c.moe_intermediate_size))
         # Device sampling: each row's inputs (parameters, packed mask, penalty list) in one block
         # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
         self.mask_words = cdiv(c.vocab_size, 32)

@@ -1,0 +1,85 @@
+"""The MoE MLP of a prefill chunk through the grouped GEMMs (cute_kernels/moe_grouped.py).
+
+After the `moe` family's router logits and routing (ids and weights per row, the shared expert
+in the last slot), a prefill step sorts the rows by expert on the device (`perm`), gathers them
+(`gather`), runs the gate/up grouped GEMM, SwiGLU (`silu_mul`), the down grouped GEMM, and sums
+each row's slots in order (`combine`). Every launch is sized for the capacity of the step's row
+count, and the number of tiles in use is read on the device, so the step captures in a graph.
+
+Buffers (`storage.Storage`, sized for `capacity(rows)`): `moe_pos` [rows, P] and `moe_src`,
+`moe_tiles` (int32), `moe_gu` [C, 2I] and `moe_gact` [C, I] bf16, and `moe_rows`: the gathered
+rows xg [C, H] bf16, then (xg read by the gate/up GEMM is dead by then) the down GEMM's fp32
+rows [C, H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MoePrefill:
+    """Variant keys of the prefill MoE launches for one model shape, and the tile size its
+    segments are padded to."""
+
+    perm: str
+    gather: str
+    gate_up: str
+    silu: str
+    down: str
+    combine: str
+    bm: int
+    slots: int  # P: k routed slots + the shared one
+    experts: int  # E + 1 segments
+
+    @classmethod
+    def find(cls, library: Any, find: Any, config: Any) -> MoePrefill | None:
+        """The variants for the model's MoE shape, or None (prefill then takes the decode
+        kernels) when any of them was not compiled."""
+        h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+        inter = config.moe_intermediate_size
+        shape = {"H": h, "E": e, "K": k, "I": inter}
+        keys = {kind: find(library, "moe_grouped", kind=kind, **shape) for kind in ("perm", "gather", "combine")}
+        keys["gate_up"] = find(library, "moe_grouped", kind="gemm", proj="gate_up", E1=e + 1, N=2 * inter, K=h)
+        keys["down"] = find(library, "moe_grouped", kind="gemm", proj="down", E1=e + 1, N=h, K=inter)
+        keys["silu"] = find(library, "silu_mul", I=inter)
+        if not all(keys.values()):
+            return None
+        bm = library.manifest.kernels[("moe_grouped", keys["perm"])].config["BM"]
+        return cls(**keys, bm=bm, slots=k + 1, experts=e + 1)
+
+    def required(self) -> list[tuple[str, str]]:
+        return [("moe_grouped", self.perm), ("moe_grouped", self.gather), ("moe_grouped", self.gate_up),
+                ("silu_mul", self.silu), ("moe_grouped", self.down), ("moe_grouped", self.combine)]
+
+    def capacity(self, rows: int) -> int:
+        """Rows of the permuted buffers for `rows` rows: every (row, slot) entry plus bm - 1
+        padding rows per segment that can be non-empty, in whole tiles (the `perm` kernel's
+        launch rule; cute_kernels/moe_grouped.capacity)."""
+        entries = rows * self.slots
+        return -(-(entries + min(self.experts, entries) * (self.bm - 1)) // self.bm) * self.bm
+
+    def buffer_sizes(self, rows: int, hidden: int, inter: int) -> dict[str, int]:
+        """Bytes of each workspace buffer for steps of up to `rows` rows."""
+        c = self.capacity(rows)
+        return {"moe_pos": rows * self.slots * 4, "moe_src": c * 4, "moe_tiles": (c // self.bm + 1) * 4,
+                "moe_rows": c * hidden * 4, "moe_gu": c * 2 * inter * 2, "moe_gact": c * inter * 2}
+
+    def bind(self, forward: Any, out: list, m: int, layer: dict, route: dict[str, int]) -> None:
+        """The launches after routing, for m rows of `buf["h"]`, into `buf["delta"]`."""
+        buf = forward.storage.buf
+        c = self.capacity(m)
+        rows = {"M": m, "C": c}
+        forward.launch(out, "moe_grouped", self.perm, {"ids": route["ids"], "pos": buf["moe_pos"],
+                                                       "src": buf["moe_src"], "tiles": buf["moe_tiles"]}, rows)
+        forward.launch(out, "moe_grouped", self.gather, {"x": buf["h"], "src": buf["moe_src"],
+                                                         "tiles": buf["moe_tiles"], "xg": buf["moe_rows"]}, rows)
+        forward.launch(out, "moe_grouped", self.gate_up, {"x": buf["moe_rows"],
+                                                          "w": forward.w(layer["experts_gate_up"]),
+                                                          "tiles": buf["moe_tiles"], "out": buf["moe_gu"]}, {"C": c})
+        forward.launch(out, "silu_mul", self.silu, {"x": buf["moe_gu"], "out": buf["moe_gact"]}, {"M": c})
+        forward.launch(out, "moe_grouped", self.down, {"x": buf["moe_gact"], "w": forward.w(layer["experts_down"]),
+                                                       "tiles": buf["moe_tiles"], "out": buf["moe_rows"]}, {"C": c})
+        forward.launch(out, "moe_grouped", self.combine, {"dn": buf["moe_rows"], "pos": buf["moe_pos"],
+                                                          "wts": route["wts"], "out": buf["delta"]}, rows)

@@ -1,0 +1,233 @@
+"""The `moe_grouped` kernels (cute_kernels/moe_grouped.py, the prefill MoE MLP) against their NumPy
+references on a real GPU.
+
+Per MoE shape we serve (the tiny test model's and the 35B-A3B's), at odd row counts (1, 7, 65,
+300, 2048) and three routings (random ids, which leave experts empty; every row to one set of k
+experts, so k experts take every row; every row to experts 0..k-1): the counting sort exactly
+(stable order, padding, tile list, inverse map), the gather exactly, each grouped GEMM against a
+float64 product with the fp32-sum baseline, the combine, and the whole chain after the `moe`
+family's routing against the decode kernels' chain and float64, each row alone equal to its row in
+the batch bit for bit. Outputs are poisoned first (NaN, or -2 for int32: what the reference says
+is not written must stay so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cute_kernels import moe, moe_grouped
+from cute_kernels.moe_grouped import BM
+
+from .conftest import assert_close_to_baseline, rel_err
+from .test_moe_kernels import _bf, _f32, _f32_poisoned, _weights
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {shape[0]: shape for shape in moe_grouped.SHAPES}
+ROWS = [1, 7, 65, 300, 2048]
+MODES = ["random", "one_set", "first_k"]
+
+
+def _key(kind: str, name: str, proj: str | None = None) -> str:
+    """The variant of a kernel kind (for "gemm": of a projection) for a shape."""
+    _, h, e, _, inter = SHAPES[name]
+    if kind == "gemm":
+        n, k = (2 * inter, h) if proj == "gate_up" else (h, inter)
+        match = {"proj": proj, "E1": e + 1, "N": n, "K": k}
+    else:
+        match = {"H": h, "E": e, "I": inter}
+    return next(v.key for v in moe_grouped.variants()
+                if v.config["kind"] == kind and all(v.config.get(f) == val for f, val in match.items()))
+
+
+def _ids(rng, m, e, k, mode):
+    """Routed ids (distinct per row) and the shared expert e in the last slot."""
+    if mode == "random":
+        routed = np.stack([rng.permutation(e)[:k] for _ in range(m)])
+    elif mode == "one_set":
+        routed = np.broadcast_to(rng.permutation(e)[:k], (m, k))
+    else:
+        routed = np.broadcast_to(np.arange(k), (m, k))
+    return np.concatenate([routed, np.full((m, 1), e)], 1).astype(np.int32)
+
+
+def _i32_poisoned(mem, count):
+    return mem.i32(np.full(count, -2, np.int32))
+
+
+def _perm(library, mem, stream, name, d_ids, m):
+    """Run `perm`; returns (C, device pos, src, tiles)."""
+    _, _, e, k, _ = SHAPES[name]
+    p = k + 1
+    c = moe_grouped.capacity(m, p, e + 1)
+    bufs = {"ids": d_ids, "pos": _i32_poisoned(mem, (m + 1) * p), "src": _i32_poisoned(mem, c),
+            "tiles": _i32_poisoned(mem, c // BM + 1)}
+    library.kernel("moe_grouped", _key("perm", name)).launch(stream, bufs, {"M": m, "C": c})
+    return c, bufs
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("mode", MODES)
+def test_perm_and_gather(library, mem, stream, name, m, mode):
+    _, h, e, k, _ = SHAPES[name]
+    p = k + 1
+    rng = np.random.default_rng(m)
+    ids = _ids(rng, m, e, k, mode)
+    c, bufs = _perm(library, mem, stream, name, mem.i32(ids), m)
+    want_pos, want_src, want_tiles = moe_grouped.reference_perm(ids, e + 1, c)
+    pos = mem.read_i32(bufs["pos"], (m + 1) * p).reshape(m + 1, p)
+    assert (pos[m] == -2).all(), "the row past M was written"
+    np.testing.assert_array_equal(pos[:m], want_pos)
+    np.testing.assert_array_equal(mem.read_i32(bufs["tiles"], c // BM + 1), want_tiles)
+    np.testing.assert_array_equal(mem.read_i32(bufs["src"], c), want_src)
+
+    x = _bf(rng, (m, h))
+    xg = mem.poisoned(c * h)
+    library.kernel("moe_grouped", _key("gather", name)).launch(
+        stream, {"x": mem.bf16(x), "src": bufs["src"], "tiles": bufs["tiles"], "xg": xg}, {"M": m, "C": c})
+    got = mem.read_bf16(xg, (c, h))
+    used = want_tiles[0] * BM
+    np.testing.assert_array_equal(got[:used], moe_grouped.reference_gather(x, want_src, want_tiles))
+    assert np.isnan(got[used:]).all(), "a row past the tiles in use was written"
+
+
+def _gemm_case(name, m, mode, seed):
+    """(xg rows in use, tiles, C) for a routing: the permuted layout from the reference sort."""
+    _, h, e, k, _ = SHAPES[name]
+    rng = np.random.default_rng(seed)
+    ids = _ids(rng, m, e, k, mode)
+    c = moe_grouped.capacity(m, k + 1, e + 1)
+    _, src, tiles = moe_grouped.reference_perm(ids, e + 1, c)
+    return rng, src, tiles, c
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 65, 300, 2048])
+@pytest.mark.parametrize("mode", ["random", "one_set"])
+def test_grouped_gemms(library, mem, stream, name, m, mode):
+    """gate_up (bf16 out) and down (fp32 out) over the tiles of a real layout; rows past the tiles
+    in use stay poisoned."""
+    _, h, e, k, inter = SHAPES[name]
+    rng, _, tiles, c = _gemm_case(name, m, mode, 200 + m)
+    used = tiles[0] * BM
+    _, _, gate_up, down = _weights(name)
+    d_tiles = mem.i32(tiles.clip(0))
+    for proj, w, kdim, n in (("gate_up", gate_up, h, 2 * inter), ("down", down, inter, h)):
+        xg = _bf(rng, (c, kdim))
+        if proj == "gate_up":
+            out = mem.poisoned(c * n)
+        else:
+            out = _f32_poisoned(mem, c * n)
+        library.kernel("moe_grouped", _key("gemm", name, proj)).launch(
+            stream, {"x": mem.bf16(xg), "w": mem.bf16(w), "tiles": d_tiles, "out": out}, {"C": c})
+        got = mem.read_bf16(out, (c, n)) if proj == "gate_up" else mem.read_f32(out, np.empty((c, n)))
+        assert np.isnan(got[used:]).all(), f"{proj}: a row past the tiles in use was written"
+        base = moe_grouped.reference_gemm(xg, w, tiles, rounded=proj == "gate_up")
+        exact = np.concatenate([xg[t * BM:(t + 1) * BM].astype(np.float64) @ w[tiles[1 + t]].astype(np.float64).T
+                                for t in range(tiles[0])])
+        # gate_up: bf16 rounding of fp32 sums (the baseline's own error); down: fp32 sums in
+        # another order (a few fp32 ulps; the floor covers a baseline error that is near zero).
+        assert_close_to_baseline(got[:used], exact, base, f"{name} {proj} {mode} M={m}", floor=1e-6)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_combine(library, mem, stream, name, m):
+    _, h, e, k, _ = SHAPES[name]
+    p = k + 1
+    rng, _, _, c = _gemm_case(name, m, "random", 300 + m)
+    pos = np.stack([rng.permutation(c)[:p] for _ in range(m)]).astype(np.int32)
+    dn = rng.standard_normal((c, h)).astype(np.float32)
+    wts = rng.uniform(0.05, 1.0, (m, p)).astype(np.float32)
+    out = mem.poisoned((m + 1) * h)
+    library.kernel("moe_grouped", _key("combine", name)).launch(
+        stream, {"dn": _f32(mem, dn), "pos": mem.i32(pos), "wts": _f32(mem, wts), "out": out}, {"M": m, "C": c})
+    got = mem.read_bf16(out, (m + 1, h))
+    assert np.isnan(got[m]).all(), "the row past M was written"
+    exact = sum(wts[:, s:s + 1].astype(np.float64) * dn[pos[:, s]].astype(np.float64) for s in range(p))
+    assert_close_to_baseline(got[:m], exact, moe_grouped.reference_combine(dn, pos, wts), f"{name} combine M={m}")
+
+
+def _prefill_chain(library, mem, stream, name, x, weights):
+    """logits -> route (the `moe` family) -> perm -> gather -> gate_up -> silu_mul -> down ->
+    combine over the rows of x; returns (ids, wts, delta rows)."""
+    _, h, e, k, inter = SHAPES[name]
+    m, p = x.shape[0], k + 1
+    router, w_sg, gate_up, down = weights
+    c = moe_grouped.capacity(m, p, e + 1)
+    run = library.kernel
+    d_x = mem.bf16(x)
+    logits, ids, wts = _f32_poisoned(mem, m * e), mem.i32(np.zeros(m * p)), _f32_poisoned(mem, m * p)
+    moe_key = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
+    run("moe", moe_key["logits"]).launch(stream, {"x": d_x, "w": router, "out": logits}, {"M": m})
+    run("moe", moe_key["route"]).launch(stream, {"logits": logits, "x": d_x, "w_sg": w_sg, "ids": ids, "wts": wts},
+                                        {"M": m})
+    _, bufs = _perm(library, mem, stream, name, ids, m)
+    rows = _f32_poisoned(mem, c * h)
+    gu, act, out = mem.poisoned(c * 2 * inter), mem.poisoned(c * inter), mem.poisoned(m * h)
+    sizes = {"M": m, "C": c}
+    run("moe_grouped", _key("gather", name)).launch(stream, {"x": d_x, "src": bufs["src"], "tiles": bufs["tiles"],
+                                                             "xg": rows}, sizes)
+    run("moe_grouped", _key("gemm", name, "gate_up")).launch(stream, {"x": rows, "w": gate_up, "tiles": bufs["tiles"],
+                                                                      "out": gu}, {"C": c})
+    run("silu_mul", f"i{inter}").launch(stream, {"x": gu, "out": act}, {"M": c})
+    run("moe_grouped", _key("gemm", name, "down")).launch(stream, {"x": act, "w": down, "tiles": bufs["tiles"],
+                                                                   "out": rows}, {"C": c})
+    run("moe_grouped", _key("combine", name)).launch(stream, {"dn": rows, "pos": bufs["pos"], "wts": wts,
+                                                              "out": out}, sizes)
+    return (mem.read_i32(ids, m * p).reshape(m, p), mem.read_f32(wts, np.empty((m, p))),
+            mem.read_bf16(out, (m, h)))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("m", [7, 300, 2048])
+def test_prefill_chain_matches_decode_and_rows_alone(library, mem, stream, name, m):
+    """The whole prefill MLP against float64 (on the kernels' routing) with the reference chain
+    as the baseline, against the decode kernels' chain (only the K order of the dot products
+    differs: most elements equal, the rest one bf16 rounding apart), and rows computed alone equal
+    to their rows in the batch bit for bit."""
+    _, h, e, k, inter = SHAPES[name]
+    rng = np.random.default_rng(42 + m)
+    x = _bf(rng, (m, h))
+    weights = _weights(name)
+    router, w_sg, gate_up, down = weights
+    on_device = [mem.bf16(w) for w in weights]
+    ids, wts, got = _prefill_chain(library, mem, stream, name, x, on_device)
+    want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, True)
+    np.testing.assert_array_equal(ids, want_ids)
+    exact = _exact(x, gate_up, down, ids, wts)
+    assert_close_to_baseline(got, exact, moe_grouped.reference(x, ids, wts, gate_up, down), f"{name} chain M={m}")
+
+    # The decode kernels on the same routing.
+    moe_key = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
+    d_ids, d_wts = mem.i32(ids), _f32(mem, wts)
+    act, dec = mem.poisoned(m * (k + 1) * inter), mem.poisoned(m * h)
+    library.kernel("moe", moe_key["up"]).launch(stream, {"x": mem.bf16(x), "w": on_device[2], "ids": d_ids,
+                                                         "act": act}, {"M": m})
+    library.kernel("moe", moe_key["down"]).launch(stream, {"act": act, "w": on_device[3], "ids": d_ids, "wts": d_wts,
+                                                           "out": dec}, {"M": m})
+    decoded = mem.read_bf16(dec, (m, h))
+    scale = np.abs(exact).max()
+    print(f"prefill vs decode: {np.mean(got == decoded):.4f} equal, max diff {np.abs(got - decoded).max() / scale:.2e}"
+          f" of max |out|, rel {rel_err(got, decoded):.2e}")
+    assert rel_err(got, decoded) <= 2 * rel_err(moe_grouped.reference(x, ids, wts, gate_up, down), exact) + 1e-6
+    assert np.mean(got == decoded) > 0.5
+
+    for r in (0, m // 2, m - 1):
+        _, _, alone = _prefill_chain(library, mem, stream, name, x[r:r + 1], on_device)
+        np.testing.assert_array_equal(alone[0], got[r])
+
+
+def _exact(x, gate_up, down, ids, wts):
+    """The MLP in float64 with nothing rounded, on the given routing (each expert's weights
+    converted once, for all its rows; slots summed in order)."""
+    inter = gate_up.shape[1] // 2
+    per_slot = np.zeros((*ids.shape, down.shape[1]))
+    for ex in np.unique(ids):
+        rows, slots = np.nonzero(ids == ex)
+        gu = x[rows].astype(np.float64) @ gate_up[ex].astype(np.float64).T
+        act = gu[:, :inter] / (1.0 + np.exp(-gu[:, :inter])) * gu[:, inter:]
+        per_slot[rows, slots] = wts[rows, slots, None] * (act @ down[ex].astype(np.float64).T)
+    return per_slot.sum(1)
