@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .kernels_quant import bench_gemv_q
+
 DOC_BEGIN = "<!-- kernels:begin (written by bench/kernels.py) -->"
 DOC_END = "<!-- kernels:end -->"
 L2_BYTES = 60 << 20
@@ -301,7 +303,7 @@ def bench_moe(b: Bench, rows: tuple[int, ...] = (1, 8)) -> None:
         del xs
 
 
-SECTIONS = ("norms", "elementwise", "gemv", "gemm", "moe")
+SECTIONS = ("norms", "elementwise", "gemv", "gemv_q", "gemm", "moe")
 
 
 def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -311,7 +313,7 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: bench_moe(b))]
+                ("gemv_q", lambda: bench_gemv_q(b)), ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: bench_moe(b))]
     for name, section in sections:
         if name not in only:
             continue
