@@ -62,12 +62,12 @@ SHAPES = [
 ]
 
 
-# Forms of the decode GEMV (tag -> (decode, most steps unrolled)): each shape is built in every
+# Forms of the decode GEMV (tag -> (decode, most steps unrolled, weight rows per CTA)): each shape is built in every
 # form of its family, and `bench.kernels --only gemv_q` times them side by side. The first form
 # keeps the key without a tag (the runner's choice: `runtime/model/gpu/kernels.py` GEMV_FORMS).
 # `shift` decodes with bit placement and one exact bf16 multiply (`dequant.py`); `_u8` unrolls up
 # to 8 steps instead of 4 (K = 5120 and 6144 then run their 5 or 6 steps per warp in one body).
-FORMS = {"cvt": ("cvt", 4), "shift": ("shift", 4), "shift_u8": ("shift", 8)}
+FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS)}
 
 
 def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
@@ -80,15 +80,18 @@ def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
 
 
 def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: int, weights: dict[str, Any],
-                        config: dict[str, Any], what: str, forms: dict[str, tuple[str, int]], form: str) -> Variant:
+                        config: dict[str, Any], what: str, forms: dict[str, tuple[str, int, int]],
+                        form: str) -> Variant:
     """A decode GEMV variant for weights of a quantised format (this family and `gemv_nvfp4`):
     parameters x, the format's `weights` (name -> tensor, in order), the BF16 tail when nt > 0,
-    out, M; 16 rows a CTA, 8 warps over the K `steps`, M <= 8; `config` adds the format's keys,
-    `form` (a tag of `forms`) the decode and unroll."""
-    decode, most = forms[form]
+    out, M; 16 rows a CTA (8 where the form says so and there is no tail: the MMA's rows 8..15
+    are zeros), 8 warps over the K `steps`, M <= 8; `config` adds the format's keys, `form` (a
+    tag of `forms`) the decode, unroll and rows."""
+    decode, most, rows = forms[form]
+    rows = rows if nt == 0 else ROWS
     # Steps each warp's loop keeps in flight (unroll); every warp has steps // WARPS or one more.
     unroll = max(1, min(steps // WARPS, most))
-    ctas = n // ROWS + -(-nt // ROWS)
+    ctas = n // rows + -(-nt // ROWS)
     params = [ptr("x")] + [ptr(w) for w in weights] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
     tensors = {"x": tensor("bf16", "M", k), **weights, "out": tensor("bf16", "M", n + nt, role="out")}
     if nt:
@@ -98,7 +101,7 @@ def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: 
         family=family,
         key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}{tag}",
         config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, **config, "unroll": unroll, "form": form,
-                "decode": decode},
+                "decode": decode, "rows": rows},
         params=params,
         tensors=tensors,
         sizes=("M",),

@@ -56,7 +56,11 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Forms (see gemv_fp8.FORMS): `lut` decodes with byte-permute tables, `shift` by bit placement
 # (`dequant.py`: about half the integer instructions per code byte), `shift_x` by bit placement
 # in an interleaved column order that the activations follow (half the byte permutes of `shift`).
-FORMS = {"lut": ("lut", 4), "shift": ("shift", 4), "shift_u8": ("shift", 8), "shift_x": ("shift_x", 4)}
+# `shift_h`: `shift` with 8 rows per CTA (shapes without a BF16 tail): N = 5120 (o_proj, down)
+# then makes 640 CTAs instead of 320, which 132 SMs holding 3 CTAs each take in far more even
+# shares (320 CTAs leave some SMs 3 and others 2: the 3-CTA SMs set the time).
+FORMS = {"lut": ("lut", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
+         "shift_x": ("shift_x", 4, ROWS), "shift_h": ("shift", 4, ROWS // 2)}
 
 
 def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
@@ -115,7 +119,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     ldo = n + nt
     steps = k // STEP
     per_warp, extra = steps // WARPS, steps % WARPS  # warps < extra take one more step
-    fp4_ctas = n // ROWS
+    rows = variant.config["rows"]
+    half = rows < ROWS  # lanes load row r only; the MMA's rows r + 8 are zeros
+    fp4_ctas = n // rows
     form = variant.config["decode"]
 
     def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, acc: Any) -> None:
@@ -126,7 +132,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     def fp4_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, w_lo: Any, w_hi: Any, s_lo: Any, s_hi: Any,
                  x_row: Any, c: Any) -> None:
         a_lo = _dequant.e2m1_row(form, w_lo + c * (STEP // 2), s_lo + c * (STEP // GROUP))
-        a_hi = _dequant.e2m1_row(form, w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
+        a_hi = None if half else _dequant.e2m1_row(form, w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
         b = _dequant.activations(form, cute.make_tensor(x_row + c * STEP, cute.make_layout((32,))).load())
         mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
 
@@ -145,8 +151,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         acc.fill(0.0)
         first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first step
         x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
-        row0 = bid * ROWS
-        count = ROWS
+        row0 = bid * rows
+        count = rows
+        if cutlass.const_expr(half):
+            for i in (2, 3, 6, 7):
+                frag_a[i] = cutlass.BFloat16(0.0)
         if bid < fp4_ctas:
             w_lo = w + cutlass.Int64(row0 + r) * (k // 2) + q * 16
             w_hi = w + cutlass.Int64(row0 + r + 8) * (k // 2) + q * 16
