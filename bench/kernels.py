@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.moe_grouped import bench_moe_prefill
+from .kernels_quant import bench_gemv_q
 
 DOC_BEGIN = "<!-- kernels:begin (written by bench/kernels.py) -->"
 DOC_END = "<!-- kernels:end -->"
@@ -301,7 +302,7 @@ def bench_gdn(b: Bench) -> None:
             del state
 
 
-SECTIONS = ("norms", "elementwise", "gemv", "gemm", "moe", "gdn")
+SECTIONS = ("norms", "elementwise", "gemv", "gemv_q", "gemm", "moe", "gdn")
 
 
 def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -311,8 +312,8 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemm", lambda: bench_gemm(b, 8192)), ("moe", lambda: _bench_moe(b)),
-                ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
+                ("gemv_q", lambda: bench_gemv_q(b)), ("gemm", lambda: bench_gemm(b, 8192)),
+                ("moe", lambda: _bench_moe(b)), ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:
             continue

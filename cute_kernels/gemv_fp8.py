@@ -62,31 +62,46 @@ SHAPES = [
 ]
 
 
-def _variant(name: str, n: int, nt: int, k: int) -> Variant:
+# Forms of the decode GEMV (tag -> (decode, most steps unrolled, weight rows per CTA)): each shape is built in every
+# form of its family, and `bench.kernels --only gemv_q` times them side by side. The first form
+# keeps the key without a tag (the runner's choice: `runtime/model/gpu/kernels.py` GEMV_FORMS).
+# `shift` decodes with bit placement and one exact bf16 multiply (`dequant.py`); `_u8` unrolls up
+# to 8 steps instead of 4 (K = 5120 and 6144 then run their 5 or 6 steps per warp in one body).
+FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS)}
+
+
+def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
     if n % ROWS or k % BLOCK:
         raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {BLOCK}")
     blocks = k // BLOCK
     return weight_only_variant(FAMILY, name, n, nt, k, blocks,
                                {"w": tensor("e4m3", n, k), "scale": tensor("f32", -(-n // BLOCK), blocks)},
-                               {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)")
+                               {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)", FORMS, form)
 
 
 def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: int, weights: dict[str, Any],
-                        config: dict[str, Any], what: str) -> Variant:
+                        config: dict[str, Any], what: str, forms: dict[str, tuple[str, int, int]],
+                        form: str) -> Variant:
     """A decode GEMV variant for weights of a quantised format (this family and `gemv_nvfp4`):
     parameters x, the format's `weights` (name -> tensor, in order), the BF16 tail when nt > 0,
-    out, M; 16 rows a CTA, 8 warps over the K `steps`, M <= 8; `config` adds the format's keys."""
+    out, M; 16 rows a CTA (8 where the form says so and there is no tail: the MMA's rows 8..15
+    are zeros), 8 warps over the K `steps`, M <= 8; `config` adds the format's keys, `form` (a
+    tag of `forms`) the decode, unroll and rows."""
+    decode, most, rows = forms[form]
+    rows = rows if nt == 0 else ROWS
     # Steps each warp's loop keeps in flight (unroll); every warp has steps // WARPS or one more.
-    unroll = max(1, min(steps // WARPS, 4))
-    ctas = n // ROWS + -(-nt // ROWS)
+    unroll = max(1, min(steps // WARPS, most))
+    ctas = n // rows + -(-nt // ROWS)
     params = [ptr("x")] + [ptr(w) for w in weights] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
     tensors = {"x": tensor("bf16", "M", k), **weights, "out": tensor("bf16", "M", n + nt, role="out")}
     if nt:
         tensors["tail"] = tensor("bf16", nt, k)
+    tag = "" if form == next(iter(forms)) else f"_{form}"
     return Variant(
         family=family,
-        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}",
-        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, **config, "unroll": unroll},
+        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}{tag}",
+        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, **config, "unroll": unroll, "form": form,
+                "decode": decode, "rows": rows},
         params=params,
         tensors=tensors,
         sizes=("M",),
@@ -94,13 +109,13 @@ def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: 
         grid=(ctas, 1, 1),
         requires=("M >= 1", f"M <= {MB}"),
         arches=HOPPER,
-        note=f"decode x[M<={MB},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else ""),
+        note=f"decode x[M<={MB},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else "") + f", {form}",
         example_sizes={"M": 1},
     )
 
 
 def variants() -> list[Variant]:
-    return [_variant(*shape) for shape in SHAPES]
+    return [_variant(*shape, form) for shape in SHAPES for form in FORMS]
 
 
 def e4m3_values(codes: np.ndarray) -> np.ndarray:
@@ -142,10 +157,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
-    unroll = variant.config["unroll"]
+    unroll, form = variant.config["unroll"], variant.config["decode"]
     ldo = n + nt
     blocks = k // BLOCK
     per_warp, extra = blocks // WARPS, blocks % WARPS  # warps < extra take one more block
@@ -161,8 +176,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                   x_row: Any, s_row: Any, c: Any) -> None:
         """One 128-column block of the CTA's FP8 rows: its unscaled partial, then acc += partial * scale."""
         col = c * BLOCK
-        a_lo = cute.make_tensor(w_lo + col, cute.make_layout((32,))).load().to(bf16)
-        a_hi = cute.make_tensor(w_hi + col, cute.make_layout((32,))).load().to(bf16)
+        a_lo = _dequant.e4m3_row(form, w_lo + col)
+        a_hi = _dequant.e4m3_row(form, w_hi + col)
         b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
         block_acc.fill(0.0)
         mma_block(mma, frag_a, frag_b, a_lo, a_hi, b, block_acc)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .bf16 import round_bf16
+from .dequant import E2M1_UNDO
 from .gemv_fp8 import MB, ROWS, SHAPES, WARPS, e4m3_values, weight_only_variant
 from .variant import Variant, tensor
 
@@ -52,30 +53,26 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # checkpoints) quantise the same projections as Qwen's FP8 release (lm_head, in_proj_b /
 # in_proj_a stay BF16: gdn_in's tail).
 
-# bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as prmt tables (byte i of the
-# pair (LO, HI) is magnitude i's byte): high bytes 00 3F 3F 3F 40 40 40 40, low 00 00 80 C0 00 40 80 C0.
-HIGH_LO, HIGH_HI = 0x3F3F3F00, 0x40404040
-LOW_LO, LOW_HI = 0xC0800000, 0xC0804000
-# prmt selectors of the decode of one code word (see `build`'s decode_row): SPREAD[h] copies code
-# bytes 2h, 2h, 2h + 1, 2h + 1 (the sign of column 4h + c is then bit 3 or bit 7 of byte c);
-# PAIRS interleaves the low and high bytes of columns (0, 1) and (2, 3) into bf16 pairs;
-# SCALE_PAIRS broadcasts bf16 scale 0 or 1 of a pair to both halves.
-SPREAD = (0x1100, 0x3322)
-PAIRS = (0x5140, 0x7362)
-SCALE_PAIRS = (0x1010, 0x3232)
-SIGN_SHIFTED, SIGN_IN_PLACE = 0x00800080, 0x80008000  # sign bits after << 4 (even c), as they are (odd c)
+# Forms (see gemv_fp8.FORMS): `lut` decodes with byte-permute tables, `shift` by bit placement
+# (`dequant.py`: about half the integer instructions per code byte), `shift_x` by bit placement
+# in an interleaved column order that the activations follow (half the byte permutes of `shift`).
+# `shift_h`: `shift` with 8 rows per CTA (shapes without a BF16 tail): N = 5120 (o_proj, down)
+# then makes 640 CTAs instead of 320, which 132 SMs holding 3 CTAs each take in far more even
+# shares (320 CTAs leave some SMs 3 and others 2: the 3-CTA SMs set the time).
+FORMS = {"lut": ("lut", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
+         "shift_x": ("shift_x", 4, ROWS), "shift_h": ("shift", 4, ROWS // 2)}
 
 
-def _variant(name: str, n: int, nt: int, k: int) -> Variant:
+def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
     if n % ROWS or k % STEP:
         raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {STEP}")
     weights = {"w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP), "gscale": tensor("f32", n)}
     return weight_only_variant(FAMILY, name, n, nt, k, k // STEP, weights, {"step": STEP},
-                               f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)")
+                               f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)", FORMS, form)
 
 
 def variants() -> list[Variant]:
-    return [_variant(*shape) for shape in SHAPES]
+    return [_variant(*shape, form) for shape in SHAPES for form in FORMS]
 
 
 def e2m1_values(packed: np.ndarray) -> np.ndarray:
@@ -112,68 +109,20 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.n
     return round_bf16(out.astype(np.float32))
 
 
-def _s32(v: int) -> int:
-    """A 32-bit pattern as the signed value an Int32 constant takes."""
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
-
-    from . import _dsl
+    from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll = variant.config["unroll"]
     ldo = n + nt
     steps = k // STEP
     per_warp, extra = steps // WARPS, steps % WARPS  # warps < extra take one more step
-    fp4_ctas = n // ROWS
-    bf16, i32t = cutlass.BFloat16, cutlass.Int32
-
-    # Pure (no side effects) so that ptxas may schedule and share them; cute.arch.prmt is volatile.
-    @dsl_user_op
-    def prmt(a: Any, b: Any, sel: Any, *, loc: Any = None, ip: Any = None) -> Any:
-        return i32t(llvm.inline_asm(
-            T.i32(), [i32t(a).ir_value(loc=loc, ip=ip), i32t(b).ir_value(loc=loc, ip=ip),
-                      i32t(sel).ir_value(loc=loc, ip=ip)],
-            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    @dsl_user_op
-    def mul_bf16x2(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Any:
-        return i32t(llvm.inline_asm(
-            T.i32(), [i32t(a).ir_value(loc=loc, ip=ip), i32t(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    def decode_row(codes: Any, scale: Any) -> Any:
-        """The lane's 32 columns of one row as scaled bf16 (an rmem tensor): codes points at its
-        16 code bytes, scale at its 2 scale bytes."""
-        raw = cute.make_rmem_tensor((16,), cutlass.Uint8)
-        raw.store(cute.make_tensor(codes, cute.make_layout((16,))).load())
-        words = cute.recast_tensor(raw, i32t)
-        s = cute.make_rmem_tensor((2,), bf16)
-        s.store(cute.make_tensor(scale, cute.make_layout((2,))).load().to(bf16))  # exact: e4m3 is inside bf16
-        s_word = cute.recast_tensor(s, i32t)[0]
-        s_pairs = [prmt(s_word, 0, sel) for sel in SCALE_PAIRS]  # (s0, s0), (s1, s1)
-        pairs = cute.make_rmem_tensor((16,), i32t)
-        for i in range(4):  # word i: columns 8i .. 8i + 7, nibble c = column 8i + c
-            word = words[i]
-            for h in range(2):  # columns 8i + 4h .. + 3
-                sel = (word >> (16 * h)) & 0x7777  # the four magnitudes, one per selector nibble
-                high = prmt(_s32(HIGH_LO), HIGH_HI, sel)
-                low = prmt(_s32(LOW_LO), _s32(LOW_HI), sel)
-                # Byte c of spread holds code byte (2h + c // 2): the sign of column 4h + c is its
-                # bit 3 (even c, moved to bit 7) or bit 7 (odd c, in place).
-                spread = prmt(word, 0, SPREAD[h])
-                high = high | ((spread << 4) & SIGN_SHIFTED) | (spread & _s32(SIGN_IN_PLACE))
-                scale_pair = s_pairs[i // 2]  # columns 0..15 are block 0, 16..31 block 1
-                for p in range(2):
-                    pairs[4 * i + 2 * h + p] = mul_bf16x2(prmt(low, high, PAIRS[p]), scale_pair)
-        return cute.recast_tensor(pairs, bf16)
+    rows = variant.config["rows"]
+    half = rows < ROWS  # lanes load row r only; the MMA's rows r + 8 are zeros
+    fp4_ctas = n // rows
+    form = variant.config["decode"]
 
     def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, acc: Any) -> None:
         for j in range(8):  # a plain helper: Python loops unroll while tracing
@@ -182,9 +131,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     def fp4_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, w_lo: Any, w_hi: Any, s_lo: Any, s_hi: Any,
                  x_row: Any, c: Any) -> None:
-        a_lo = decode_row(w_lo + c * (STEP // 2), s_lo + c * (STEP // GROUP))
-        a_hi = decode_row(w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
-        b = cute.make_tensor(x_row + c * STEP, cute.make_layout((32,))).load()
+        a_lo = _dequant.e2m1_row(form, w_lo + c * (STEP // 2), s_lo + c * (STEP // GROUP))
+        a_hi = None if half else _dequant.e2m1_row(form, w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
+        b = _dequant.activations(form, cute.make_tensor(x_row + c * STEP, cute.make_layout((32,))).load())
         mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
 
     def bf16_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, t_lo: Any, t_hi: Any, x_row: Any, c: Any) -> None:
@@ -202,8 +151,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         acc.fill(0.0)
         first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first step
         x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
-        row0 = bid * ROWS
-        count = ROWS
+        row0 = bid * rows
+        count = rows
+        if cutlass.const_expr(half):
+            for i in (2, 3, 6, 7):
+                frag_a[i] = cutlass.BFloat16(0.0)
         if bid < fp4_ctas:
             w_lo = w + cutlass.Int64(row0 + r) * (k // 2) + q * 16
             w_hi = w + cutlass.Int64(row0 + r + 8) * (k // 2) + q * 16
@@ -214,6 +166,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             if cutlass.const_expr(extra > 0):
                 if warp < extra:
                     fp4_step(mma, frag_a, frag_b, acc, w_lo, w_hi, s_lo, s_hi, x_row, first + per_warp)
+            if cutlass.const_expr(form != "lut"):
+                for i in cutlass.range_constexpr(4):  # the decode's 2^-7, exactly (dequant.py)
+                    acc[i] = acc[i] * E2M1_UNDO
         if cutlass.const_expr(nt > 0):
             if bid >= fp4_ctas:
                 t0 = (bid - fp4_ctas) * ROWS

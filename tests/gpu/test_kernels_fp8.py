@@ -5,6 +5,8 @@ The reference is float64 of the dequantised weights; the same-precision baseline
 Inputs: random e4m3 codes over the whole finite range, block scales of both signs with one zero
 block, NaN-poisoned outputs with an extra row that must stay untouched, odd M, the tiny model's
 shapes (K = 128 leaves 7 of 8 warps idle; tails of 8 rows, fewer than a CTA's 16) and the 27B's.
+Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`) runs each case against the
+same reference; a one-hot test checks every code's decode bit for bit in every form.
 Written without a GPU at hand: not run yet.
 """
 
@@ -39,31 +41,64 @@ def _upload(mem, device, stream, array):
     return ptr
 
 
+def _forms(name):
+    """The variants of shape `name`, one per form."""
+    return [v for v in gemv_fp8.variants() if v.key.startswith(name + "_n")]
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("name", [s[0] for s in gemv_fp8.SHAPES])
 def test_gemv_fp8(library, device, mem, stream, name, m):
     _, n, nt, k = next(s for s in gemv_fp8.SHAPES if s[0] == name)
     rng = np.random.default_rng(n + 7 * m + k)
     x, codes, scales, tail = _case(rng, m, n, nt, k)
-    v = next(v for v in gemv_fp8.variants() if v.key.startswith(name + "_"))
-    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales),
-            "out": mem.poisoned((m + 1) * (n + nt))}
+    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
     if nt:
         bufs["tail"] = mem.bf16(tail)
-    library.kernel("gemv_fp8", v.key).launch(stream, bufs, {"M": m})
-    got = mem.read_bf16(bufs["out"], (m + 1, n + nt))
-    assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
     want = gemv_fp8.reference(x, codes, scales, tail, exact=True)
     base = gemv_fp8.reference(x, codes, scales, tail)
-    assert_close_to_baseline(got[:m], want, base, f"gemv_fp8 {v.key} M={m}")
+    forms = _forms(name)
+    assert len(forms) == len(gemv_fp8.FORMS)
+    for v in forms:
+        out = mem.poisoned((m + 1) * (n + nt))
+        library.kernel("gemv_fp8", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
+        got = mem.read_bf16(out, (m + 1, n + nt))
+        assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
+        assert_close_to_baseline(got[:m], want, base, f"gemv_fp8 {v.key} M={m}")
 
 
-def test_gemv_fp8_is_batch_invariant(library, device, mem, stream):
+def test_gemv_fp8_decodes_every_code_exactly(library, device, mem, stream):
+    """Token t is one-hot at column t (t < 8) and the block scales are powers of two: the output
+    is weight column t of every row, exact in bf16 (every e4m3 value is a bf16 value), so every
+    form must equal the float64 dequantisation bit for bit. Columns 0..7 of the 256 rows run
+    through all 256 codes (the NaN codes 0x7F / 0xFF replaced by zeros of both signs)."""
+    name, n, nt, k = "tiny_o_proj", 256, 0, 256
+    x = np.zeros((8, k), np.float32)
+    x[np.arange(8), np.arange(8)] = 1.0
+    codes = np.random.default_rng(13).integers(0, 256, (n, k), dtype=np.uint8)
+    codes[:, :8] = (np.arange(n * 8) % 256).reshape(n, 8)
+    codes[codes == 0x7F] = 0x00
+    codes[codes == 0xFF] = 0x80
+    scales = np.array([[0.25, 2.0], [-1.0, 8.0]], np.float32)  # [cdiv(256, 128), 256 / 128]
+    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
+    want = gemv_fp8.reference(x, codes, scales, exact=True)
+    for v in _forms(name):
+        out = mem.poisoned(8 * n)
+        library.kernel("gemv_fp8", v.key).launch(stream, {**bufs, "out": out}, {"M": 8})
+        got = mem.read_bf16(out, (8, n)).astype(np.float64)
+        bad = np.argwhere(got != want)
+        assert bad.size == 0, (f"{v.key}: {len(bad)} codes decoded wrong; first (token, row) {tuple(bad[0])}: got "
+                               f"{got[tuple(bad[0])]}, want {want[tuple(bad[0])]}, code "
+                               f"{codes[bad[0][1], bad[0][0]]:#04x}")
+
+
+@pytest.mark.parametrize("form", list(gemv_fp8.FORMS))
+def test_gemv_fp8_is_batch_invariant(library, device, mem, stream, form):
     """Row 0 of an M = 8 launch equals the M = 1 launch bit for bit (decode buckets and the
     8-row prefill pieces rely on it)."""
     name, n, nt, k = gemv_fp8.SHAPES[0]
     x, codes, scales, tail = _case(np.random.default_rng(5), 8, n, nt, k)
-    v = next(v for v in gemv_fp8.variants() if v.key.startswith(name + "_"))
+    v = next(v for v in _forms(name) if v.config["form"] == form)
     bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales),
             "tail": mem.bf16(tail)}
     kernel = library.kernel("gemv_fp8", v.key)

@@ -10,6 +10,8 @@ with negative and zero ones, per-row globals of both signs and a zero row, NaN-p
 with an extra row that must stay untouched, M = 1, 3, 8, the tiny model's shapes (K = 128 leaves
 7 of 8 warps idle; a tail of 8 rows, fewer than a CTA's 16) and the 27B's. A second test checks
 the decode bit for bit: one-hot activations read single weights back (each exact in bf16).
+Every form of the family (`gemv_nvfp4.FORMS`: `lut`, `shift`, `shift_u8`, `shift_x`) runs each
+case against the same references; the one-hot test also covers subnormal block scales.
 Written without a GPU at hand: not run yet.
 """
 
@@ -54,8 +56,9 @@ def _bufs(mem, device, stream, x, codes, scales, gscale, tail, out_rows):
     return bufs
 
 
-def _variant(name):
-    return next(v for v in gemv_nvfp4.variants() if v.key.startswith(name + "_"))
+def _forms(name):
+    """The variants of shape `name`, one per form."""
+    return [v for v in gemv_nvfp4.variants() if v.key.startswith(name + "_n")]
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -63,15 +66,18 @@ def _variant(name):
 def test_gemv_nvfp4(library, device, mem, stream, name, m):
     _, n, nt, k = next(s for s in gemv_nvfp4.SHAPES if s[0] == name)
     x, codes, scales, gscale, tail = _case(np.random.default_rng(n + 7 * m + k), m, n, nt, k)
-    v = _variant(name)
     bufs = _bufs(mem, device, stream, x, codes, scales, gscale, tail, m + 1)
-    library.kernel("gemv_nvfp4", v.key).launch(stream, bufs, {"M": m})
-    got = mem.read_bf16(bufs["out"], (m + 1, n + nt))
-    assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
     want = gemv_nvfp4.reference(x, codes, scales, gscale, tail, exact=True)
     base = gemv_nvfp4.reference(x, codes, scales, gscale, tail)
-    assert np.all(got[:m, n - 1] == 0), f"{v.key}: the zero global's row"
-    assert_close_to_baseline(got[:m], want, base, f"gemv_nvfp4 {v.key} M={m}")
+    forms = _forms(name)
+    assert len(forms) == len(gemv_nvfp4.FORMS)
+    for v in forms:
+        out = mem.poisoned((m + 1) * (n + nt))
+        library.kernel("gemv_nvfp4", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
+        got = mem.read_bf16(out, (m + 1, n + nt))
+        assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
+        assert np.all(got[:m, n - 1] == 0), f"{v.key}: the zero global's row"
+        assert_close_to_baseline(got[:m], want, base, f"gemv_nvfp4 {v.key} M={m}")
 
 
 def test_gemv_nvfp4_decodes_every_weight_exactly(library, device, mem, stream):
@@ -86,25 +92,29 @@ def test_gemv_nvfp4_decodes_every_weight_exactly(library, device, mem, stream):
     codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     codes[:, :4] = np.arange(n * 4, dtype=np.int64).reshape(n, 4) % 256  # every byte in columns 0..7
     signs = rng.integers(0, 2, (n, k // 16), dtype=np.uint8) << 7
-    scales = rng.integers(0x08, 0x77, (n, k // 16), dtype=np.uint8) | signs  # normal e4m3 of both signs
+    # Finite e4m3 of both signs, subnormals (0x01..0x07) included: code * scale >= 2^-10 stays exact.
+    scales = rng.integers(0x01, 0x7F, (n, k // 16), dtype=np.uint8) | signs
     gscale = np.exp2(rng.integers(-4, 5, n)).astype(np.float32)
     bufs = _bufs(mem, device, stream, x, codes, scales, gscale, None, 8)
-    library.kernel("gemv_nvfp4", _variant(name).key).launch(stream, bufs, {"M": 8})
-    got = mem.read_bf16(bufs["out"], (8, n)).astype(np.float64)
     want = gemv_nvfp4.reference(x, codes, scales, gscale, exact=True)
-    bad = np.argwhere(got != want)
-    assert bad.size == 0, (f"{len(bad)} weights decoded wrong; first (token, row) {tuple(bad[0])}: got "
-                           f"{got[tuple(bad[0])]}, want {want[tuple(bad[0])]}, code byte "
-                           f"{codes[bad[0][1], bad[0][0] // 2]:#04x}, scale {scales[bad[0][1], 0]:#04x}")
+    for v in _forms(name):
+        out = mem.poisoned(8 * n)
+        library.kernel("gemv_nvfp4", v.key).launch(stream, {**bufs, "out": out}, {"M": 8})
+        got = mem.read_bf16(out, (8, n)).astype(np.float64)
+        bad = np.argwhere(got != want)
+        assert bad.size == 0, (f"{v.key}: {len(bad)} weights decoded wrong; first (token, row) {tuple(bad[0])}: "
+                               f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}, code byte "
+                               f"{codes[bad[0][1], bad[0][0] // 2]:#04x}, scale {scales[bad[0][1], 0]:#04x}")
 
 
-def test_gemv_nvfp4_is_batch_invariant(library, device, mem, stream):
+@pytest.mark.parametrize("form", list(gemv_nvfp4.FORMS))
+def test_gemv_nvfp4_is_batch_invariant(library, device, mem, stream, form):
     """Row 0 of an M = 8 launch equals the M = 1 launch bit for bit (decode buckets and the
     8-row prefill pieces rely on it)."""
     name, n, nt, k = gemv_nvfp4.SHAPES[0]
     x, codes, scales, gscale, tail = _case(np.random.default_rng(5), 8, n, nt, k)
     bufs = _bufs(mem, device, stream, x, codes, scales, gscale, tail, 1)
-    kernel = library.kernel("gemv_nvfp4", _variant(name).key)
+    kernel = library.kernel("gemv_nvfp4", next(v.key for v in _forms(name) if v.config["form"] == form))
     outs = {}
     for m in (1, 8):
         outs[m] = mem.poisoned(m * (n + nt))

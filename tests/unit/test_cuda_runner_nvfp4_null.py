@@ -174,3 +174,18 @@ def test_synthetic_nvfp4_weights_fill_codes_scales_and_globals(runner):
         assert {k for k, _, _ in _nvfp4_launches(dev.launches[n:])} == TINY_KEYS
     finally:
         syn.close()
+
+
+def test_the_gemv_form_switch_picks_that_form_of_every_shape(runner, monkeypatch):
+    """`kernels.GEMV_FORMS` is the runner's one-line choice among the forms every shape is built
+    in: each form of both families resolves to its own tagged key."""
+    from cute_kernels import gemv_fp8, gemv_nvfp4
+    from runtime.model.gpu import kernels
+    from runtime.model.gpu.weights import FP8
+
+    assert kernels.GEMV_FORMS[FP8] in gemv_fp8.FORMS and kernels.GEMV_FORMS[NVFP4] in gemv_nvfp4.FORMS
+    for fmt, family in ((FP8, gemv_fp8), (NVFP4, gemv_nvfp4)):
+        for i, form in enumerate(family.FORMS):
+            monkeypatch.setitem(kernels.GEMV_FORMS, fmt, form)
+            got = runner.kernels.linear_quantised(fmt, 1024, 0, 256)
+            assert got == (family.FAMILY, "tiny_gate_up_n1024_k256_m8" + (f"_{form}" if i else ""))

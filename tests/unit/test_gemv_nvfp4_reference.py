@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cute_kernels import gemv_nvfp4
+from cute_kernels import dequant, gemv_nvfp4
 from cute_kernels.bf16 import round_bf16
 from runtime.artifact import formats
 
@@ -76,8 +76,8 @@ def test_prmt_tables_are_the_bf16_bits_of_the_e2m1_magnitudes():
     """The kernel looks magnitude i up as byte i of (LO, HI) for the high and the low byte."""
     table = lambda lo, hi: [(lo | hi << 32) >> (8 * i) & 0xFF for i in range(8)]  # noqa: E731
     bits = [int(v) >> 16 for v in np.array(formats.E2M1_VALUES[:8], np.float32).view(np.uint32)]
-    assert table(gemv_nvfp4.HIGH_LO, gemv_nvfp4.HIGH_HI) == [b >> 8 for b in bits]
-    assert table(gemv_nvfp4.LOW_LO, gemv_nvfp4.LOW_HI) == [b & 0xFF for b in bits]
+    assert table(dequant.HIGH_LO, dequant.HIGH_HI) == [b >> 8 for b in bits]
+    assert table(dequant.LOW_LO, dequant.LOW_HI) == [b & 0xFF for b in bits]
     assert all(b & 0xFFFF == b for b in bits)  # bf16 holds every magnitude exactly
 
 
@@ -95,7 +95,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
 
 def _decode_word(word: int) -> list[int]:
     """The kernel's decode of one 32-bit code word (8 columns), op for op, to 8 bf16 bit patterns."""
-    g = gemv_nvfp4
+    g = dequant
     bits = []
     for h in range(2):
         sel = (word >> (16 * h)) & 0x7777
@@ -123,8 +123,8 @@ def test_the_kernels_decode_gives_the_bf16_bits_of_every_code_in_every_position(
 
 def test_scale_pairs_broadcast_each_half():
     word = 0xBEEF1234
-    assert _prmt(word, 0, gemv_nvfp4.SCALE_PAIRS[0]) == 0x12341234
-    assert _prmt(word, 0, gemv_nvfp4.SCALE_PAIRS[1]) == 0xBEEFBEEF
+    assert _prmt(word, 0, dequant.SCALE_PAIRS[0]) == 0x12341234
+    assert _prmt(word, 0, dequant.SCALE_PAIRS[1]) == 0xBEEFBEEF
 
 
 def test_variants_cover_the_nvfp4_layouts_of_the_27b_and_the_tiny_model():
@@ -142,4 +142,9 @@ def test_variants_cover_the_nvfp4_layouts_of_the_27b_and_the_tiny_model():
     assert tiny.nvfp4_shapes() <= built and len(tiny.nvfp4_shapes()) == 6
     # About 16.3 GB a token at the 27B shape (the issue's roofline): every weight but the embedding.
     assert abs((big.total - big.globals["embed"].nbytes) / 1e9 - 16.29) < 0.01
-    assert all(v.key.endswith("_m8") and v.requires == ("M >= 1", "M <= 8") for v in gemv_nvfp4.variants())
+    assert all(v.requires == ("M >= 1", "M <= 8") for v in gemv_nvfp4.variants())
+    # Every shape in every form; the first form's keys carry no tag (the ones built before the forms).
+    keys = {v.key for v in gemv_nvfp4.variants()}
+    for name, n, nt, k in gemv_nvfp4.SHAPES:
+        base = f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8"
+        assert {base} | {f"{base}_{form}" for form in list(gemv_nvfp4.FORMS)[1:]} <= keys

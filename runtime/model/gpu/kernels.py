@@ -38,6 +38,11 @@ GDN_MIN_CTAS = 256
 MOE_DECODE_FORM: tuple[str, int, str] | None = ("route_up", 8, "r1")
 MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 
+# The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
+# gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
+# the forms side by side; switch here to the fastest (each form passes the same numerics tests).
+GEMV_FORMS = {FP8: "cvt", NVFP4: "lut"}
+
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
     for (fam, key), entry in sorted(library.manifest.kernels.items()):
@@ -212,11 +217,12 @@ class KernelChoice:
         `layers.Forward.linear` runs more rows (prefill) 8 at a time, since there is no quantised
         GEMM yet."""
         family, name = QUANTISED[fmt]
-        key = _find(self.library, family, N=n, NT=nt, K=k)
+        key = _find(self.library, family, N=n, NT=nt, K=k, form=GEMV_FORMS[fmt])
         if key is None:
             raise KernelMissing(
                 f"no {family} kernel for an {name} {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
-                + f" in {self.library.root / 'manifest.json'}; add the shape to SHAPES in cute_kernels/gemv_fp8.py "
+                + f" in the {GEMV_FORMS[fmt]} form in {self.library.root / 'manifest.json'}; add the shape to SHAPES "
+                f"in cute_kernels/gemv_fp8.py "
                 f"(both quantised GEMVs take them) and run `python build_kernels.py --arch "
                 f"{self.library.manifest.arch}`")
         return family, key
