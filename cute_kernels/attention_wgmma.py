@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from . import attention, attention_prefill
+from . import attention
+from .bf16 import round_bf16
 from .variant import HOPPER, Variant, i32, ptr, tensor
 
 FAMILY = "attention_wgmma"
@@ -85,8 +86,39 @@ def variants() -> list[Variant]:
     return out
 
 
-# Same inputs and output as the mma.sync kernel: one reference.
-reference = attention_prefill.reference
+def reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table_row: np.ndarray, pos: np.ndarray,
+              x: np.ndarray, *, exact: bool = False, block: int = 64) -> np.ndarray:
+    """`attention_prefill.reference` (same arguments and result) computed a block of query rows
+    and a KV head at a time as matrix products, so the GPU tests can check 1000-row chunks over
+    6000 keys in seconds. exact: float64 throughout; else the bf16 baseline (fp32 attention, the
+    output and the gate's sigmoid rounded to bf16 as the kernels do). Agrees with the row-by-row
+    reference (tests/unit/test_attention_wgmma_reference.py)."""
+    ft = np.float64 if exact else np.float32
+    m, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    r = hq // hkv
+    n = int(pos.max()) + 1
+    rows = np.asarray(table_row)[np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+    k, v = k_pages[rows].astype(ft), v_pages[rows].astype(ft)
+    out = np.empty((m, hq, d), ft)
+    for m0 in range(0, m, block):
+        qb, pb = q[m0:m0 + block].astype(ft), np.asarray(pos[m0:m0 + block])
+        keys = int(pb.max()) + 1
+        rb = len(pb)
+        # [rows, 1, keys]: -inf past the row's position, 0 elsewhere
+        mask = np.where(np.arange(keys)[None, :] > pb[:, None], -np.inf, 0.0).astype(ft)[:, None, :]
+        for g in range(hkv):
+            s = (qb[:, g * r:(g + 1) * r].reshape(rb * r, d) @ k[:keys, g].T).reshape(rb, r, keys)
+            s = s * ft(d ** -0.5) + mask
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            o = (p.reshape(rb * r, keys) @ v[:keys, g]).reshape(rb, r, d)
+            out[m0:m0 + block, g * r:(g + 1) * r] = o / p.sum(axis=-1, keepdims=True)
+    gate = x[:, :hq * 2 * d].reshape(m, hq, 2 * d)[..., d:]
+    sig = 1.0 / (1.0 + np.exp(-gate.astype(ft)))
+    if exact:
+        return (out * sig).reshape(m, hq * d)
+    y = round_bf16(out.astype(np.float32)) * round_bf16(sig.astype(np.float32))
+    return round_bf16(y).reshape(m, hq * d)
 
 
 # --------------------------------------------------------------------------- kernel

@@ -123,8 +123,6 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     # gdn_chunked takes its launch interface from gdn, rmsnorm's gated_x variants their layout.
     ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
-    # attention_wgmma shares attention_prefill's reference.
-    ("attention_prefill.py", {"attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
                  "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe"}),
