@@ -229,6 +229,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         pv_mma = sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
                                              mn_major.sm90_mma_major_mode(), f32, (wgs, 1, 1),
                                              tiler_mn=(WG_ROWS, d), a_source=warpgroup.OperandSource.RMEM)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # O accumulates over all tiles (an atom starts at False)
         wg_first = (tid // 128) * 128
         qk_wg, pv_wg = qk_mma.get_slice(wg_first), pv_mma.get_slice(wg_first)
         qk_thr, pv_thr = qk_mma.get_slice(tid), pv_mma.get_slice(tid)
