@@ -14,9 +14,10 @@ GDN prefill kernel: `chunked` (what the runner uses: the WY tensor-core kernel),
 recurrent kernel with each head's rows over several CTAs), `fused` (the decode kernel), or `all`
 (each in turn, same runner and weights). `--attn` picks the prefill attention path the same way:
 `flash` (the tensor-core `attention_prefill` kernel, what the runner uses), `split` (split-KV +
-combine) or `both`. When torch is importable, the attention kernel alone is timed against torch
-SDPA (flash backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads
-for SDPA), and when fla is importable the GDN prefill kernels alone against fla's
+combine) or `both`. When torch is importable, each compiled prefill attention kernel alone (the
+mma.sync `attention_prefill` and every form of `attention_wgmma`) is timed against torch SDPA
+(flash backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads for
+SDPA), and when fla is importable the GDN prefill kernels alone against fla's
 `chunk_gated_delta_rule` on the same inputs (`--gdn-tokens`). Writes `prefill.json` and prints
 Markdown tables.
 """
@@ -155,18 +156,30 @@ def gdn_vs_fla(runner: Any, n: int) -> dict[str, Any]:
             "torch": torch.__version__}
 
 
+def prefill_attention_kernels(runner: Any) -> list[tuple[str, str]]:
+    """(family, key) of every compiled prefill attention kernel for the runner's shape: the
+    mma.sync `attention_prefill` and each form of `attention_wgmma`."""
+    c, lib = runner.config, runner.library
+    shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    return sorted((fam, key) for (fam, key), e in lib.manifest.kernels.items()
+                  if fam in ("attention_prefill", "attention_wgmma") and e.config.get("kind") == "fwd"
+                  and (e.config["Hq"], e.config["Hkv"], e.config["D"]) == shape)
+
+
 def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
-    """Microseconds of our prefill attention kernel and of torch SDPA (flash) for n causal queries
-    over n keys on the runner's shape, same Q/K/V (median of 5, after one warm-up)."""
+    """Microseconds of each of our prefill attention kernels (`prefill_attention_kernels`) and of
+    torch SDPA (flash) for n causal queries over n keys on the runner's shape, same Q/K/V (median
+    of 5, after one warm-up), with each kernel's relative difference from SDPA (its gate divided
+    out)."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception as exc:  # noqa: BLE001 - torch is optional for the bench
         return {"error": f"torch unavailable: {exc}"}
     c, k, dev, s = runner.config, runner.kernels, runner.device, runner.stream
-    key = getattr(k, "prefill_attn", None)
-    if key is None:
-        return {"error": "no attention_prefill kernel for this shape"}
+    kernels = prefill_attention_kernels(runner)
+    if not kernels:
+        return {"error": "no prefill attention kernel for this shape"}
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     torch.cuda.init()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -183,15 +196,6 @@ def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
     kp[:n], vp[:n] = kk, vv
     zeros = torch.zeros(n, device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
-    launch = runner.library.kernel("attention_prefill", key).bind(
-        {"q": q.data_ptr(), "k_pages": kp.data_ptr(), "v_pages": vp.data_ptr(), "table": table.data_ptr(),
-         "qseq": zeros.data_ptr(), "pos": meta.data_ptr(), "x": x.data_ptr(), "out": out.data_ptr()},
-        {"M": n, "maxp": npg, "R": 1, "NP": npg})
-
-    def ours_us() -> float:
-        return median_event_seconds(dev, s, launch) * 1e6
-
-    ours = ours_us()
     qt = q.permute(1, 0, 2).unsqueeze(0)
     kt = kk.permute(1, 0, 2).repeat_interleave(hq // hkv, dim=0).unsqueeze(0)
     vt = vv.permute(1, 0, 2).repeat_interleave(hq // hkv, dim=0).unsqueeze(0)
@@ -206,14 +210,25 @@ def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3)
     sdpa = sorted(times)[2]
-    # Our output carries the sigmoid gate: compare after dividing it out (where the gate is not tiny).
-    gate = torch.sigmoid(x[:, :hq * 2 * d].view(n, hq, 2 * d)[..., d:].float())
-    ours_o = out.view(n, hq, d).float() / gate
     want = ref[0].permute(1, 0, 2).float()
-    rel = float((ours_o - want).norm() / want.norm())
+    # Our outputs carry the sigmoid gate: compare after dividing it out.
+    gate = torch.sigmoid(x[:, :hq * 2 * d].view(n, hq, 2 * d)[..., d:].float())
     flops = 4 * n * n / 2 * hq * d
-    return {"tokens": n, "ours_us": ours, "sdpa_flash_us": sdpa, "ours_tflops": flops / ours / 1e6,
-            "sdpa_tflops": flops / sdpa / 1e6, "rel_diff_vs_sdpa": rel, "torch": torch.__version__}
+    ours = {}
+    for family, key in kernels:
+        launch = runner.library.kernel(family, key).bind(
+            {"q": q.data_ptr(), "k_pages": kp.data_ptr(), "v_pages": vp.data_ptr(), "table": table.data_ptr(),
+             "qseq": zeros.data_ptr(), "pos": meta.data_ptr(), "x": x.data_ptr(), "out": out.data_ptr()},
+            {"M": n, "maxp": npg, "R": 1, "NP": npg})
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        us = median_event_seconds(dev, s, launch) * 1e6
+        s.synchronize()
+        ours_o = out.view(n, hq, d).float() / gate
+        ours[f"{family}/{key}"] = {"us": us, "tflops": flops / us / 1e6,
+                                   "rel_diff_vs_sdpa": float((ours_o - want).norm() / want.norm())}
+    return {"tokens": n, "kernels": ours, "sdpa_flash_us": sdpa, "sdpa_tflops": flops / sdpa / 1e6,
+            "flops": flops, "torch": torch.__version__}
 
 
 def use_attn(runner: Any, mode: str, key: Any) -> None:
@@ -299,12 +314,14 @@ def render(data: dict[str, Any]) -> str:
         for name, us in list(kernels.items())[:14]:
             lines.append(f"| {name} | {us / 1e3:.2f} | {100 * us / total:.1f}% |")
     vs = data.get("attention_vs_sdpa") or {}
-    if "ours_us" in vs:
-        lines += ["", f"Prefill attention alone, {vs['tokens']} causal queries over as many keys (same Q/K/V):", "",
-                  "| kernel | ms | TFLOP/s |", "|---|---:|---:|",
-                  f"| ours (attention_prefill, gate fused) | {vs['ours_us'] / 1e3:.2f} | {vs['ours_tflops']:.0f} |",
-                  f"| torch SDPA flash (torch {vs['torch']}) | {vs['sdpa_flash_us'] / 1e3:.2f} | "
-                  f"{vs['sdpa_tflops']:.0f} |"]
+    if "kernels" in vs:
+        lines += ["", f"Prefill attention alone, {vs['tokens']} causal queries over as many keys (same Q/K/V; "
+                  f"{vs['flops'] / 1e12:.2f} TFLOP = 4 * n^2 / 2 * Hq * D):", "",
+                  "| kernel | ms | TFLOP/s | relative difference vs SDPA |", "|---|---:|---:|---:|"]
+        lines += [f"| ours {name} (gate fused) | {r['us'] / 1e3:.2f} | {r['tflops']:.0f} | {r['rel_diff_vs_sdpa']:.1e} |"
+                  for name, r in vs["kernels"].items()]
+        lines.append(f"| torch SDPA flash (torch {vs['torch']}) | {vs['sdpa_flash_us'] / 1e3:.2f} | "
+                     f"{vs['sdpa_tflops']:.0f} | |")
     elif vs:
         lines += ["", f"Attention vs SDPA not run: {vs.get('error')}"]
     fla = data.get("gdn_vs_fla") or {}

@@ -159,10 +159,14 @@ class KernelChoice:
             self.split = _need(lib, "attention", "split-KV attention", kind="split", Hq=hq, Hkv=hkv, D=d)
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
-            # Prefill: the tensor-core kernel (gate fused) in place of split + combine; None (the
-            # split-KV path) when it was not compiled for this shape.
-            self.prefill_attn = _find(lib, "attention_prefill", kind="fwd", Hq=hq, Hkv=hkv, D=d,
-                                      x_stride=self.attn_stride)
+            # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
+            # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
+            # one; None (the split-KV path) when neither was. Both take the same buffers.
+            shape = {"kind": "fwd", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": self.attn_stride}
+            wgmma = _find(lib, "attention_wgmma", form="wg2", **shape)
+            mma_sync = _find(lib, "attention_prefill", **shape)
+            self.prefill_attn = ("attention_wgmma", wgmma) if wgmma else \
+                ("attention_prefill", mma_sync) if mma_sync else None
 
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).
         self.sample_candidates = _find(lib, "sampling", kind="candidates")
@@ -235,10 +239,12 @@ class KernelChoice:
                   ("gdn", self.gdn_verify), ("conv1d", self.conv_verify),
                   *[("gdn", key) for cols, pair in sorted(self.gdn_columns.items()) if cols > 1 for key in pair],
                   ("attention", self.prep), ("attention", self.split), ("attention", self.combine),
-                  ("attention_prefill", self.prefill_attn), ("sampling", self.sample_candidates),
+                  ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide)]
         if self.moe_prefill:
             chosen += self.moe_prefill.required()
+        if self.prefill_attn:
+            chosen.append(self.prefill_attn)
         return [(family, key) for family, key in chosen if key]

@@ -245,7 +245,7 @@ class Forward:
                     {"M": m, "P": st.rope_positions, "NP": pad_pages})
         rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
         if shape.prefill and k.prefill_attn:
-            self.launch(out, "attention_prefill", k.prefill_attn,
+            self.launch(out, *k.prefill_attn,
                         {"q": buf["q"], **pages, **rows, "x": buf["proj"], "out": buf["attn_out"]},
                         {"M": m, "maxp": st.maxp, "R": st.max_batch, "NP": pad_pages})
         else:

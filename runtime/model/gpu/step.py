@@ -20,8 +20,9 @@ is already done (the spares become the sequences' slots); otherwise it is droppe
 Prefill pieces are at most `prefill_chunk` tokens; GDN runs the chunked (WY, tensor-core) kernel
 where one was compiled for the shape, else the recurrent `split` variant, either followed by the
 gated norm as an `rmsnorm` gated_x launch (decode keeps the `fused` kernel); attention runs the
-tensor-core `attention_prefill` kernel where one was compiled for the shape, else each token is
-a query row of the split-KV kernel (see docs/kernels.md).
+WGMMA `attention_wgmma` kernel where one was compiled for the shape, else the mma.sync
+`attention_prefill` one, else each token is a query row of the split-KV kernel (see
+docs/kernels.md).
 """
 
 from __future__ import annotations

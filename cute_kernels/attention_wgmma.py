@@ -1,0 +1,360 @@
+"""Prefill attention on Hopper warpgroup MMA (WGMMA): causal, GQA, paged K/V, sigmoid gate fused.
+
+The same launch contract as `attention_prefill` (q `[M, Hq, D]` from `attention.prep`, the K/V
+page pools `[NP * 64, Hkv, D]` through the page table row `qseq[0]`, `pos[m]`, the gate read from
+the fused projection `x`, bf16 `out [M, Hq * D]`), so the runner launches either; see
+`attention_prefill` for the contract's details. Differences from that kernel:
+
+- the products are WGMMAs: S = Q Kᵀ with both operands in shared memory (SS, both K-major) and
+  O += P V with P from registers (RS; V is the MN-major B operand: a key page stores d
+  contiguous), fp32 accumulators, 128-byte swizzled shared-memory tiles as WGMMA reads them;
+- each consumer warpgroup owns 64 query rows; the form `wg2` runs two (128-row tiles, 256
+  threads, the tile FA3 uses at d = 256), the form `wg1` one (64-row tiles, 128 threads: half the
+  shared memory and the simplest schedule, the fallback if `wg2` misbehaves);
+- K and V tiles (one 64-key page each) are double-buffered: all threads issue the cp.async of
+  tile j + 1 before computing on tile j (the copy overlaps both products and the softmax); a
+  page id comes from the table per tile, so the copies follow the paging with no descriptor.
+
+Shared memory at D = 256: Q 64 KB (`wg2`; 32 KB `wg1`) + 2 stages x (K 32 KB + V 32 KB).
+Registers: O is 64 x 256 fp32 per warpgroup, 128 per thread, S 32 and P 16 more; without a
+producer warp no register split is needed (255 per thread at 256 threads).
+
+Softmax: exp2 with the log2 scale folded in, the causal mask only on tiles that reach past the
+thread's first row; key 0 is in every row's range, so each row max is finite after the first tile
+and a fully masked row in a later tile adds exp2(-inf) = 0 with a rescale factor of 1 (a row's
+value does not depend on its tile-mates).
+
+Not yet: a producer warp with TMA over the page pool and mbarrier rings (kernel-playbook 6.1),
+the next tile's QKᵀ issued under the current softmax, and skipping a warpgroup's fully masked
+tile.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from . import attention
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "attention_wgmma"
+PAGE = attention.PAGE
+BN = PAGE  # keys per tile: one KV page
+STAGES = 2  # K/V tiles in flight: the one computed on and the next
+WG_ROWS = 64  # query rows per consumer warpgroup (the WGMMA M)
+LOG2E = attention.LOG2E
+FORMS = {"wg2": 2, "wg1": 1}  # form -> consumer warpgroups
+
+# The d = 256 shapes of cute_kernels/attention.py (Qwen3.6-27B, Qwen3.6-35B-A3B); the tiny model
+# keeps the mma.sync kernel.
+_SHAPES = [(name, hq, hkv, d) for name, hq, hkv, d, _ in attention._SHAPES if d == 256]
+
+
+def _fwd(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
+    stride = attention.x_stride(hq, hkv, d)
+    wgs = FORMS[form]
+    bm, threads = wgs * WG_ROWS, wgs * 128
+    return Variant(
+        family=FAMILY,
+        key=f"fwd_{name}_{form}",
+        config={"kind": "fwd", "form": form, "Hq": hq, "Hkv": hkv, "D": d, "x_stride": stride, "BM": bm, "BN": BN,
+                "stages": STAGES, "threads": threads},
+        params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("x"),
+                ptr("out"), i32("M"), i32("maxp")],
+        tensors={
+            **attention.paged_query_tensors(hq, hkv, d),
+            "x": tensor("bf16", "M", stride),
+            "out": tensor("bf16", "M", hq * d, role="out"),
+        },
+        sizes=("M", "maxp", "R", "NP"),
+        block=(threads, 1, 1),
+        grid=(hq, f"cdiv(M, {bm})", 1),
+        requires=("M >= 1", "maxp >= 1", "R >= 1", "NP >= 1", f"cdiv(M, {bm}) <= 65535"),
+        arches=HOPPER,
+        note=f"WGMMA causal prefill attention ({wgs} warpgroups, {bm}-row tiles, cp.async double-buffered K/V), "
+             f"paged K/V, gate fused, GQA {hq}/{hkv}, D={d}",
+        example_sizes={"M": 8192, "maxp": 128, "R": 1, "NP": 128},
+    )
+
+
+def variants() -> list[Variant]:
+    out = []
+    for name, hq, hkv, d in _SHAPES:
+        if d % 64 or hq % hkv:
+            raise ValueError(f"attention_wgmma {name}: head dim must be a multiple of 64")
+        out += [_fwd(name, hq, hkv, d, form) for form in FORMS]
+    return out
+
+
+def reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table_row: np.ndarray, pos: np.ndarray,
+              x: np.ndarray, *, exact: bool = False, block: int = 64) -> np.ndarray:
+    """`attention_prefill.reference` (same arguments and result) computed a block of query rows
+    and a KV head at a time as matrix products, so the GPU tests can check 1000-row chunks over
+    6000 keys in seconds. exact: float64 throughout; else the bf16 baseline (fp32 attention, the
+    output and the gate's sigmoid rounded to bf16 as the kernels do). Agrees with the row-by-row
+    reference (tests/unit/test_attention_wgmma_reference.py)."""
+    ft = np.float64 if exact else np.float32
+    m, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    r = hq // hkv
+    n = int(pos.max()) + 1
+    rows = np.asarray(table_row)[np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+    k, v = k_pages[rows].astype(ft), v_pages[rows].astype(ft)
+    out = np.empty((m, hq, d), ft)
+    for m0 in range(0, m, block):
+        qb, pb = q[m0:m0 + block].astype(ft), np.asarray(pos[m0:m0 + block])
+        keys = int(pb.max()) + 1
+        rb = len(pb)
+        # [rows, 1, keys]: -inf past the row's position, 0 elsewhere
+        mask = np.where(np.arange(keys)[None, :] > pb[:, None], -np.inf, 0.0).astype(ft)[:, None, :]
+        for g in range(hkv):
+            s = (qb[:, g * r:(g + 1) * r].reshape(rb * r, d) @ k[:keys, g].T).reshape(rb, r, keys)
+            s = s * ft(d ** -0.5) + mask
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            o = (p.reshape(rb * r, keys) @ v[:keys, g]).reshape(rb, r, d)
+            out[m0:m0 + block, g * r:(g + 1) * r] = o / p.sum(axis=-1, keepdims=True)
+    gate = x[:, :hq * 2 * d].reshape(m, hq, 2 * d)[..., d:]
+    sig = 1.0 / (1.0 + np.exp(-gate.astype(ft)))
+    if exact:
+        return (out * sig).reshape(m, hq * d)
+    y = round_bf16(out.astype(np.float32)) * round_bf16(sig.astype(np.float32))
+    return round_bf16(y).reshape(m, hq * d)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.tensor_utils.layout import LayoutEnum
+
+    from . import _dsl
+
+    cfg = variant.config
+    hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
+    bm, threads = cfg["BM"], cfg["threads"]
+    wgs = threads // 128
+    group = hq // hkv
+    scale_log2 = d ** -0.5 * LOG2E
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    ninf = -float("inf")
+    k_major, mn_major = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
+    s_vals = BN // 2  # S accumulator values per thread: 2 rows x BN / 4 columns
+    o_vals = d // 2
+
+    def smem_layouts() -> tuple[Any, Any, Any]:
+        q_lay = sm90.make_smem_layout_a(k_major, (bm, BN, d), bf16, 1)  # (BM, D, 1)
+        k_lay = sm90.make_smem_layout_b(k_major, (bm, BN, d), bf16, STAGES)  # (BN, D, stages)
+        v_lay = sm90.make_smem_layout_b(mn_major, (bm, d, BN), bf16, STAGES)  # (D, BN, stages), d contiguous
+        for what, lay in (("q", q_lay), ("k", k_lay), ("v", v_lay)):
+            if "S<3,4,3>" not in str(lay.inner):
+                raise ValueError(f"{variant.name}: {what} smem layout is {lay.inner}, expected 128-byte swizzle")
+        return q_lay, k_lay, v_lay
+
+    def row_of(i: int) -> int:
+        """Which of its two rows (r, r + 8) accumulator value i of a thread belongs to: a WGMMA
+        accumulator holds per thread (2 adjacent columns, 2 rows 8 apart, N / 8 column groups)."""
+        return (i // 2) % 2
+
+    @cute.jit
+    def load_tile(gcopy: Any, thr_g: Any, src_base: Any, dst: Any, tile_rows: Any, row0: Any, end: Any) -> None:
+        """cp.async a (rows, D) tile whose row r is at src_base + r * row_stride into dst (a
+        (rows, D) view of shared memory); rows at or past `end` (row0 + r counted) are zero-filled:
+        pages may hold anything there and 0 * NaN is NaN."""
+        tsrc = thr_g.partition_S(src_base)
+        tdst = thr_g.partition_D(dst)
+        for i in cutlass.range_constexpr(cute.size(tdst.shape[1])):
+            if row0 + tile_rows[0, i, 0][0] < end:
+                cute.copy(gcopy, tsrc[None, i, None], tdst[None, i, None])
+            else:
+                tdst[None, i, None].fill(0)
+
+    @cute.kernel
+    def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+               maxp: cutlass.Int32):
+        q_lay, k_lay, v_lay = smem_layouts()
+        tid, _, _ = cute.arch.thread_idx()
+        head, by, _ = cute.arch.block_idx()
+        tiles = (m + bm - 1) // bm
+        m0 = (tiles - 1 - by) * bm  # longest tiles first
+        kvh = head // group
+        gpos = cute.make_tensor(pos, cute.make_layout(m))
+        end = gpos[cutlass.min(m0 + bm - 1, m - 1)] + 1  # keys this tile reads: 0..end-1
+        nkb = (end + BN - 1) // BN
+        seq = cute.make_tensor(qseq, cute.make_layout(m))[m0]
+        trow = cute.make_tensor(table + cutlass.Int64(seq) * maxp, cute.make_layout(maxp))
+
+        @cute.struct
+        class Storage:
+            sq: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_lay)], 1024]
+            sk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(k_lay)], 1024]
+            sv: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(v_lay)], 1024]
+
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        sQ = storage.sq.get_tensor(q_lay.outer, swizzle=q_lay.inner)
+        sK = storage.sk.get_tensor(k_lay.outer, swizzle=k_lay.inner)
+        sV = storage.sv.get_tensor(v_lay.outer, swizzle=v_lay.inner)
+
+        # ---- global -> shared: 16 bytes per thread per copy, 8 threads per 64 columns. V's
+        # stages are (D, BN) with d contiguous; seen as (BN, D) they take the same copy as K.
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16,
+                                  num_bits_per_copy=128)
+        gcopy = cute.make_tiled_copy_tv(g2s, cute.make_layout((threads // 8, 8), stride=(8, 1)),
+                                        cute.make_layout((1, 8)))
+        thr_g = gcopy.get_slice(tid)
+        q_rows = thr_g.partition_S(cute.make_identity_tensor((bm, d)))
+        kv_rows = thr_g.partition_S(cute.make_identity_tensor((BN, d)))
+        key_by_d = cute.make_layout((BN, d), stride=(d, 1))
+        kv_stride = hkv * d
+
+        gQ = cute.make_tensor(q + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
+                              cute.make_layout((bm, d), stride=(hq * d, 1)))
+        load_tile(gcopy, thr_g, gQ, sQ[None, None, 0], q_rows, m0, m)
+        page = trow[0]
+        gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
+                              cute.make_layout((BN, d), stride=(kv_stride, 1)))
+        gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
+                              cute.make_layout((BN, d), stride=(kv_stride, 1)))
+        load_tile(gcopy, thr_g, gK, sK[None, None, 0], kv_rows, 0, end)
+        load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, 0], key_by_d), kv_rows, 0, end)
+        cute.arch.cp_async_commit_group()
+
+        # ---- WGMMA partitions: warpgroup w owns query rows 64w..64w+63 of the tile.
+        qk_mma = sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
+                                             k_major.sm90_mma_major_mode(), f32, (wgs, 1, 1), tiler_mn=(WG_ROWS, BN))
+        pv_mma = sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
+                                             mn_major.sm90_mma_major_mode(), f32, (wgs, 1, 1),
+                                             tiler_mn=(WG_ROWS, d), a_source=warpgroup.OperandSource.RMEM)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # O accumulates over all tiles (an atom starts at False)
+        wg_first = (tid // 128) * 128
+        qk_wg, pv_wg = qk_mma.get_slice(wg_first), pv_mma.get_slice(wg_first)
+        qk_thr, pv_thr = qk_mma.get_slice(tid), pv_mma.get_slice(tid)
+        tSrQ = qk_mma.make_fragment_A(qk_wg.partition_A(sQ))  # (MMA, 1, D / 16, 1)
+        tSrK = qk_mma.make_fragment_B(qk_wg.partition_B(sK))  # (MMA, 1, D / 16, stages)
+        tOrV = pv_mma.make_fragment_B(pv_wg.partition_B(sV))  # (MMA, 1, BN / 16, stages)
+        s_coords = qk_thr.partition_C(cute.make_identity_tensor((bm, BN)))
+        o_coords = pv_thr.partition_C(cute.make_identity_tensor((bm, d)))
+        acc_s = cute.make_rmem_tensor(s_coords.shape, f32)
+        acc_o = cute.make_rmem_tensor(o_coords.shape, f32)
+        acc_o.fill(0.0)
+        r_p = cute.make_rmem_tensor(s_coords.shape, bf16)
+        # P as the A operand of the k16 products: accumulator column groups 2j, 2j + 1 (columns
+        # 16j..16j+15) are the RS-WGMMA A fragment of k-block j (the same thread/value placement).
+        t_p = cute.make_tensor(r_p.iterator, cute.make_layout(((2, 2, 2), 1, BN // 16), stride=((1, 2, 4), 0, 8)))
+        k_blocks_qk = cute.size(tSrQ, mode=[2])
+
+        # This thread's two rows and their positions (rows past M repeat the last row's).
+        row_pos = cute.make_rmem_tensor((2,), cutlass.Int32)
+        row_max = cute.make_rmem_tensor((2,), f32)
+        row_sum = cute.make_rmem_tensor((2,), f32)
+        for h in range(2):
+            row_pos[h] = gpos[cutlass.min(m0 + s_coords[2 * h][0], m - 1)]
+            row_max[h] = f32(ninf)
+            row_sum[h] = f32(0.0)
+
+        for kb in cutlass.range(nkb, unroll=1):
+            n0 = kb * BN
+            stage = kb % STAGES
+            # The next tile's copies go out first (its stage was released by the barrier that
+            # ended the previous iteration).
+            if kb + 1 < nkb:
+                nxt = (kb + 1) % STAGES
+                page = trow[kb + 1]
+                gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
+                                      cute.make_layout((BN, d), stride=(kv_stride, 1)))
+                gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
+                                      cute.make_layout((BN, d), stride=(kv_stride, 1)))
+                load_tile(gcopy, thr_g, gK, sK[None, None, nxt], kv_rows, n0 + BN, end)
+                load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, nxt], key_by_d), kv_rows, n0 + BN, end)
+            cute.arch.cp_async_commit_group()
+            # This tile (and Q) landed; cp.async and the zero fills write through the generic
+            # proxy and WGMMA reads through the async one: fence, then make every thread's rows
+            # visible to every warpgroup.
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # S = Q K^T
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(k_blocks_qk):
+                cute.gemm(qk_mma, acc_s, tSrQ[None, None, kk, 0], tSrK[None, None, kk, stage], acc_s)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # Online softmax (exp2 domain), causal mask where the tile reaches past the first row.
+            if n0 + BN - 1 > row_pos[0]:
+                for i in cutlass.range_constexpr(s_vals):
+                    if n0 + s_coords[i][1] > row_pos[row_of(i)]:
+                        acc_s[i] = f32(ninf)
+            corr = cute.make_rmem_tensor((2,), f32)
+            for h in cutlass.range_constexpr(2):
+                cur = f32(ninf)
+                for i in cutlass.range_constexpr(s_vals):
+                    if row_of(i) == h:
+                        cur = cute.arch.fmax(cur, acc_s[i])
+                cur = cute.arch.fmax(cur, cute.arch.shuffle_sync_bfly(cur, offset=2))
+                cur = cute.arch.fmax(cur, cute.arch.shuffle_sync_bfly(cur, offset=1))
+                new_max = cute.arch.fmax(row_max[h], cur)
+                corr[h] = cute.math.exp2((row_max[h] - new_max) * f32(scale_log2), fastmath=True)
+                shift = new_max * f32(scale_log2)
+                total = f32(0.0)
+                for i in cutlass.range_constexpr(s_vals):
+                    if row_of(i) == h:
+                        p = cute.math.exp2(acc_s[i] * f32(scale_log2) - shift, fastmath=True)
+                        acc_s[i] = p
+                        total = total + p
+                row_sum[h] = row_sum[h] * corr[h] + total
+                row_max[h] = new_max
+            for i in cutlass.range_constexpr(o_vals):
+                acc_o[i] = acc_o[i] * corr[row_of(i)]
+            r_p.store(acc_s.load().to(bf16))
+
+            # O += P V (P and the rescaled O were written by this thread's own registers: the
+            # WGMMA fence orders them before the MMA reads them).
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(BN // 16):
+                cute.gemm(pv_mma, acc_o, t_p[None, None, kk], tOrV[None, None, kk, stage], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warpgroup is done with this stage (and, last, with sQ)
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue: O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            row_sum[h] = f32(1.0) / total
+        sO = sQ[None, None, 0]
+        for i in cutlass.range_constexpr(o_vals):
+            r, c = o_coords[i]
+            sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
+        cute.arch.sync_threads()
+        gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
+                              cute.make_layout((bm, d), stride=(stride, 1)))
+        gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
+                              cute.make_layout((bm, d), stride=(hq * d, 1)))
+        tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
+        for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+            if m0 + q_rows[0, i, 0][0] < m:
+                o = tOsO[None, i, None].load().to(f32)
+                g = tOgG[None, i, None].load().to(f32)
+                sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
+                tOgO[None, i, None].store((o * sig).to(bf16))
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_wgmma_{variant.key}")
+
+    @cute.jit
+    def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+               maxp: cutlass.Int32, stream: Any):
+        kernel(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp).launch(
+            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+    return launch, _dsl.example_args(variant, aligns={"table": 4, "qseq": 4, "pos": 4})

@@ -1,0 +1,104 @@
+"""The WGMMA prefill attention kernels (`attention_wgmma`, forms wg2 and wg1) against NumPy.
+
+A chunk of t query rows at positions start..start+t-1 (start = the keys already cached before
+it) attends causally to keys 0..pos[m] stored in shuffled pages; page rows outside the sequence
+(and past its end inside the last page) hold NaN, which must never reach an output, and the
+sequence's page table row is row qseq (the other row points at NaN pages only). Lengths leave the
+last 64- or 128-row tile with 1, 63, 64, 65 rows, and the chunk starts at key 0, mid-page, or
+after a long prefix; the row after the last must stay unwritten.
+
+Tolerance: the kernels round P to bf16 for the PV product (as the mma.sync kernel does), so
+their error against the float64 reference is compared with the error of the same formula in
+fp32 with bf16 output (the baseline): at most 2.5x over the whole output (the mma.sync kernel's
+bound) and at most 4x in every single row (a wrong row or tile cannot hide in the average; rows
+have Hq * 256 elements, so their errors are stable).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cute_kernels import attention_wgmma as aw
+from cute_kernels.bf16 import round_bf16
+from runtime.cuda.errors import KernelMissing
+
+from .conftest import assert_close_to_baseline, rel_err
+
+pytestmark = pytest.mark.gpu
+PAGE = 64
+SHAPES = ("q24_kv4_d256", "q16_kv2_d256")
+STARTS = (0, 64, 1000, 5000)
+LENGTHS = (1, 63, 64, 65, 130, 300, 1000)
+
+
+def _cfg(name, form):
+    return next(v for v in aw.variants() if v.key == f"fwd_{name}_{form}").config
+
+
+def _bf(rng, shape, scale=1.0):
+    return round_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """(name, start, t) -> inputs and both references, shared by the two forms."""
+    return {}
+
+
+def _case(cases, name, start, t):
+    key = (name, start, t)
+    if key not in cases:
+        cfg = _cfg(name, "wg2")
+        hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
+        rng = np.random.default_rng([start, t, hq])
+        n = start + t
+        used = -(-n // PAGE)
+        npages = used + 3
+        perm = rng.permutation(npages)
+        seq_row = (start + t) % 2
+        table = np.full((2, used + 2), perm[used], np.int64)  # the other row: a NaN page
+        table[seq_row, :used] = perm[:used]
+        pages_k = np.full((npages * PAGE, hkv, d), np.nan, np.float32)
+        pages_v = np.full((npages * PAGE, hkv, d), np.nan, np.float32)
+        rows = perm[np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+        pages_k[rows] = _bf(rng, (n, hkv, d))
+        pages_v[rows] = _bf(rng, (n, hkv, d))
+        q = _bf(rng, (t, hq, d), 2.0)
+        x = _bf(rng, (t, stride))
+        pos = start + np.arange(t)
+        args = (q, pages_k, pages_v, table[seq_row], pos, x)
+        cases.clear()  # one case at a time in memory: the forms of a case run back to back
+        cases[key] = {"args": args, "table": table, "seq_row": seq_row, "npages": npages,
+                      "exact": aw.reference(*args, exact=True), "base": aw.reference(*args)}
+    return cases[key]
+
+
+# The two forms of a case run back to back (its inputs and references are computed once).
+@pytest.mark.parametrize("name,start,t,form", [(name, start, t, form) for name in SHAPES for start in STARTS
+                                               for t in LENGTHS for form in sorted(aw.FORMS)])
+def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, form):
+    try:
+        kernel = library.kernel("attention_wgmma", f"fwd_{name}_{form}")
+    except KernelMissing as exc:
+        pytest.skip(f"not built: {exc}")
+    cfg = _cfg(name, form)
+    hq, d = cfg["Hq"], cfg["D"]
+    c = _case(cases, name, start, t)
+    q, pages_k, pages_v, _, pos, x = c["args"]
+    table = c["table"]
+    out = mem.poisoned((t + 1) * hq * d)
+    kernel.launch(stream, {
+        "q": mem.bf16(q), "k_pages": mem.bf16(pages_k), "v_pages": mem.bf16(pages_v), "table": mem.i32(table),
+        "qseq": mem.i32(np.full(t, c["seq_row"])), "pos": mem.i32(pos), "x": mem.bf16(x), "out": out},
+        {"M": t, "maxp": table.shape[1], "R": table.shape[0], "NP": c["npages"]})
+    got = mem.read_bf16(out, (t + 1, hq * d))
+    what = f"wgmma prefill attention {form} {name} start={start} t={t}"
+    assert np.isnan(got[t]).all(), f"{what}: wrote past the last row"
+    got = got[:t]
+    assert_close_to_baseline(got, c["exact"], c["base"], what, slack=2.5)
+    row_err = np.array([rel_err(got[i], c["exact"][i]) for i in range(t)])
+    row_base = np.array([rel_err(c["base"][i], c["exact"][i]) for i in range(t)])
+    bad = np.flatnonzero(row_err > 4 * row_base + 1e-5)
+    assert not bad.size, (f"{what}: rows {bad[:8].tolist()} err {row_err[bad[:8]].tolist()} vs baseline "
+                          f"{row_base[bad[:8]].tolist()}")

@@ -1,0 +1,56 @@
+"""`attention_wgmma.reference` (blocked matrix products, for the GPU tests' long chunks) against
+the row-by-row `attention_prefill.reference`, and the variant list the runner picks from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cute_kernels import attention_prefill, attention_wgmma
+from cute_kernels.bf16 import round_bf16
+
+PAGE = 64
+
+
+def _case(rng, hq, hkv, d, start, t):
+    """A chunk of t rows at positions start.. over shuffled pages whose unused rows hold NaN."""
+    n = start + t
+    used = -(-n // PAGE)
+    npages = used + 2
+    table = rng.permutation(npages)[:used]
+    pages_k = np.full((npages * PAGE, hkv, d), np.nan, np.float32)
+    pages_v = np.full((npages * PAGE, hkv, d), np.nan, np.float32)
+    rows = table[np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+    pages_k[rows] = round_bf16(rng.standard_normal((n, hkv, d)).astype(np.float32))
+    pages_v[rows] = round_bf16(rng.standard_normal((n, hkv, d)).astype(np.float32))
+    q = round_bf16((2 * rng.standard_normal((t, hq, d))).astype(np.float32))
+    x = round_bf16(rng.standard_normal((t, hq * 2 * d + 2 * hkv * d)).astype(np.float32))
+    return q, pages_k, pages_v, table, start + np.arange(t), x
+
+
+@pytest.mark.parametrize("start,t,block", [(0, 1, 64), (0, 70, 16), (100, 45, 64), (130, 3, 2)])
+def test_blocked_reference_matches_the_row_by_row_one(start, t, block):
+    rng = np.random.default_rng(start * 7 + t)
+    args = _case(rng, 6, 2, 32, start, t)
+    exact = attention_wgmma.reference(*args, exact=True, block=block)
+    want = attention_prefill.reference(*args, exact=True)
+    assert np.isfinite(exact).all()
+    np.testing.assert_allclose(exact, want, rtol=1e-11, atol=1e-13)
+    # The bf16 baseline: same formula in fp32, summed in another order, so a rounding may
+    # land one bf16 step apart (2^-8 relative) on a few elements.
+    base = attention_wgmma.reference(*args, block=block)
+    base_rows = attention_prefill.reference(*args)
+    np.testing.assert_allclose(base, base_rows, rtol=2 ** -7, atol=1e-6)
+    assert np.mean(base == base_rows) > 0.95
+
+
+def test_variants_cover_both_large_shapes_in_both_forms():
+    got = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["form"], v.config["BM"], v.block[0])
+           for v in attention_wgmma.variants()}
+    assert got == {(24, 4, 256, "wg2", 128, 256), (24, 4, 256, "wg1", 64, 128),
+                   (16, 2, 256, "wg2", 128, 256), (16, 2, 256, "wg1", 64, 128)}
+    for v in attention_wgmma.variants():  # the runner swaps it for attention_prefill: same buffers
+        twin = next(p for p in attention_prefill.variants()
+                    if (p.config["Hq"], p.config["Hkv"], p.config["D"]) == (v.config["Hq"], v.config["Hkv"], v.config["D"]))
+        assert [p.name for p in v.params] == [p.name for p in twin.params]
+        assert v.tensors == twin.tensors and v.config["x_stride"] == twin.config["x_stride"]
