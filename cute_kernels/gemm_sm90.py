@@ -65,7 +65,6 @@ SHAPES = [
     ("tiny_gate_up", 1024, 256),
     ("tiny_down", 256, 512),  # also the MTP head's fc (2H -> H)
     ("tiny_lm_head", 512, 256),
-    ("tiny_lm_head_draft", 256, 256),  # its first 256 rows: MTP drafts with --mtp-draft-vocab 256
 ]
 
 
