@@ -232,7 +232,7 @@ class NumpyRunner:
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
         """A verification row runs as one decode step per token here (`step_with_hidden`)."""
-        return speculative_round_cost(self.config, drafts, mtp, 1.0)
+        return speculative_round_cost(self.config, drafts, mtp, 1.0, self.mtp_draft_vocab)
 
     def step_with_hidden(self, rows: Sequence[StepRow]) -> list[StepOutput]:
         """`step`, with each row's final-normed hidden states of every token (MTP drafting).

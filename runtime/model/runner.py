@@ -398,13 +398,15 @@ class ModelRunner(Protocol):
         ...
 
 
-def speculative_round_cost(config: Any, drafts: int, mtp: bool, verified_token_cost: float) -> float:
+def speculative_round_cost(config: Any, drafts: int, mtp: bool, verified_token_cost: float,
+                           draft_vocab: int | None = None) -> float:
     """`ModelRunner.round_cost` from a runner's cost of each verified token beyond the first (in
     decode steps) and, when mtp, the chained drafts. One MTP draft is counted by the weights a
-    decode step reads: the MTP head is one transformer layer plus the vocabulary head, against the
-    main model's layers plus the head (a layer taken as ~12 hidden^2 weights: attention or GDN
-    projections and the MLP)."""
+    decode step reads: the MTP head is one transformer layer plus the vocabulary head's first
+    `draft_vocab` rows (default all), against the main model's layers plus the whole head (a
+    layer taken as ~12 hidden^2 weights: attention or GDN projections and the MLP)."""
     layer = 12 * config.hidden_size ** 2
     head = config.vocab_size * config.hidden_size
-    draft = (layer + head) / (config.num_hidden_layers * layer + head)
+    draft_head = (draft_vocab or config.vocab_size) * config.hidden_size
+    draft = (layer + draft_head) / (config.num_hidden_layers * layer + head)
     return 1 + drafts * verified_token_cost + (drafts * draft if mtp else 0.0)

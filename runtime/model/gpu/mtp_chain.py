@@ -93,7 +93,7 @@ class DraftChain:
         """Fill and upload the metadata block of every chained step: step s has the first
         active[s] rows at their position + s, padded to their bucket."""
         st = self.storage
-        self.stream.synchronize()  # an earlier chain's upload may still read the pinned blocks
+        # No wait here: the last `run` waited for its stream, so no upload reads the pinned block.
         staged = st.mtp_meta_host.array(np.int32, (MTP_MAX_DRAFTS - 1) * st.meta_count)
         staged[:len(active) * st.meta_count] = 0
         for s, count in enumerate(active):

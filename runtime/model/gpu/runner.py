@@ -257,7 +257,7 @@ class CudaRunner:
         return out  # type: ignore[return-value]
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
-        return speculative_round_cost(self.config, drafts, mtp, VERIFY_TOKEN_COST)
+        return speculative_round_cost(self.config, drafts, mtp, VERIFY_TOKEN_COST, self.mtp_draft_vocab)
 
     def commit(self, slot: int, snapshot: int) -> None:
         """Swap the physical slots behind `slot` and `snapshot` (see the module docstring)."""
