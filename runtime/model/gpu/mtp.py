@@ -127,8 +127,11 @@ class MtpHead:
         full = self.forward.layout.globals.get("lm_head") or self.forward.layout.globals["embed"]
         # Rows are contiguous, so the first `vocab` rows are the weight's first vocab * H values.
         self.head = full if vocab == full.shape[0] else replace(full, shape=(vocab, h))
-        if self.head.format == "bf16":  # a missing GEMV for the draft rows is refused at start
+        # A missing GEMV for the draft rows is refused at start, naming the shape.
+        if self.head.format == "bf16":
             runner.kernels.linear(vocab, h, 8)
+        else:
+            runner.kernels.linear_quantised(self.head.format, vocab, 0, h)
         # Drafts 2..k chained on the device (`mtp_chain`) where ids are picked and embedded there.
         self.chain = DraftChain(self) if runner.samples_on_device and runner.kernels.embedding else None
 
