@@ -146,7 +146,8 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int | None = None,
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
-        max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None) -> dict[str, Any]:
+        max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
+        draft_vocabs: tuple[int, ...] = ()) -> dict[str, Any]:
     from bench import decode_attention, mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
@@ -210,9 +211,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
     verification = verify_step.run(runner, kept, list(drafts), min(contexts),
                                    -(-(top + steps + 2) // 64), steps) if drafts else []
     # Chained drafts write up to 2k - 1 positions past the context: the pages cover steps + 2 + 2k.
-    rounds = mtp_round.run(runner, kept, list(mtp_drafts), min(contexts),
-                           -(-(top + tail) // 64), steps) \
-        if mtp_drafts else []
+    rounds = mtp_round.run(runner, kept, list(mtp_drafts), min(contexts), -(-(top + tail) // 64), steps,
+                           [v or runner.vocab_size for v in draft_vocabs]) if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
             "gdn_min_ctas": runner.kernels.gdn_min_ctas,
             "verification": verification, "mtp_rounds": rounds,
@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
                     "MTP drafts + verification + commit against a decode step (bench/mtp_round.py)")
+    ap.add_argument("--mtp-draft-vocab", default="", help="with --mtp-rounds: draft vocabularies to time "
+                    "(comma-separated, 0 = the whole vocabulary), e.g. 0,32768")
     ap.add_argument("--spec", choices=("mtp", "ngram"), help="measure speculative decoding instead: "
                     "acceptance on the CPU tiny model (bench/speculative.py); --mtp-rounds times a round on "
                     "the GPU")
@@ -300,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
                args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
                tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
-               args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas)
+               args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
+               tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v))
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

@@ -61,6 +61,9 @@ SHAPES = [
     ("gate_up", 34816, 5120),
     ("down", 5120, 17408),
     ("lm_head", 248320, 5120),
+    # The lm_head's first 32768 rows: MTP drafts over a smaller vocabulary (`--mtp-draft-vocab`,
+    # runtime/model/gpu/mtp.py), a view of the same weight.
+    ("lm_head_draft", 32768, 5120),
     ("mtp_fc", 5120, 10240),  # the MTP head's fc over [embedding | hidden] (2H -> H)
     # Qwen3.5/3.6-35B-A3B (hidden 2048; its MoE MLP is the moe family's).
     ("a3b_gdn_in", 12352, 2048),  # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a

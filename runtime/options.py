@@ -139,6 +139,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("draft-tokens", int, None, "MTP drafts per round (default 3), or auto: each round "
            "the count, up to 5, that the request's measured acceptance makes fastest; needs "
            "--spec mtp", group="speculative", minimum=1, maximum=5, auto=True),
+    Option("mtp-draft-vocab", int, None, "MTP drafts over the first N token ids only (the "
+           "lm_head's first N rows: a draft costs less; 32768 recommended for Qwen's 248K "
+           "vocabulary, see docs/serving.md); the output is unchanged, only acceptance can fall; "
+           "default: the whole vocabulary; needs --spec mtp", group="speculative", minimum=1,
+           maximum=1 << 20, metavar="N"),
     Option("ngram-draft-tokens", int, 0, "most n-gram copy drafts per round, from the "
            "request's own prompt and output (0: off); beside --spec mtp the longer proposal "
            "is verified", group="speculative", minimum=0, maximum=63),

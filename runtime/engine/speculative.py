@@ -45,9 +45,9 @@ import numpy as np
 
 from runtime.engine.request_state import LiveRequest, StepResult
 from runtime.engine.scheduler_records import DecodeWork, ScheduledBatch
-from runtime.model.runner import ModelRunner, MtpRow, StepRow
+from runtime.model.runner import MTP_MAX_DRAFTS, ModelRunner, MtpRow, StepRow
 
-MAX_MTP_DRAFTS = 5        # Qwen3.5/3.6 MTP heads: 1..5 drafts per round (seed 000)
+MAX_MTP_DRAFTS = MTP_MAX_DRAFTS  # Qwen3.5/3.6 MTP heads: 1..5 drafts per round (seed 000)
 MAX_NGRAM_DRAFTS = 63
 
 

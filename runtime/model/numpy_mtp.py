@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from runtime.model.runner import DecodeItem, MtpRow, checked_page_table, checked_tokens
+from runtime.model.runner import MTP_MAX_DRAFTS, DecodeItem, MtpRow, checked_page_table, checked_tokens
 
 if TYPE_CHECKING:       # numpy_runner imports this module; the annotation only names its record
     from runtime.model.numpy_runner import StepOutput
@@ -29,14 +29,16 @@ class MtpDrafter:
 
     head_prefill / head_decode: the runner's MTP head over a row's catch-up positions, and one
         chained step on the head's own output. vocab_size / num_pages: the checked ranges.
+    draft_vocab: drafts are the argmax over ids 0 .. draft_vocab - 1 (`mtp_draft_vocab`).
     """
 
     def __init__(self, head_prefill: MtpPrefill, head_decode: MtpDecode, *, vocab_size: int,
-                 num_pages: int):
+                 num_pages: int, draft_vocab: int):
         self._head_prefill = head_prefill
         self._head_decode = head_decode
         self.vocab_size = vocab_size
         self.num_pages = num_pages
+        self.draft_vocab = draft_vocab
         # slot -> (first position, final-normed hidden states [n, H]) of its latest row.
         self._kept_hidden: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -57,8 +59,8 @@ class MtpDrafter:
                 raise ValueError(f"MTP row at {row.start_pos} with {len(tokens)} tokens does not "
                                  f"match slot {row.slot}'s kept positions {start}.."
                                  f"{start + len(hidden) - 1}")
-            if row.num_drafts < 0:
-                raise ValueError(f"num_drafts must be >= 0, got {row.num_drafts}")
+            if not 0 <= row.num_drafts <= MTP_MAX_DRAFTS:
+                raise ValueError(f"num_drafts must be in 0..{MTP_MAX_DRAFTS}, got {row.num_drafts}")
             checked_page_table(row.page_table, start + len(tokens) + max(row.num_drafts - 1, 0),
                                self.num_pages)
             kept.append(hidden[:len(tokens)])
@@ -74,6 +76,6 @@ class MtpDrafter:
                                                          row.page_table)], mtp_hidden)
                     logits, mtp_hidden = step.logits, step.hidden
                     position += 1
-                row_drafts.append(int(np.argmax(logits[0])))
+                row_drafts.append(int(np.argmax(logits[0, :self.draft_vocab])))
             drafts.append(row_drafts)
         return drafts

@@ -28,8 +28,8 @@ from runtime.model.config import LINEAR_ATTENTION, ModelConfig
 from runtime.model.numpy_batch import Batch, BatchLayout, check_slot, check_start_pos
 from runtime.model.numpy_mtp import MtpDrafter
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostReady, HostTransfer, MtpRow, PrefillChunk,
-                                  StepRow, checked_page_table, checked_pages, checked_rows, checked_tokens,
-                                  speculative_round_cost)
+                                  StepRow, checked_draft_vocab, checked_page_table, checked_pages, checked_rows,
+                                  checked_tokens, speculative_round_cost)
 from runtime.model.vision_reference import MediaEmbedder, VisionConfig, VisionTower
 from runtime.model.weights import (AttentionWeights, ComponentTensors, GdnWeights, LayerWeights,
                                    MoeWeights, bind_mtp, bind_text)
@@ -59,6 +59,8 @@ class NumpyRunner:
     gdn_prefill_form: "chunked" (default) or "recurrent", the Gated DeltaNet form for prefill.
     vocab_rows: the lm_head rows [start, stop) this runner computes logits for (a tensor-parallel
         rank, `tp_reference.RankRunner`; logits are then [rows, stop - start]); None: all.
+    mtp_draft_vocab: MTP drafts over ids 0 .. N - 1 only (`ModelRunner.mtp_draft_vocab`); None:
+        the whole vocabulary.
     """
 
     # The engine samples this runner's logits on the host (the sampler is the same code).
@@ -68,7 +70,7 @@ class NumpyRunner:
                  num_pages: int, num_slots: int, dtype: Any = np.float32,
                  mtp_weights: Mapping[str, np.ndarray] | None = None,
                  gdn_prefill_form: str = "chunked", vision: VisionTower | None = None,
-                 vocab_rows: tuple[int, int] | None = None):
+                 vocab_rows: tuple[int, int] | None = None, mtp_draft_vocab: int | None = None):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"NumpyRunner computes in float32 or float64, not {self.dtype}")
@@ -88,10 +90,11 @@ class NumpyRunner:
         self.text = bind_text(config, weights, self.dtype, vocab_rows)
         self.mtp = bind_mtp(config, mtp_weights, self.dtype) if mtp_weights is not None else None
         self.mtp_layers = len(self.mtp.layers) if self.mtp is not None else 0
+        self.mtp_draft_vocab = checked_draft_vocab(mtp_draft_vocab, self.vocab_size)
         self.device_bytes = 0  # host arrays only
         # With MTP loaded: each slot's latest row's hidden states, read by `mtp_draft`.
         self.drafter = (MtpDrafter(self.mtp_prefill, self.mtp_decode, vocab_size=self.vocab_size,
-                                   num_pages=self.num_pages)
+                                   num_pages=self.num_pages, draft_vocab=self.mtp_draft_vocab)
                         if self.mtp is not None else None)
         if vision is not None and config.mrope_section is None:
             raise ValueError("a vision tower needs a text config with MRoPE (mrope_section)")
@@ -120,7 +123,7 @@ class NumpyRunner:
     @classmethod
     def from_artifact(cls, path_or_artifact: Any, *, num_pages: int, num_slots: int,
                       dtype: Any = np.float32, mtp: bool = False, vision: bool = False,
-                      gdn_prefill_form: str = "chunked") -> "NumpyRunner":
+                      gdn_prefill_form: str = "chunked", mtp_draft_vocab: int | None = None) -> "NumpyRunner":
         """Build from a `.infernix` file (path) or an already opened artifact.
 
         Tensors are dequantized to float32 by the reader (`component.f32(name)`), then cast to
@@ -147,7 +150,7 @@ class NumpyRunner:
             # The runner keeps its own arrays (dequantized copies), so the file can close.
             return cls(config, ComponentTensors(text), num_pages=num_pages,
                        num_slots=num_slots, dtype=dtype, mtp_weights=mtp_weights,
-                       gdn_prefill_form=gdn_prefill_form, vision=tower)
+                       gdn_prefill_form=gdn_prefill_form, vision=tower, mtp_draft_vocab=mtp_draft_vocab)
         finally:
             if opened:
                 artifact.close()
@@ -229,7 +232,7 @@ class NumpyRunner:
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
         """A verification row runs as one decode step per token here (`step_with_hidden`)."""
-        return speculative_round_cost(self.config, drafts, mtp, 1.0)
+        return speculative_round_cost(self.config, drafts, mtp, 1.0, self.mtp_draft_vocab)
 
     def step_with_hidden(self, rows: Sequence[StepRow]) -> list[StepOutput]:
         """`step`, with each row's final-normed hidden states of every token (MTP drafting).

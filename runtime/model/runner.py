@@ -182,6 +182,21 @@ class StepRow:
         return offsets
 
 
+MTP_MAX_DRAFTS = 5
+"""Most drafts one `MtpRow` asks for (Qwen3.5/3.6 MTP heads: 1..5 drafts per round, seed 000)."""
+
+
+def checked_draft_vocab(draft_vocab: int | None, vocab_size: int) -> int:
+    """The MTP draft vocabulary of a runner (`ModelRunner.mtp_draft_vocab`): None means every id,
+    else 1..vocab_size."""
+    if draft_vocab is None:
+        return vocab_size
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, (int, np.integer)) \
+            or not 1 <= draft_vocab <= vocab_size:
+        raise ValueError(f"the MTP draft vocabulary must be 1..{vocab_size} ids, got {draft_vocab!r}")
+    return int(draft_vocab)
+
+
 @dataclass(frozen=True)
 class MtpRow:
     """One sequence's MTP work in a `ModelRunner.mtp_draft` call (qwen-arch 2.6).
@@ -196,10 +211,11 @@ class MtpRow:
     token_ids: x_{start_pos+1} .. x_{start_pos+m}, the committed tokens after the first m kept
         positions (m >= 1): the head runs over positions start_pos .. start_pos+m-1, writing
         its KV rows there ("catch-up": the verified positions replace what drafting wrote).
-    num_drafts: 0 (catch-up only), or k: the argmax of the last catch-up position's logits is
-        draft 1 (for x_{start_pos+m+1}); drafts 2..k chain the head on its own output (its
-        hidden after `mtp.norm` and the draft just made) at the following positions, which
-        the page table must then cover (up to start_pos + m + k - 2).
+    num_drafts: 0 (catch-up only), or k in 1..`MTP_MAX_DRAFTS`: the argmax of the last catch-up
+        position's logits is draft 1 (for x_{start_pos+m+1}); drafts 2..k chain the head on its
+        own output (its hidden after `mtp.norm` and the draft just made) at the following
+        positions, which the page table must then cover (up to start_pos + m + k - 2). Every
+        argmax is over the runner's draft vocabulary, ids 0 .. `mtp_draft_vocab` - 1.
     """
 
     slot: int
@@ -274,6 +290,9 @@ class ModelRunner(Protocol):
     mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
         loaded, every `prefill`, `decode` and `step` keeps each row's final-normed hidden states
         per lane slot until the slot's next computation (`MtpRow`).
+    mtp_draft_vocab: MTP drafts are the argmax over ids 0 .. mtp_draft_vocab - 1 only (the
+        lm_head's first rows, `--mtp-draft-vocab`; vocab_size: all of them). Output is exact
+        either way: the target verifies every draft.
     round_cost(drafts, mtp): what a speculative round of one row costs, in plain decode steps
         (`--draft-tokens auto` picks the draft length by it): verifying 1 + drafts tokens, plus
         chaining `drafts` MTP drafts when mtp.
@@ -287,6 +306,7 @@ class ModelRunner(Protocol):
     page_nbytes: int
     device_bytes: int
     mtp_layers: int
+    mtp_draft_vocab: int
 
     def reset_slot(self, slot: int) -> None:
         """Zero the recurrent state and conv window of `slot` for a new sequence."""
@@ -373,17 +393,20 @@ class ModelRunner(Protocol):
 
     def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
         """Run the MTP head for every row (`MtpRow`: catch-up, then chained drafts); returns each
-        row's greedy drafts (argmax, lowest id on ties), `num_drafts` ids ([] for none)."""
+        row's greedy drafts (argmax over the draft vocabulary, lowest id on ties), `num_drafts`
+        ids ([] for none)."""
         ...
 
 
-def speculative_round_cost(config: Any, drafts: int, mtp: bool, verified_token_cost: float) -> float:
+def speculative_round_cost(config: Any, drafts: int, mtp: bool, verified_token_cost: float,
+                           draft_vocab: int | None = None) -> float:
     """`ModelRunner.round_cost` from a runner's cost of each verified token beyond the first (in
     decode steps) and, when mtp, the chained drafts. One MTP draft is counted by the weights a
-    decode step reads: the MTP head is one transformer layer plus the vocabulary head, against the
-    main model's layers plus the head (a layer taken as ~12 hidden^2 weights: attention or GDN
-    projections and the MLP)."""
+    decode step reads: the MTP head is one transformer layer plus the vocabulary head's first
+    `draft_vocab` rows (default all), against the main model's layers plus the whole head (a
+    layer taken as ~12 hidden^2 weights: attention or GDN projections and the MLP)."""
     layer = 12 * config.hidden_size ** 2
     head = config.vocab_size * config.hidden_size
-    draft = (layer + head) / (config.num_hidden_layers * layer + head)
+    draft_head = (draft_vocab or config.vocab_size) * config.hidden_size
+    draft = (layer + draft_head) / (config.num_hidden_layers * layer + head)
     return 1 + drafts * verified_token_cost + (drafts * draft if mtp else 0.0)

@@ -96,6 +96,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
     load the vision tower (CPU backend; `vision_settings` refuses it elsewhere). shape_config:
     `--synthetic-shape` as `synthetic_shape` read it."""
     synthetic, shape_name = settings.synthetic_weights, settings.synthetic_shape
+    draft_vocab = settings.mtp_draft_vocab if mtp else None
     if shape_name is not None and synthetic is None:
         raise ConfigError("--synthetic-shape runs a shape on random weights: give --synthetic-weights SEED too")
     if synthetic is not None and device != "cuda":
@@ -110,7 +111,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
         shape = {"num_pages": num_pages, "num_slots": num_slots,
                  "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                  "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
-                 "cuda_graphs": not settings.no_cuda_graph}
+                 "cuda_graphs": not settings.no_cuda_graph, "mtp_draft_vocab": draft_vocab}
         try:
             if synthetic is not None:
                 logger.warning("--synthetic-weights %d: random weights, the output is noise",
@@ -136,4 +137,5 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
     logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
                  "--no-cuda-graph has no effect)")
     return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,
-                                     dtype=np.float32, mtp=mtp, vision=vision)
+                                     dtype=np.float32, mtp=mtp, vision=vision,
+                                     mtp_draft_vocab=draft_vocab)

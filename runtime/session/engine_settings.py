@@ -144,6 +144,12 @@ def speculative_settings(settings: Any, device: str, artifact: Any) -> Speculati
     cannot work are ConfigErrors, never ignored."""
     if settings.draft_tokens is not None and settings.spec != "mtp":
         raise ConfigError("--draft-tokens sets the MTP drafts per round: it needs --spec mtp")
+    if settings.mtp_draft_vocab is not None:
+        if settings.spec != "mtp":
+            raise ConfigError("--mtp-draft-vocab sets the MTP drafts' vocabulary: it needs --spec mtp")
+        vocab = artifact.component("text").config["vocab_size"]
+        if settings.mtp_draft_vocab > vocab:
+            raise ConfigError(f"--mtp-draft-vocab {settings.mtp_draft_vocab}: the model has {vocab} token ids")
     adaptive = settings.draft_tokens == "auto"
     config = SpeculativeConfig(method=settings.spec,
                                draft_tokens=MAX_MTP_DRAFTS if adaptive else settings.draft_tokens or 3,

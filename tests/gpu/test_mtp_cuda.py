@@ -46,16 +46,17 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def _reference_chain(ref, slot: int, hidden: np.ndarray, tokens: list[int], pages: list[int], k: int):
+def _reference_chain(ref, slot: int, hidden: np.ndarray, tokens: list[int], pages: list[int], k: int,
+                     vocab: int | None = None):
     """NumPy's catch-up over every position, then k greedy drafts chained as `MtpDrafter.draft`
-    chains them; (drafts, each draft's logits row)."""
+    chains them, each over ids 0..vocab-1 (default all); (drafts, each draft's logits row)."""
     out = ref.mtp_prefill(hidden, tokens, 0, pages)
-    logits, h = out.logits[-1:], out.hidden[-1:]
+    logits, h = out.logits[-1:, :vocab], out.hidden[-1:]
     position, drafts, rows = len(tokens), [], []
     for j in range(k):
         if j:
             step = ref.mtp_decode([DecodeItem(slot, drafts[-1], position, pages)], h)
-            logits, h = step.logits, step.hidden
+            logits, h = step.logits[:, :vocab], step.hidden
             position += 1
         drafts.append(int(np.argmax(logits[0])))
         rows.append(logits[0])
@@ -121,6 +122,95 @@ def test_graphs_and_eager_launches_draft_the_same(runners):
     assert eager == graphed and np.array_equal(eager_logits, graphed_logits)
 
 
+def _prefilled_rows(cuda, seed: int, drafts: list[int]) -> list[MtpRow]:
+    """One prompt per draft count, prefilled in slots 0.. (pages slot * 4, + 1); their MtpRows."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for slot, k in enumerate(drafts):
+        pages = [slot * 4, slot * 4 + 1]
+        prompt = rng.integers(0, cuda.vocab_size, 30 + 11 * slot).tolist()
+        cuda.prefill(PrefillChunk(slot, prompt, 0, pages))
+        rows.append(MtpRow(slot, prompt[1:] + [int(rng.integers(0, cuda.vocab_size))], 0, pages, k))
+    return rows
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_the_device_chain_drafts_what_the_host_chain_drafts(runners, graphs):
+    """Drafts 2..k chained on the device (ids fed from each greedy pick to the next step, one
+    graph, one read-back) equal the host-fed chain (each draft read back and uploaded as the next
+    step's token) bit for bit: the same launches of the same buckets, only the ids' route differs.
+    Rows of 3, 5, 0 and 1 drafts: the rows still drafting shrink from step to step."""
+    cuda, _ = runners
+    rows = _prefilled_rows(cuda, 31, [3, 5, 0, 1])
+    cuda.steps.cuda_graphs = graphs
+    chain = cuda._mtp.chain
+    assert chain is not None
+    try:
+        device = cuda.mtp_draft(rows)
+        device_logits = cuda.steps.read_logits(1)
+        cuda._mtp.chain = None  # the host-fed route (`MtpHead._chain_step`)
+        host = cuda.mtp_draft(rows)
+        host_logits = cuda.steps.read_logits(1)
+    finally:
+        cuda._mtp.chain = chain
+        cuda.steps.cuda_graphs = True
+    assert [len(d) for d in device] == [3, 5, 0, 1]
+    assert device == host and np.array_equal(device_logits, host_logits)
+
+
+@pytest.fixture(scope="module")
+def vocab_runners(tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    """The tiny model's runners drafting over its first `DRAFT_VOCAB` ids."""
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.numpy_runner import NumpyRunner
+
+    shape = dict(num_pages=48, num_slots=8, mtp=True, mtp_draft_vocab=DRAFT_VOCAB)
+    cuda = CudaRunner.from_artifact(tiny_path, device=device, library=library, prefill_chunk=128, **shape)
+    ref = NumpyRunner.from_artifact(tiny_path, **shape)
+    yield cuda, ref
+    cuda.close()
+
+
+DRAFT_VOCAB = 256  # half the tiny model's 512 ids (the 256 x 256 GEMM over the lm_head's first rows)
+
+
+def test_drafts_over_a_draft_vocabulary_match_the_reference(runners, vocab_runners):
+    """`mtp_draft_vocab = 256`: the draft logits are the first 256 columns of the whole
+    vocabulary's, bit for bit (the same hidden rows, the lm_head's first rows, and a GEMM whose
+    per-element reduction does not depend on N); the drafts are the reference's (argmax over
+    the first 256 ids) where the reference's top-2 margin is clear (module docstring)."""
+    full, _ = runners
+    cuda, ref = vocab_runners
+    rng = np.random.default_rng(23)
+    checked, report = 0, []
+    for n, slot in enumerate(range(8)):
+        pages = [slot * 4, slot * 4 + 1]
+        prompt = rng.integers(0, cuda.vocab_size, 40 + 9 * n).tolist()
+        cuda.prefill(PrefillChunk(slot, prompt, 0, pages))
+        full.prefill(PrefillChunk(slot, prompt, 0, pages))
+        ref_out = ref.prefill_with_hidden(PrefillChunk(slot, prompt, 0, pages))
+        tokens = prompt[1:] + [int(np.argmax(ref_out.logits[-1]))]
+        first = cuda.mtp_draft([MtpRow(slot, tokens, 0, pages, 1)])[0]
+        head = cuda.steps.read_logits(1, DRAFT_VOCAB)[0]
+        full.mtp_draft([MtpRow(slot, tokens, 0, pages, 1)])
+        assert np.array_equal(head, full.steps.read_logits(1)[0, :DRAFT_VOCAB]), f"prompt {n}"
+        ref_drafts, rows = _reference_chain(ref, slot, ref_out.hidden, tokens, pages, DRAFTS, DRAFT_VOCAB)
+        err = _rel_err(head, rows[0])
+        report.append(f"prompt {n}: head rel err {err:.4f}")
+        assert err <= REL_TOL, "\n".join(report)
+        gpu_drafts = cuda.mtp_draft([MtpRow(slot, tokens, 0, pages, DRAFTS)])[0]
+        assert gpu_drafts[:1] == first and all(0 <= t < DRAFT_VOCAB for t in gpu_drafts)
+        scale = np.abs(rows[0]).max()
+        for j in range(DRAFTS):
+            if gpu_drafts[:j] != ref_drafts[:j]:
+                break
+            if _margin(rows[j]) > 2 * REL_TOL * scale:
+                assert gpu_drafts[j] == ref_drafts[j], f"prompt {n} draft {j}: GPU {gpu_drafts} reference {ref_drafts}"
+                checked += 1
+    print("\n".join(report))
+    assert checked >= 1, "no draft had a clear top-2 margin: the comparison checked nothing\n" + "\n".join(report)
+
+
 def _requests(vocab: int) -> list[EngineRequest]:
     rng = np.random.default_rng(6)
     out = []
@@ -157,3 +247,24 @@ def test_mtp_speculation_equals_plain_decoding(spec_runner, spec):
     assert speculative == plain, f"counters {counters}"
     assert counters["spec_rounds"] > 0 and counters["spec_drafted_tokens"] > 0, counters
     print(spec, {k: v for k, v in counters.items() if k.startswith("spec_")})
+
+
+@pytest.fixture(scope="module", params=["tiny", "27b-4-layers"])
+def vocab_spec_runner(request, tiny_path, device, library):  # noqa: F811 - the fixture imported above
+    """The spec runners drafting over a draft vocabulary: half the tiny model's ids, the 27B's
+    recommended 32768 (the `lm_head_draft` GEMV)."""
+    vocab = DRAFT_VOCAB if request.param == "tiny" else 32768
+    r = small_runner(request.param, tiny_path, device, library, num_pages=64, num_slots=SLOTS, max_batch=LANES,
+                     max_context=1024, prefill_chunk=128, mtp=True, mtp_draft_vocab=vocab)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("spec", ["mtp3", "mtp-auto"])
+def test_mtp_speculation_with_a_draft_vocabulary_equals_plain_decoding(vocab_spec_runner, spec):
+    requests = _requests(vocab_spec_runner.vocab_size)
+    common = dict(num_lanes=LANES, max_context=1024, prefill_chunk=128)
+    plain, _ = run_engine(vocab_spec_runner, requests, **common)
+    speculative, counters = run_engine(vocab_spec_runner, requests, speculative=SPECS[spec], **common)
+    assert speculative == plain, f"counters {counters}"
+    assert counters["spec_rounds"] > 0 and counters["spec_drafted_tokens"] > 0, counters

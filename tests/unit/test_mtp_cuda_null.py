@@ -188,15 +188,78 @@ def test_draft_reads_the_kept_rows_and_writes_the_mtp_kv_pool(runner):
     mtp_pool = st.k_pages[-1].to_bytes(8, "little")
     assert prep and all(mtp_pool in b"".join(launch.params) for launch in prep)
     assert not any(st.k_pages[0].to_bytes(8, "little") in b"".join(launch.params) for launch in prep)
-    # Drafts 2 and 3 of slot 0: two chained steps of one row, one graph of bucket 1 replayed.
-    assert set(r._mtp.graphs) == {1}
+    # Drafts 2 and 3 of slot 0: two chained steps of one row, one graph on the device.
+    assert set(r._mtp.chain.graphs) == {(1, 1)} and not r._mtp.graphs
     meta = np.empty(st.meta_count, np.int32)
     dev.memcpy_dtoh(meta, st.buf["meta"])
     off = st.meta_off
-    if r.samples_on_device:
-        assert meta[off["ids"]] == greedy
+    assert meta[off["ids"]] == greedy  # the draft before, copied on the device
     # The last chained step reads the head's output at position start + m + 1 = 5.
     assert meta[off["pos"]] == 5 and meta[off["qseq"]:off["qseq"] + 1].tolist() == [0]
+
+
+def test_the_chain_stages_every_step_and_feeds_each_draft_to_the_next(runner):
+    """Three rows drafting 4, 2 and 1: chained step s holds the rows still drafting at their
+    position + s (a prefix of the draft-count order), each step's ids are the draft the step
+    before picked, copied on the device, all in one graph, read back once."""
+    r = runner
+    dev, st = r.device, r.storage
+    for slot, (n, page) in enumerate(((6, 0), (9, 1), (3, 2))):
+        r.prefill(PrefillChunk(slot=slot, token_ids=list(range(1, n + 1)), start_pos=0, page_table=[page]))
+    dev.memcpy_htod(st.buf["sample_ids"], np.arange(20, 20 + st.max_batch, dtype=np.int32))
+    rows = [MtpRow(1, [2, 3, 4, 5, 6, 7, 8, 9], 0, [1], 2), MtpRow(0, [2, 3, 4, 5, 6], 0, [0], 4),
+            MtpRow(2, [2, 3], 0, [2], 1)]
+    drafts = r.mtp_draft(rows)
+    # Kernels do not run: every pick leaves `sample_ids` as it was (20, 21, 22, ...), so draft j of
+    # the row in drafting place q is 20 + q.
+    assert drafts == [[21, 21], [20] * 4, [22]]
+    assert set(r._mtp.chain.graphs) == {(2, 1, 1)}
+    staged = np.empty(3 * st.meta_count, np.int32)
+    dev.memcpy_dtoh(staged, st.buf["mtp_meta"])
+    off = st.meta_off
+
+    def field(s: int, name: str, n: int) -> list[int]:
+        return staged[s * st.meta_count + off[name]:][:n].tolist()
+
+    # Step 0: slot 0 at 5 + 0 (page 0), slot 1 at 8 + 0 (page 1); steps 1, 2: slot 0 alone.
+    assert field(0, "pos", 2) == [5, 8] and field(0, "wrow", 2) == [5, 64 + 8] and field(0, "qseq", 2) == [0, 1]
+    assert field(1, "pos", 1) == [6] and field(1, "wrow", 1) == [6] and field(2, "pos", 1) == [7]
+    for s in range(3):
+        assert field(s, "ids", 2) == [0, 0]  # the ids come from the draft before, on the device
+    table = staged[off["table"]:off["table"] + 2 * st.maxp].reshape(2, st.maxp)
+    assert table[:, 0].tolist() == [0, 1]
+    ids = np.empty((5, st.max_batch), np.int32)
+    dev.memcpy_dtoh(ids, st.buf["mtp_drafts"])
+    assert ids[:4, 0].tolist() == [20] * 4 and ids[:2, 1].tolist() == [21, 21] and ids[0, 2] == 22
+
+
+def _draft_launches(r) -> list[str]:
+    r.prefill(PrefillChunk(slot=0, token_ids=[1, 2, 3, 4], start_pos=0, page_table=[0]))
+    n = len(r.device.launches)
+    r.mtp_draft([MtpRow(0, [2, 3, 4, 5], 0, [0], 2)])
+    return [launch.function for launch in r.device.launches[n:]]
+
+
+def test_a_draft_vocabulary_binds_the_lm_head_rows_it_reads(tiny_dense_path, runner):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_dense_path, device=NullDevice(total_memory=2 << 30),
+                                                       mtp=True, mtp_draft_vocab=256, **SHAPE))
+    try:
+        assert r.mtp_draft_vocab == 256 and r._mtp.head.shape == (256, r.config.hidden_size)
+        assert r._mtp.head.offset == r.layout.globals.get("lm_head", r.layout.globals["embed"]).offset
+        # The tiny head is 512 x 256; its first 256 rows take the 256 x 256 GEMM (o_proj's shape).
+        full = _draft_launches(runner)
+        draft = _draft_launches(r)
+        heads = sum("n512_k256" in name for name in full)
+        assert heads == 2 and not any("n512_k256" in name for name in draft)  # catch-up + one chained step
+        assert sum("n256_k256" in name for name in draft) == sum("n256_k256" in name for name in full) + heads
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            CudaRunner.from_artifact(tiny_dense_path, device=NullDevice(total_memory=2 << 30), mtp=True,
+                                     mtp_draft_vocab=513, **SHAPE)
+    finally:
+        r.close()
 
 
 @pytest.mark.parametrize("row, message", [
@@ -204,6 +267,7 @@ def test_draft_reads_the_kept_rows_and_writes_the_mtp_kv_pool(runner):
     (MtpRow(0, [1, 2], 1, [0], 1), "does not match"),
     (MtpRow(0, list(range(1, 9)), 0, [0], 1), "does not match"),
     (MtpRow(0, [1], 0, [0], -1), "num_drafts"),
+    (MtpRow(0, [1], 0, [0], 6), "num_drafts"),
     (MtpRow(0, [1] * 6, 0, [], 2), "page table"),
     (MtpRow(0, [-1], 0, [0], 1), "token ids"),
 ])

@@ -84,3 +84,42 @@ def test_auto_rounds_equal_plain_decoding_and_draft_one_on_the_cpu(tiny_dense_pa
     assert counters["spec_rounds"] >= 20
     assert counters["spec_drafted_tokens"] == counters["spec_rounds"]
     assert 0 <= counters["spec_accepted_tokens"] <= counters["spec_drafted_tokens"]
+
+
+def test_a_draft_vocabulary_makes_a_round_cheaper_by_the_head_rows_it_skips():
+    from runtime.model.config import ModelConfig
+    from runtime.model.runner import speculative_round_cost
+    from runtime.model.shapes import shape_config
+
+    c = ModelConfig.from_dict(shape_config("qwen3.6-27b"))
+    layer, h = 12 * c.hidden_size ** 2, c.hidden_size
+    step = c.num_hidden_layers * layer + c.vocab_size * h
+    full = speculative_round_cost(c, 3, True, 0.05)
+    small = speculative_round_cost(c, 3, True, 0.05, draft_vocab=32768)
+    assert full == pytest.approx(1 + 3 * 0.05 + 3 * (layer + c.vocab_size * h) / step)
+    assert full - small == pytest.approx(3 * (c.vocab_size - 32768) * h / step)
+    assert speculative_round_cost(c, 3, False, 0.05, draft_vocab=32768) == pytest.approx(1.15)
+
+
+def test_the_draft_vocabulary_option_needs_the_mtp_head_and_fits_the_model(tiny_dense_path):
+    import logging
+
+    from runtime.artifact import open_artifact
+    from runtime.session.backend import make_runner
+
+    def settings(*extra: str):
+        return parse_settings("cli", ["m.infernix", "--prompt", "x", *extra])
+
+    with open_artifact(tiny_dense_path) as artifact:
+        vocab = artifact.component("text").config["vocab_size"]
+        ok = settings("--spec", "mtp", "--mtp-draft-vocab", "64")
+        assert speculative_settings(ok, "cpu", artifact).mtp
+        runner = make_runner("cpu", artifact, 4, 1, 5, 64, ok, logging.getLogger("test"), mtp=True)
+        assert runner.mtp_draft_vocab == 64
+        with pytest.raises(ConfigError, match="needs --spec mtp"):
+            speculative_settings(settings("--mtp-draft-vocab", "64"), "cpu", artifact)
+        with pytest.raises(ConfigError, match=f"the model has {vocab} token ids"):
+            speculative_settings(settings("--spec", "mtp", "--mtp-draft-vocab", str(vocab + 1)), "cpu", artifact)
+        plain = make_runner("cpu", artifact, 4, 1, 5, 64, settings("--spec", "mtp"), logging.getLogger("test"),
+                            mtp=True)
+        assert plain.mtp_draft_vocab == vocab

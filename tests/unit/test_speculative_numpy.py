@@ -13,7 +13,7 @@ from runtime.engine.api import EngineRequest, FinishReason, SamplingParams, Thin
 from runtime.engine.engine_loop import Engine, EngineConfig
 from runtime.engine.speculative import SlotLayout, SpeculativeConfig
 from runtime.model.numpy_runner import NumpyRunner
-from runtime.model.runner import MtpRow, PrefillChunk
+from runtime.model.runner import MTP_MAX_DRAFTS, DecodeItem, MtpRow, PrefillChunk
 
 OFF = SpeculativeConfig()
 MTP3 = SpeculativeConfig(method="mtp", draft_tokens=3)
@@ -23,10 +23,11 @@ GREEDY = SamplingParams(greedy=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
 
 
-def generate(artifact, spec, prompts, max_new, sampling, lanes=1, make_request=None):
+def generate(artifact, spec, prompts, max_new, sampling, lanes=1, make_request=None,
+             draft_vocab=None):
     layout = SlotLayout.for_config(lanes, spec)
     runner = NumpyRunner.from_artifact(artifact, num_pages=24, num_slots=layout.reserved,
-                                       mtp=spec.mtp)
+                                       mtp=spec.mtp, mtp_draft_vocab=draft_vocab)
     config = EngineConfig(num_lanes=lanes, max_context=512, prefill_chunk=64, speculative=spec)
     with Engine(runner, config) as engine:
         streams = {}
@@ -161,3 +162,62 @@ def test_mtp_rounds_with_the_prefix_cache_pausing_and_resuming(tiny_dense_path, 
     assert again[-1].cached_prompt_tokens == len(prompts["c"]) == 64   # at its turn start
     assert again[-1].stats.resume_path == "prefix"
     assert preemptions > 0 and counters["spec_rounds"] > 50
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_smaller_draft_vocabulary_keeps_the_output_of_plain_decoding(tiny_dense_path, sampling):
+    """Drafts over the first 64 ids only (`--mtp-draft-vocab 64`): every draft is verified, so
+    greedy and seeded output still equal plain decoding token for token."""
+    with open_artifact(tiny_dense_path) as artifact:
+        plain, _ = generate(artifact, OFF, PROMPTS, 24, sampling)
+        got, counters = generate(artifact, MTP3, PROMPTS, 24, sampling, lanes=2, draft_vocab=64)
+    for rid in PROMPTS:
+        assert got[rid][0] == plain[rid][0], rid
+    assert counters["spec_drafted_tokens"] > 1.5 * counters["spec_rounds"] >= 30
+
+
+def _head_chain(runner, hidden, tokens, pages, k, vocab):
+    """The head's catch-up over every position, then k drafts chained by hand from the head's
+    own calls, each the argmax over ids 0..vocab-1."""
+    out = runner.mtp_prefill(hidden, tokens, 0, pages)
+    logits, h = out.logits[-1:], out.hidden[-1:]
+    drafts = []
+    for j in range(k):
+        if j:
+            step = runner.mtp_decode([DecodeItem(0, drafts[-1], len(tokens) + j - 1, pages)], h)
+            logits, h = step.logits, step.hidden
+        drafts.append(int(np.argmax(logits[0, :vocab])))
+    return drafts
+
+
+def test_drafts_are_the_argmax_over_the_draft_vocabulary(tiny_dense_path):
+    tokens = np.random.default_rng(9).integers(0, 440, 41).tolist()
+    pages = [0, 1]
+    ref = NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True)
+    hidden = ref.prefill_with_hidden(PrefillChunk(0, tokens[:40], 0, pages, all_logits=True)).hidden
+    chains = {}
+    for vocab in (None, 64):
+        runner = NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True,
+                                           mtp_draft_vocab=vocab)
+        runner.prefill(PrefillChunk(0, tokens[:40], 0, pages))
+        drafts = runner.mtp_draft([MtpRow(0, tokens[1:41], 0, pages, num_drafts=5)])[0]
+        assert runner.mtp_draft_vocab == (vocab or runner.vocab_size)
+        assert drafts == _head_chain(ref, hidden, tokens[1:41], pages, 5, runner.mtp_draft_vocab)
+        chains[vocab] = drafts
+    assert all(t < 64 for t in chains[64])
+    # Not vacuous: the whole vocabulary's chain leaves the first 64 ids somewhere.
+    assert any(t >= 64 for t in chains[None]), chains
+
+
+@pytest.mark.parametrize("vocab", [0, 513, True, 2.5])
+def test_a_draft_vocabulary_outside_the_model_is_refused(tiny_dense_path, vocab):
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True,
+                                  mtp_draft_vocab=vocab)
+
+
+def test_more_drafts_than_the_head_chains_are_refused(tiny_dense_path):
+    runner = NumpyRunner.from_artifact(tiny_dense_path, num_pages=4, num_slots=1, mtp=True)
+    runner.prefill(PrefillChunk(0, [1, 2, 3], 0, [0]))
+    with pytest.raises(ValueError, match="num_drafts"):
+        runner.mtp_draft([MtpRow(0, [2, 3], 0, [0], num_drafts=MTP_MAX_DRAFTS + 1)])

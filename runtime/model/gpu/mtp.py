@@ -10,10 +10,17 @@ runner copies them out of `buf["h"]` after each step (`CudaRunner._keep`).
    written there; each drafting row's last position is put first, so the head's hidden outputs
    and logits of rows 0..n-1 are those the drafts start from;
 2. draft 1 of each row is the greedy id of its last catch-up position (the device sampler's
-   greedy pick, lowest id on ties, where it was built; else the argmax of the logits read back);
+   greedy pick, lowest id on ties), left on the device;
 3. drafts 2..k chain the head on its own output: one decode-shaped step per draft over the rows
-   still drafting (a prefix, since rows are ordered by their draft count), captured as a graph per
-   batch bucket, its hidden output copied to `mtp_chain` for the next step.
+   still drafting (a prefix, since rows are ordered by their draft count), its hidden output
+   copied to `mtp_chain` for the next step, each step's token the draft before it picked on the
+   device; all steps one captured graph and every draft read back at once (`mtp_chain.DraftChain`).
+   Where ids cannot be picked or embedded on the device (no sampling or embedding kernel), each
+   draft is the argmax of its logits read back and fed to the next step from the host, one graph
+   per batch bucket per step.
+
+Every greedy pick is over the draft vocabulary (`--mtp-draft-vocab`): the lm_head's first `vocab`
+rows only, so a draft reads vocab x H of the head's weights instead of all of them.
 
 The head's forward pass (`MtpHead.bind`) reuses the main model's launches: the embedding, the two
 pre-fc norms writing the two halves of each [embedding | hidden] row (the norms write rows of H, two
@@ -25,14 +32,15 @@ the lm_head over the rows that draft.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from runtime.model.gpu.layers import StepShape
+from runtime.model.gpu.mtp_chain import ChainRow, DeviceCopy, DraftChain
 from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
-from runtime.model.runner import MtpRow, checked_page_table, checked_tokens
+from runtime.model.runner import MTP_MAX_DRAFTS, MtpRow, checked_page_table, checked_tokens
 from runtime.model.sampling import RowSampling
 
 
@@ -103,9 +111,10 @@ class _Copy2D:
 class MtpHead:
     """The runner's MTP head: `kept` (the hidden rows per slot) and `draft` (see the module
     docstring). Built by `CudaRunner` with an MTP layout; `layer` is the MTP layer that drafts
-    (0, as `NumpyRunner`)."""
+    (0, as `NumpyRunner`); `vocab` the draft vocabulary (`mtp_draft_vocab`): the lm_head's first
+    `vocab` rows, a view of the same weight."""
 
-    def __init__(self, runner: Any, layer: int = 0):
+    def __init__(self, runner: Any, vocab: int, layer: int = 0):
         self.runner = runner
         self.device, self.stream, self.storage = runner.device, runner.stream, runner.storage
         self.steps, self.forward, self.sampler = runner.steps, runner.steps.forward, runner.sampler
@@ -113,14 +122,28 @@ class MtpHead:
         st, h = self.storage, runner.config.hidden_size
         self.row_bytes = h * 2
         self.kept = KeptHidden(self.device, self.stream, st.buf["mtp_kept"], st.max_batch, st.rows, self.row_bytes)
-        self.graphs: dict[int, Any] = {}  # chained steps per batch bucket
+        self.graphs: dict[int, Any] = {}  # chained steps per batch bucket (the host-side chain)
+        self.vocab = vocab
+        full = self.forward.layout.globals.get("lm_head") or self.forward.layout.globals["embed"]
+        # Rows are contiguous, so the first `vocab` rows are the weight's first vocab * H values.
+        self.head = full if vocab == full.shape[0] else replace(full, shape=(vocab, h))
+        # A missing GEMV for the draft rows is refused at start, naming the shape.
+        if self.head.format == "bf16":
+            runner.kernels.linear(vocab, h, 8)
+        else:
+            runner.kernels.linear_quantised(self.head.format, vocab, 0, h)
+        # Drafts 2..k chained on the device (`mtp_chain`) where ids are picked and embedded there.
+        self.chain = DraftChain(self) if runner.samples_on_device and runner.kernels.embedding else None
 
     # ------------------------------------------------------------------ drafting
 
     def draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
         checked = [self._checked(row) for row in rows]
         order = sorted(range(len(rows)), key=lambda i: -int(rows[i].num_drafts))
+        drafting_order = [i for i in order if rows[i].num_drafts > 0]
         drafts: list[list[int]] = [[] for _ in rows]
+        if self.chain is not None and drafting_order:
+            self.sampler.upload([RowSampling(greedy=True)] * self.storage.max_batch)
         chained = 0  # rows of `mtp_chain` filled: the drafting rows so far, in `order`
         for group in self._groups(order, checked):
             drafting = [i for i in group if rows[i].num_drafts > 0]
@@ -129,9 +152,21 @@ class MtpHead:
                 st = self.storage
                 self.device.memcpy_dtod(st.buf["mtp_chain"] + chained * self.row_bytes, st.buf["h"],
                                         len(drafting) * self.row_bytes, self.stream)
-                for i, token in zip(drafting, self._greedy(len(drafting))):
-                    drafts[i].append(int(token))
+                if self.chain is not None:
+                    for launch in self.greedy_plan(len(drafting)):
+                        launch(self.stream)
+                    self.chain.first_ids(chained, len(drafting))
+                else:
+                    for i, token in zip(drafting, self._host_greedy(len(drafting))):
+                        drafts[i].append(int(token))
                 chained += len(drafting)
+        if self.chain is not None:
+            if drafting_order:
+                ids = self.chain.run([ChainRow(checked[i][1] + len(checked[i][0]), checked[i][2],
+                                               int(rows[i].num_drafts) - 1) for i in drafting_order])
+                for q, i in enumerate(drafting_order):
+                    drafts[i] = [int(t) for t in ids[:rows[i].num_drafts, q]]
+            return drafts
         most = max((int(row.num_drafts) for row in rows), default=0)
         for j in range(1, most):
             active = [i for i in order if rows[i].num_drafts > j]
@@ -139,7 +174,7 @@ class MtpHead:
             # Draft j + 1 reads the head's output at start + m + j - 1 and draft j (the token there + 1).
             positions = [checked[i][1] + len(checked[i][0]) + j - 1 for i in active]
             self._chain_step(tokens, positions, [checked[i][2] for i in active])
-            for i, token in zip(active, self._greedy(len(active))):
+            for i, token in zip(active, self._host_greedy(len(active))):
                 drafts[i].append(int(token))
         return drafts
 
@@ -156,8 +191,8 @@ class MtpHead:
         if start != row.start_pos or len(tokens) > count:
             raise ValueError(f"MTP row at {row.start_pos} with {len(tokens)} tokens does not match slot "
                              f"{row.slot}'s kept positions {start}..{start + count - 1}")
-        if isinstance(row.num_drafts, bool) or row.num_drafts < 0:
-            raise ValueError(f"num_drafts must be >= 0, got {row.num_drafts}")
+        if isinstance(row.num_drafts, bool) or not 0 <= row.num_drafts <= MTP_MAX_DRAFTS:
+            raise ValueError(f"num_drafts must be in 0..{MTP_MAX_DRAFTS}, got {row.num_drafts}")
         end = start + len(tokens) + max(int(row.num_drafts) - 1, 0)
         if end > r.max_context:
             raise ValueError(f"MTP positions up to {end - 1} exceed this runner's context of {r.max_context}")
@@ -200,13 +235,14 @@ class MtpHead:
         shape = StepShape(m=at, nseq=len(group), t=1, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT,
                           prefill=False, exact=False)
         heads = len(drafting)
-        key = ("mtp", at, len(group), heads)
+        key = ("mtp", at, len(group), heads, self.vocab)
         for launch in self.steps.plans.get(key, lambda: self.bind(shape, st.buf["mtp_in"]) + (
-                self.forward.lm_head(0, heads, exact_rows=True) if heads else [])):
+                self.lm_head(heads) if heads else [])):
             launch(self.stream)
 
     def _chain_step(self, tokens: np.ndarray, positions: Sequence[int], tables: Sequence[np.ndarray]) -> None:
-        """One chained draft for len(tokens) rows (the first rows of `mtp_chain`), padded to a bucket."""
+        """One chained draft for len(tokens) rows (the first rows of `mtp_chain`), padded to a
+        bucket, with the ids from the host (where `DraftChain` cannot run)."""
         n = len(tokens)
         bucket = next(b for b in BUCKETS if b >= n)
         self.steps.upload_rows(tokens, positions, range(n), tables, bucket)
@@ -226,17 +262,26 @@ class MtpHead:
         st = self.storage
         shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, min_split=st.decode_min_split,
                           prefill=False)
-        return self.steps.plans.get(("mtp_chain", bucket), lambda: (
-            self.bind(shape, st.buf["mtp_chain"]) + self.forward.lm_head(0, bucket, exact_rows=True)
-            + [_Copy2D(self.device, st.buf["mtp_chain"], self.row_bytes, st.buf["h"], self.row_bytes,
-                       self.row_bytes, bucket)]))
+        return self.steps.plans.get(("mtp_chain", bucket, self.vocab), lambda: (
+            self.bind(shape, st.buf["mtp_chain"]) + self.lm_head(bucket)
+            + [DeviceCopy(self.device, st.buf["mtp_chain"], st.buf["h"], bucket * self.row_bytes)]))
 
-    def _greedy(self, n: int) -> np.ndarray:
-        """The greedy ids of logits rows 0..n-1 (lowest id on ties)."""
-        if self.runner.samples_on_device:
-            self.sampler.queue([RowSampling(greedy=True)] * n).synchronize()
-            return self.sampler.ids(n)
-        return np.argmax(self.steps.read_logits(n), axis=1)
+    def lm_head(self, rows: int) -> list:
+        """The head's lm_head over the draft vocabulary: hidden rows 0..rows-1 into logits rows of
+        `vocab` ids, in decode GEMV blocks (a row's numbers do not depend on the row count)."""
+        out: list = []
+        buf = self.storage.buf
+        self.forward.linear(out, buf["h"], self.head, buf["logits"], rows, exact_rows=True)
+        return out
+
+    def greedy_plan(self, rows: int) -> list:
+        """The device sampler's greedy pick over logits rows 0..rows-1 of the draft vocabulary
+        (its rows' inputs uploaded by `draft`), ids into `buf["sample_ids"]`."""
+        return self.sampler.plan(rows, self.vocab)
+
+    def _host_greedy(self, n: int) -> np.ndarray:
+        """The greedy ids of logits rows 0..n-1 (lowest id on ties) on the host."""
+        return np.argmax(self.steps.read_logits(n, self.vocab), axis=1)
 
     # ------------------------------------------------------------------ the forward pass
 
@@ -266,3 +311,5 @@ class MtpHead:
         for graph in self.graphs.values():
             graph.destroy()
         self.graphs.clear()
+        if self.chain is not None:
+            self.chain.close()

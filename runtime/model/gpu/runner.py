@@ -38,8 +38,8 @@ from runtime.model.gpu.step import Steps, consecutive_runs
 from runtime.model.gpu.storage import BUCKETS, DECODE_MIN_SPLIT, Storage, StateSlots
 from runtime.model.gpu.weights import FP8, NVFP4, WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
-                                  checked_page_table, checked_pages, checked_rows, checked_tokens,
-                                  speculative_round_cost)
+                                  checked_draft_vocab, checked_page_table, checked_pages, checked_rows,
+                                  checked_tokens, speculative_round_cost)
 from runtime.model.sampling import RowSampling
 
 # What each verified token adds to a decode step (`Steps.verify`: the GEMV is shared, the GDN
@@ -55,6 +55,8 @@ class CudaRunner:
 
     mtp: load the MTP head (its weights from `mtp_component`, the artifact's `mtp` component, or
     random with the synthetic seed); without it `mtp_layers` is 0 and no hidden rows are kept.
+    mtp_draft_vocab: drafts over the lm_head's first N rows only (`ModelRunner.mtp_draft_vocab`);
+    None: all of them.
 
     Besides the protocol, tests and benchmarks read the parts: `config`, `device`, `stream`,
     `library`, `kernels` (`KernelChoice`), `layout` (`WeightLayout`), `storage`, `slots`, `steps`,
@@ -69,7 +71,7 @@ class CudaRunner:
                  decode_min_split: int = DECODE_MIN_SPLIT, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
                  weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
-                 mtp_component: Any = None, synthetic_router: str = "balanced"):
+                 mtp_component: Any = None, synthetic_router: str = "balanced", mtp_draft_vocab: int | None = None):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -134,7 +136,8 @@ class CudaRunner:
         self.samples_on_device = bool(self.kernels.sample_candidates)
         self.copies = HostCopies(device, self.stream, st)
         self.mtp_layers = len(self.layout.mtp_layers)
-        self._mtp = MtpHead(self) if mtp else None
+        self.mtp_draft_vocab = checked_draft_vocab(mtp_draft_vocab, self.vocab_size)
+        self._mtp = MtpHead(self, self.mtp_draft_vocab) if mtp else None
 
     @classmethod
     def from_artifact(cls, path_or_artifact: Any, mtp: bool = False, **kwargs: Any) -> "CudaRunner":
@@ -256,7 +259,7 @@ class CudaRunner:
         return out  # type: ignore[return-value]
 
     def round_cost(self, drafts: int, mtp: bool) -> float:
-        return speculative_round_cost(self.config, drafts, mtp, VERIFY_TOKEN_COST)
+        return speculative_round_cost(self.config, drafts, mtp, VERIFY_TOKEN_COST, self.mtp_draft_vocab)
 
     def commit(self, slot: int, snapshot: int) -> None:
         """Swap the physical slots behind `slot` and `snapshot` (see the module docstring)."""

@@ -28,8 +28,18 @@ class DeviceSampler:
     def queue(self, rows: Sequence[RowSampling]) -> Any:
         """Upload the rows' inputs, queue both kernels and the ids' download; returns the event
         that marks the ids on the host."""
-        st = self.storage
+        st, s = self.storage, self.stream
         b = len(rows)
+        self.upload(rows)
+        for launch in self.plan(b):
+            launch(s)
+        self.device.memcpy_dtoh(st.sample_host["ids"][:b], st.buf["sample_ids"], s)
+        self.ids_ready.record(s)
+        return self.ids_ready
+
+    def upload(self, rows: Sequence[RowSampling]) -> None:
+        """Queue the upload of the rows' inputs (rows 0..len(rows)-1 of the device block)."""
+        st = self.storage
         v, words = self.vocab_size, st.mask_words
         host = st.sample_host
         row_i32 = host["row_i32"].reshape(st.max_batch, ROW_I32)
@@ -55,17 +65,18 @@ class DeviceSampler:
         if pen:
             dev.memcpy_htod(base + off["pen_ids"], host["pen_ids"][:pen], s)
             dev.memcpy_htod(base + off["pen_delta"], host["pen_delta"][:pen], s)
-        for launch in self.plans.get(("sample", b), lambda: self._bind(b)):
-            launch(s)
-        dev.memcpy_dtoh(host["ids"][:b], st.buf["sample_ids"], s)
-        self.ids_ready.record(s)
-        return self.ids_ready
+
+    def plan(self, rows: int, vocab: int | None = None) -> list:
+        """The two kernels over logits rows 0..rows-1 of `vocab` ids each (default the model's:
+        the MTP drafts' rows are `mtp_draft_vocab` wide), ids into `buf["sample_ids"]`."""
+        vocab = vocab or self.vocab_size
+        return self.plans.get(("sample", rows, vocab), lambda: self._bind(rows, vocab))
 
     def ids(self, b: int) -> np.ndarray:
         """The ids of the last `queue` (after its event): int32 [b]."""
         return self.storage.sample_host["ids"][:b].copy()
 
-    def _bind(self, rows: int) -> list:
+    def _bind(self, rows: int, vocab: int) -> list:
         k, lib, buf, off = self.kernels, self.library, self.storage.buf, self.storage.sample_off
         inputs = {name: buf["sample_in"] + off[name] for name in ("row_i32", "row_f32", "bitmask", "pen_ids",
                                                                  "pen_delta")}
@@ -74,7 +85,7 @@ class DeviceSampler:
             lib.kernel("sampling", k.sample_candidates).bind(
                 {"logits": buf["logits"], "bitmask": inputs["bitmask"], "row_i32": inputs["row_i32"],
                  "pen_ids": inputs["pen_ids"], "pen_delta": inputs["pen_delta"], **cands},
-                {"R": rows, "V": self.vocab_size}),
+                {"R": rows, "V": vocab}),
             lib.kernel("sampling", k.sample_pick).bind(
                 {**cands, "row_i32": inputs["row_i32"], "row_f32": inputs["row_f32"], "ids": buf["sample_ids"]},
                 {"R": rows}),

@@ -127,7 +127,7 @@ class Steps:
             return None
         tables = [checked_page_table(t, p + 1, st.num_pages) for p, t in zip(positions, tables)]
         spares = slots.spares[:b]
-        meta = self._meta_views(self._next_meta_block())
+        meta = self.meta_views(self._next_meta_block())
         bucket = self._decode_meta(meta, positions, tables, [slots.phys[int(item.slot)] for item in items], spares)
         self._upload_meta()
         self.device.memcpy_dtod(st.meta_ptr("ids"), st.buf["sample_ids"], b * 4, self.stream)
@@ -174,9 +174,15 @@ class Steps:
         `gpu.mtp`): row r is token tokens[r] at positions[r] of sequence seqs[r], whose page table is
         tables[seqs[r]]; rows len(tokens)..bucket-1 are padding (token 0 at position 0 of the pad
         page, each its own sequence over a pad table row)."""
+        meta = self._meta_clear()
+        self.fill_rows(meta, tokens, positions, seqs, tables, bucket)
+        self._upload_step(tokens, bucket)
+
+    def fill_rows(self, meta: dict[str, np.ndarray], tokens: np.ndarray, positions: Sequence[int],
+                  seqs: Sequence[int], tables: Sequence[np.ndarray], bucket: int) -> None:
+        """`upload_rows`'s metadata written into `meta` (views of a zeroed block: `meta_views`)."""
         st = self.storage
         n = len(tokens)
-        meta = self._meta_clear()
         self._fill_tables(meta, tables)
         meta["ids"][:n] = tokens
         meta["pos"][:n] = positions
@@ -184,7 +190,6 @@ class Steps:
         meta["qseq"][:n] = seqs
         meta["wrow"][n:bucket] = st.num_pages * PAGE_SIZE
         meta["qseq"][n:bucket] = np.arange(len(tables), len(tables) + bucket - n)
-        self._upload_step(tokens, bucket)
 
     def verify_fits(self, nseq: int, t: int) -> bool:
         """Whether one verification step takes nseq sequences of t tokens (rows, logits, attention
@@ -304,10 +309,11 @@ class Steps:
 
     # ------------------------------------------------------------------ host <-> device
 
-    def read_logits(self, rows: int) -> np.ndarray:
-        """Logits rows 0..rows-1 as float32 [rows, V] (waits for the stream)."""
+    def read_logits(self, rows: int, width: int | None = None) -> np.ndarray:
+        """Logits rows 0..rows-1 as float32 [rows, V] (waits for the stream); width: rows of
+        that many ids instead (the MTP drafts' `mtp_draft_vocab`)."""
         st = self.storage
-        v = st.config.vocab_size
+        v = width or st.config.vocab_size
         host = st.logits_host.array(np.uint16, rows * v)
         self.device.memcpy_dtoh(host, st.buf["logits"], self.stream)
         self.stream.synchronize()
@@ -321,13 +327,14 @@ class Steps:
         arr[:] = 0
         return arr
 
-    def _meta_views(self, arr: np.ndarray) -> dict[str, np.ndarray]:
+    def meta_views(self, arr: np.ndarray) -> dict[str, np.ndarray]:
+        """The fields of one metadata block `arr` (int32 [meta_count]) by name."""
         st = self.storage
         return {name: arr[off:off + st.meta_size[name]] for name, off in st.meta_off.items()}
 
     def _meta_clear(self) -> dict[str, np.ndarray]:
         self.stream.synchronize()  # earlier uploads may still read the pinned blocks
-        return self._meta_views(self._next_meta_block())
+        return self.meta_views(self._next_meta_block())
 
     def _upload_meta(self) -> None:
         """Upload the metadata block filled last."""

@@ -13,12 +13,15 @@ Arenas (`runtime.cuda.memory.DeviceArenas`):
   device-sampling blocks and one int32 metadata block (per-step values: token ids, positions, KV
   rows, slots, page tables); with an MTP head its rows (`mtp_x`: [embedding | hidden] rows of 2H,
   `mtp_in`: the hidden rows it reads, `mtp_chain`: its own outputs when chaining drafts), the kept
-  hidden rows (`mtp_kept`: `max_batch` entries of `rows` rows, `gpu.mtp.KeptHidden`) and those of
-  a decode step computed ahead (`mtp_ahead`); prefill's expert-sorted MoE rows (`gpu.moe_prefill`).
+  hidden rows (`mtp_kept`: `max_batch` entries of `rows` rows, `gpu.mtp.KeptHidden`), those of
+  a decode step computed ahead (`mtp_ahead`), the draft chain's staged metadata blocks
+  (`mtp_meta`) and draft ids (`mtp_drafts`, `gpu.mtp_chain`); prefill's expert-sorted MoE rows
+  (`gpu.moe_prefill`).
 
 Host side: two pinned metadata blocks used in turn, a pinned logits staging buffer of
 `logit_rows` rows (logits are read back in blocks of that many), the host-gathered embedding
-rows, and the pinned sampling block mirrored on the device.
+rows, and the pinned sampling block mirrored on the device; with an MTP head the chain's pinned
+metadata blocks and draft ids.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 
 from runtime.cuda.memory import DeviceArenas
 from runtime.model.config import ModelConfig
-from runtime.model.runner import PAGE_SIZE
+from runtime.model.runner import MTP_MAX_DRAFTS, PAGE_SIZE
 from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP
 
 BUCKETS = (1, 2, 4, 8)
@@ -174,6 +177,10 @@ class Storage:
             off += cdiv(count, 64) * 64
         self.meta_count = off
         sizes["meta"] = off * 4
+        if mtp_layers:
+            # The MTP draft chain (`gpu.mtp_chain`): the metadata of each chained step, staged at
+            # once, and every draft's ids, read back at once.
+            sizes.update({"mtp_meta": (MTP_MAX_DRAFTS - 1) * off * 4, "mtp_drafts": MTP_MAX_DRAFTS * max_batch * 4})
         workspace = sum(cdiv(v, 256) * 256 for v in sizes.values()) + 4096
         self.arenas = DeviceArenas.reserve(
             device, weights=weight_bytes + 256, kv_pages=max(n_kv * 2 * kv_bytes, 256),
@@ -193,6 +200,8 @@ class Storage:
         self.logits_host = device.pinned(self.logit_rows * c.vocab_size * 2)
         self.embed_host = device.pinned(rows * h * 2)
         self.sample_pinned = device.pinned(sample_bytes) if k.sample_candidates else None
+        self.mtp_meta_host = device.pinned((MTP_MAX_DRAFTS - 1) * self.meta_count * 4) if mtp_layers else None
+        self.mtp_drafts_host = device.pinned(MTP_MAX_DRAFTS * max_batch * 4) if mtp_layers else None
         self.sample_host: dict[str, np.ndarray] = {}
         if self.sample_pinned is not None:
             raw = self.sample_pinned.array(np.uint8)
@@ -211,7 +220,8 @@ class Storage:
         return self.buf["meta"] + self.meta_off[name] * 4
 
     def release(self) -> None:
-        for pinned in (*self.meta_hosts, self.logits_host, self.embed_host, self.sample_pinned):
+        for pinned in (*self.meta_hosts, self.logits_host, self.embed_host, self.sample_pinned, self.mtp_meta_host,
+                       self.mtp_drafts_host):
             if pinned is not None:
                 pinned.free()
         self.arenas.release()
