@@ -111,7 +111,7 @@ def vision_settings(settings: Any, device: str, artifact: Any,
                           "with model.visual.* tensors)")
     if device != "cpu":
         raise ConfigError("--vision runs on the CPU backend only so far (--device cpu); the "
-                          "GPU vision tower is not built yet")
+                          "CUDA runner does not place media yet (MRoPE positions)")
     if speculative.mtp or speculative.ngram_draft_tokens:
         raise ConfigError("--vision with speculative decoding is not supported yet")
     config = artifact.component("vision").config
