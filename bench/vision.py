@@ -55,7 +55,7 @@ def measure(tower: Any, grid: tuple[int, int, int], single_run_patches: int, see
     t, h, w = grid
     patches = np.random.default_rng(seed).standard_normal((t * h * w, c.patch_dim)).astype(np.float32)
     start = time.perf_counter()
-    plan = plan_items(c, tower.pos_table, [grid])
+    plan = plan_items(c, [grid])
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
     tower.upload(patches, plan)

@@ -4,4 +4,4 @@ kernel, `variants()` and a NumPy `reference()`. Imported only at build time by
 
 # Family modules `build_kernels.py` compiles, in build order (names of modules in this package).
 FAMILIES = ("rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe",
-            "vision_bias", "vision_norm", "vision_rope", "vision_attention")
+            "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos")

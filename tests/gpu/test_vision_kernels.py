@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cute_kernels import gemm_sm90, vision_attention, vision_bias, vision_norm, vision_rope
+from cute_kernels import gemm_sm90, vision_attention, vision_bias, vision_norm, vision_pos, vision_rope
 from cute_kernels.bf16 import round_bf16
 
 from .conftest import assert_close_to_baseline
@@ -108,6 +108,24 @@ def test_vision_attention(library, mem, stream, variant, cu):
     assert np.isnan(got[rows]).all(), "a row past the last group was written"
     assert_close_to_baseline(got[:rows], vision_attention.reference(qkv, bounds, heads=heads, exact=True),
                              vision_attention.reference(qkv, bounds, heads=heads), f"{variant.name} cu={cu}")
+
+
+@pytest.mark.parametrize("variant", vision_pos.variants(), ids=lambda v: v.key)
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_vision_pos(library, mem, stream, variant, m):
+    rng = np.random.default_rng(500 + m)
+    width, rows = variant.config["W"], variant.config["P"]
+    table = _bf(rng, (rows, width), 0.3)
+    idx = rng.integers(0, rows, (m, 4)).astype(np.int32)
+    wts = rng.dirichlet(np.ones(4), m).astype(np.float32)  # bilinear weights: non-negative, sum 1
+    out = mem.poisoned((m + 1) * width)
+    library.kernel("vision_pos", variant.key).launch(
+        stream, {"table": mem.bf16(table), "idx": mem.i32(idx), "wts": mem.i32(wts.view(np.int32)), "out": out},
+        {"M": m})
+    got = mem.read_bf16(out, (m + 1, width))
+    assert np.isnan(got[m]).all(), "the row past M was written"
+    assert_close_to_baseline(got[:m], vision_pos.reference(table, idx, wts, exact=True),
+                             vision_pos.reference(table, idx, wts), f"{variant.name} M={m}")
 
 
 VIT_GEMMS = [v for v in gemm_sm90.variants() if "vit_" in v.key]

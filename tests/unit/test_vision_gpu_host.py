@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cute_kernels import vision_attention, vision_bias, vision_norm, vision_rope
-from cute_kernels.bf16 import round_bf16
+from cute_kernels import vision_attention, vision_bias, vision_norm, vision_pos, vision_rope
 from runtime.cuda.errors import KernelMissing
 from runtime.model.gpu.vision import GpuVisionTower
 from runtime.model.gpu.vision_plan import plan_items
@@ -35,22 +34,36 @@ def merged_error(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 def test_plan_groups_positions_and_rotary():
     weights = synthetic_weights(TINY, seed=3)
     table = weights["pos_embed.weight"]
-    plan = plan_items(TINY, table, [(2, 4, 6), (1, 8, 8)])
+    plan = plan_items(TINY, [(2, 4, 6), (1, 8, 8)])
     assert plan.cu.tolist() == [0, 24, 48, 112] and plan.groups == 3 and plan.longest == 64
     assert plan.merged == ((0, 12), (12, 28)) and plan.rows == 112
+    # The corners and weights blend the table into the NumPy tower's resampled rows.
     rows, cols = window_order_rows_cols(8, 8, 2)
-    want_pos = round_bf16(resampled_positions(table, rows, cols, 8, 8).astype(np.float32))
-    from runtime.artifact.formats import bf16_to_f32
-    np.testing.assert_array_equal(bf16_to_f32(plan.pos[48:]), want_pos)
+    blended = vision_pos.reference(table, plan.pos_idx[48:], plan.pos_wts[48:], exact=True)
+    np.testing.assert_allclose(blended, resampled_positions(table.astype(np.float64), rows, cols, 8, 8),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(plan.pos_wts.sum(axis=1), 1.0, rtol=1e-6)
+    assert plan.pos_idx.min() >= 0 and plan.pos_idx.max() < TINY.num_position_embeddings
     # The first frame's rows repeat for the second frame of the video.
-    np.testing.assert_array_equal(plan.pos[:24], plan.pos[24:48])
+    np.testing.assert_array_equal(plan.pos_idx[:24], plan.pos_idx[24:48])
     cos, sin = VisionTower(TINY, weights)._rotary(rows, cols)
     half = TINY.head_dim // 2
     np.testing.assert_allclose(plan.cos[48:], cos[:, :half], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(plan.sin[48:], sin[:, :half], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(cos[:, :half], cos[:, half:])   # the pairing the kernel relies on
     with pytest.raises(ValueError, match="merge size"):
-        plan_items(TINY, table, [(1, 5, 6)])
+        plan_items(TINY, [(1, 5, 6)])
+
+
+def test_position_corners_of_a_large_grid():
+    """The 27B table (48 x 48) at a 256 x 256 grid: corners and weights against the NumPy
+    resampling (what used to be a 150 MB host computation is 8 numbers a patch)."""
+    config = VisionConfig.from_dict(QWEN35_27B_VISION)
+    table = np.random.default_rng(0).uniform(-0.5, 0.5, (2304, 3))
+    plan = plan_items(config, [(1, 256, 256)])
+    rows, cols = window_order_rows_cols(256, 256, 2)
+    np.testing.assert_allclose(vision_pos.reference(table, plan.pos_idx, plan.pos_wts, exact=True),
+                               resampled_positions(table, rows, cols, 256, 256), rtol=1e-6, atol=1e-7)
 
 
 def test_references_match_the_numpy_tower_maths():
@@ -110,8 +123,8 @@ def test_emulated_tower_matches_numpy_tower(tiny_tower, grid):
     rms, worst = merged_error(got, want)
     # bf16 storage between every launch (relative rounding 2^-9) over two blocks: about 1% at most.
     assert rms < 2e-2 and worst < 5e-2, (rms, worst)
-    assert len(library.launched) == 2 + 12 * TINY.depth + 5
-    assert library.launched[0] == ("gemm_sm90", "tiny_vit_patch_n64_k1536")
+    assert len(library.launched) == 3 + 12 * TINY.depth + 5
+    assert library.launched[:2] == [("vision_pos", "w64_p64"), ("gemm_sm90", "tiny_vit_patch_n64_k1536")]
     assert [f for f, _ in library.launched].count("vision_attention") == TINY.depth
 
 

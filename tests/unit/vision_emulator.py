@@ -14,10 +14,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from cute_kernels import gemm_sm90, vision_attention, vision_bias, vision_norm, vision_rope
+from cute_kernels import gemm_sm90, vision_attention, vision_bias, vision_norm, vision_pos, vision_rope
 from runtime.artifact.formats import bf16_to_f32, f32_to_bf16
 
-FAMILIES = (gemm_sm90, vision_bias, vision_norm, vision_rope, vision_attention)
+FAMILIES = (gemm_sm90, vision_bias, vision_norm, vision_rope, vision_attention, vision_pos)
 
 
 class EmulatedLibrary:
@@ -64,6 +64,11 @@ class EmulatedKernel:
             w = c["W"]
             y = vision_norm.reference(self.read(b["x"], (m, w)), self.read(b["w"], (w,)), self.read(b["b"], (w,)))
             self.write(b["out"], y)
+        elif self.family == "vision_pos":
+            table = self.read(b["table"], (c["P"], c["W"]))
+            idx, wts = self.read(b["idx"], (m, 4), "i32"), self.read(b["wts"], (m, 4), "f32")
+            assert idx.min() >= 0 and idx.max() < c["P"]
+            self.write(b["out"], vision_pos.reference(table, idx, wts))
         elif self.family == "vision_rope":
             width3, half = 3 * c["heads"] * c["D"], c["D"] // 2
             y = vision_rope.reference(self.read(b["qkv"], (m, width3)), self.read(b["cos"], (m, half), "f32"),

@@ -4,7 +4,8 @@ The same computation as `vision_reference.VisionTower` (its docstring has the ma
 of AOT-compiled kernels over a tower-owned pair of arenas (weights: every `model.visual.*` tensor
 as bf16, in `vision_tensor_shapes` order; workspace: the activations of `max_patches` rows):
 
-    patches --gemm_sm90--> h;  x = pos + (h + b)                       (vision_bias residual)
+    x = the position table blended at each patch's 4 corners         (vision_pos)
+    patches --gemm_sm90--> h;  x += h + b                             (vision_bias residual)
     per block:  h = LN1(x);  qkv = h W^T + b;  rotary on q, k          (vision_norm, gemm, vision_rope)
                 h = attention per frame group (bidirectional)          (vision_attention)
                 x += h W_proj^T + b;  h = LN2(x)
@@ -12,7 +13,8 @@ as bf16, in `vision_tensor_shapes` order; workspace: the activations of `max_pat
     merger:     h = LN(x) viewed as [N/4, 4W];  act = gelu(h W1^T + b1);  out = act W2^T + b2
 
 Buffers: `x` (the residual stream), `h`, `big` (the qkv rows, then the MLP activation: never both
-alive), `out`, the patches and the per-call tables of `vision_plan`. Every projection is the
+alive), `out`, the patches and the per-call tables of `vision_plan` (position corners and
+weights, rotary tables, group bounds). Every projection is the
 prefill GEMM (`gemm_sm90`, any M >= 1; a tower call has at least min_pixels / patch**2 rows, so
 the GEMV's M <= 16 never arises).
 """
@@ -37,6 +39,7 @@ class VisionKernels:
     def __init__(self, library: Any, c: VisionConfig):
         w, merged = c.hidden_size, c.hidden_size * c.spatial_merge_size ** 2
         self.norm = _need(library, "vision_norm", "the tower's LayerNorm", W=w)
+        self.pos = _need(library, "vision_pos", "the tower's position rows", W=w, P=c.num_position_embeddings)
         self.bias = {
             "qkv": _need(library, "vision_bias", "the qkv bias", mode="none", N=3 * w),
             "mlp": _need(library, "vision_bias", "the MLP bias + tanh-GELU", mode="gelu_tanh",
@@ -77,15 +80,12 @@ class GpuVisionTower:
             if tuple(np.shape(weights[name])) != shape:
                 raise ValueError(f"vision weights: {name} has shape {list(np.shape(weights[name]))}, "
                                  f"expected {list(shape)}")
-        # The resampling of the position table depends on each grid, so the host keeps the table
-        # (float32, as the bf16 values uploaded) and uploads the resampled rows per call.
-        self.pos_table = bf16_to_f32(f32_to_bf16(np.asarray(weights["pos_embed.weight"], np.float32)))
         n, w = max_patches, c.hidden_size
         act = max(3 * w, c.intermediate_size, w * merge2)
         half = c.head_dim // 2
         sizes = {"patches": n * c.patch_dim * 2, "x": n * w * 2, "h": n * w * 2, "big": n * act * 2,
                  "out": n // merge2 * c.out_hidden_size * 2, "cos": n * half * 4, "sin": n * half * 4,
-                 "cu": (n + 1) * 4}
+                 "cu": (n + 1) * 4, "pos_idx": n * 16, "pos_wts": n * 16}
         weight_bytes = sum(int(np.prod(s)) * 2 + 256 for s in shapes.values())
         self.arenas = DeviceArenas.reserve(device, weights=weight_bytes,
                                            workspace=sum(b + 256 for b in sizes.values()))
@@ -105,7 +105,7 @@ class GpuVisionTower:
     def encode_many(self, patches: Sequence[np.ndarray], grids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Items encoded in one pass (each frame attends only within itself)."""
         c = self.config
-        plan = plan_items(c, self.pos_table, grids)
+        plan = plan_items(c, grids)
         if plan.rows > self.max_patches:
             raise ValueError(f"{plan.rows} patches exceed this tower's max_patches {self.max_patches}")
         for item, (grid, rows) in enumerate(zip(grids, patches)):
@@ -123,11 +123,12 @@ class GpuVisionTower:
         return [merged[a:b] for a, b in plan.merged]
 
     def upload(self, patches: np.ndarray, plan: VisionPlan) -> None:
-        """The call's inputs: patches (bf16), the position rows into the residual stream `x`
-        (the patch embedding is added onto them), the rotary tables and the group bounds."""
+        """The call's inputs: patches (bf16), the position corners and weights, the rotary
+        tables and the group bounds."""
         d, s, b = self.device, self.stream, self.buf
         d.memcpy_htod(b["patches"], f32_to_bf16(patches), s)
-        d.memcpy_htod(b["x"], plan.pos, s)
+        d.memcpy_htod(b["pos_idx"], plan.pos_idx, s)
+        d.memcpy_htod(b["pos_wts"], plan.pos_wts, s)
         d.memcpy_htod(b["cos"], plan.cos, s)
         d.memcpy_htod(b["sin"], plan.sin, s)
         d.memcpy_htod(b["cu"], plan.cu, s)
@@ -155,6 +156,8 @@ class GpuVisionTower:
             run("vision_norm", k.norm, {"x": x, "w": wt[prefix + ".weight"], "b": wt[prefix + ".bias"],
                                         "out": dst}, {"M": rows})
 
+        run("vision_pos", k.pos, {"table": wt["pos_embed.weight"], "idx": b["pos_idx"], "wts": b["pos_wts"],
+                                  "out": b["x"]}, {"M": n})
         linear(b["patches"], "patch_embed.proj.weight", b["h"], n)
         bias("residual", b["h"], "patch_embed.proj.bias", b["x"], n)
         for i in range(c.depth):
