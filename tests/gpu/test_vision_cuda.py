@@ -115,3 +115,76 @@ def test_27b_tower_shape(device, library, depth, grid, exact):
     rms, worst = errors(got, want)
     bound = (2e-2, 5e-2) if depth == 2 else (3e-2, 6e-2)
     assert rms < bound[0] and worst < bound[1], f"depth {depth} grid {grid}: RMS {rms:.3e}, max {worst:.3e}"
+
+
+def _image_prompt(path, seed: int):
+    """Text, a 64 x 96 picture (6 merged tokens) and text of the tiny vision model, as ids and media."""
+    from runtime.artifact import open_artifact
+    from runtime.media.image import ImageRules, prepare_image
+    from runtime.media.placement import expand_pads
+
+    artifact = open_artifact(path)
+    config = artifact.component("text").config
+    artifact.close()
+    rules = ImageRules(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=64 * 96)
+    image = prepare_image(np.random.default_rng(seed).integers(0, 256, (64, 96, 3), dtype=np.uint8), rules)
+    text = [int(t) for t in np.random.default_rng(3).integers(20, 400, 80)]
+    ids = text[:60] + [config["vision_start_token_id"], config["image_token_id"],
+                       config["vision_end_token_id"]] + text[60:]
+    return expand_pads(ids, [image], config["image_token_id"], 2)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_image_request_on_cuda_matches_cpu(device, library, tmp_path):
+    """The CUDA runner with the tower against the CPU backend on the tiny vision model: prompt
+    logits with an image (in two prefill pieces: the image block at 60..65 and text after it)
+    as close to the NumPy runner's as those of the same ids without the image (the text path's own
+    bf16 error), a different picture moving the logits far more than that, and the greedy
+    tokens through the engine equal (a divergence only where the reference's top two are within
+    the GPU's logit error there)."""
+    from runtime.engine.api import EngineRequest, SamplingParams
+    from runtime.engine.engine_loop import Engine, EngineConfig
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.numpy_runner import NumpyRunner
+    from runtime.model.runner import PrefillChunk
+    from tools.make_tiny import make_tiny
+
+    from .engine_runs import run_engine
+
+    path = make_tiny(tmp_path / "v.infernix", vision=True)
+    ids, media = _image_prompt(path, 1)
+    _, other = _image_prompt(path, 2)
+    cuda = CudaRunner.from_artifact(path, vision=True, num_pages=16, num_slots=2, device=device, library=library,
+                                    prefill_chunk=64)
+    ref = NumpyRunner.from_artifact(path, num_pages=16, num_slots=2, vision=True)
+    try:
+        def logits(runner, spans):
+            runner.reset_slot(0)
+            return runner.prefill(PrefillChunk(slot=0, token_ids=list(ids), start_pos=0, page_table=[0, 1],
+                                               all_logits=True, media=spans))
+
+        got, want = logits(cuda, media), logits(ref, media)
+        e_image, e_text = _rel(got, want), _rel(logits(cuda, ()), logits(ref, ()))
+        moved = _rel(logits(ref, other), want)
+        print(f"image logits error {e_image:.3e}, text-only {e_text:.3e}, another picture moves {moved:.3e}")
+        assert e_image <= 2.0 * e_text + 5e-3, (e_image, e_text)
+        assert moved > 5.0 * e_image, (moved, e_image)
+        greedy = SamplingParams(greedy=True)
+        request = EngineRequest("image", ids, greedy, 12, media=media)
+        (ours,), _ = run_engine(cuda, [request], num_lanes=1, max_context=256, prefill_chunk=64)
+        with Engine(ref, EngineConfig(num_lanes=1, max_context=256, prefill_chunk=64)) as engine:
+            theirs = [t for out in engine.submit(request) for t in out.token_ids]
+        if ours != theirs:
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            forced = list(ids) + theirs[:first]
+            chunk = PrefillChunk(slot=0, token_ids=forced, start_pos=0, page_table=[0, 1], media=media)
+            cuda.reset_slot(0)
+            ref.reset_slot(0)
+            mine, reference = cuda.prefill(chunk)[-1], ref.prefill(chunk)[-1]
+            gap = reference[theirs[first]] - reference[ours[first]]
+            assert gap <= 2.0 * np.abs(mine - reference).max(), (first, ours, theirs, gap)
+    finally:
+        cuda.close()

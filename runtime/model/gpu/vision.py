@@ -186,3 +186,18 @@ class GpuVisionTower:
 
     def close(self) -> None:
         self.arenas.release()
+
+
+def tower_from_component(component: Any, device: Any, library: Any, stream: Any) -> GpuVisionTower:
+    """The tower of an artifact's `vision` component, its workspace sized for the largest image
+    its processor config allows (a video is encoded a frame group at a time, which is smaller)."""
+    from runtime.media.image import ImageRules
+    from runtime.model.weights import ComponentTensors
+
+    config = VisionConfig.from_dict(component.config)
+    processor = component.config.get("image_processor") or {}
+    max_pixels = int(processor.get("max_pixels") or ImageRules().max_pixels)
+    merge2 = config.spatial_merge_size ** 2
+    patches = max(max_pixels // config.patch_size ** 2 // merge2, 1) * merge2
+    return GpuVisionTower(config, ComponentTensors(component), device=device, library=library,
+                          max_patches=patches, stream=stream)
