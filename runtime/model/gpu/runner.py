@@ -20,6 +20,10 @@ With an MTP head (`mtp=True`, `gpu.mtp`): after every prefill piece, decode row 
 ahead included, once used) and verification row, the final-normed hidden rows are copied from the
 workspace to the slot's kept rows (`_keep`), keyed by the engine slot (so `commit`'s swap of
 physical slots does not move them); `mtp_draft` runs the head from them.
+
+With a vision tower (`vision_component`, `gpu.vision_rows`): a prefill piece's image and video
+pads take the tower's merged rows after the embedding, and every row of a sequence with media is
+rotated at its MRoPE position; a runner without one launches exactly what it did before.
 """
 
 from __future__ import annotations
@@ -133,7 +137,9 @@ class CudaRunner:
         self.copies = HostCopies(device, self.stream, st)
         self.mtp_layers = len(self.layout.mtp_layers)
         self._mtp = MtpHead(self) if mtp else None
-        self._media = None  # `vision_rows.MediaRows` with a vision component: rows with media are refused without
+        # With a vision component, `vision_rows.MediaRows` (the GPU tower and the MRoPE rows);
+        # without one, rows with media are refused.
+        self._media = None
         if vision_component is not None:
             from runtime.model.gpu.vision import tower_from_component
             from runtime.model.gpu.vision_rows import MediaRows
