@@ -89,7 +89,8 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
-                        "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe"}
+                        "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "sampling", "moe",
+                        "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
@@ -125,7 +126,8 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
-                 "gdn_chunked", "attention", "attention_prefill", "moe"}),
+                 "gdn_chunked", "attention", "attention_prefill", "moe", "vision_bias", "vision_norm", "vision_rope",
+                 "vision_attention", "vision_pos"}),
     # gemv_nvfp4 reuses gemv_fp8's e4m3 table.
     ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
