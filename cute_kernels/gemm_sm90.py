@@ -65,6 +65,21 @@ SHAPES = [
     ("tiny_gate_up", 1024, 256),
     ("tiny_down", 256, 512),  # also the MTP head's fc (2H -> H)
     ("tiny_lm_head", 512, 256),
+    # The 27B vision tower (width 1152, MLP 4304, patch 3*2*16*16 = 1536, merger 4 x 1152 -> 5120;
+    # K = 4304 is not a multiple of BK: TMA reads the last k-tile's missing columns as zeros).
+    ("vit_patch", 1152, 1536),
+    ("vit_qkv", 3456, 1152),
+    ("vit_proj", 1152, 1152),
+    ("vit_fc1", 4304, 1152),
+    ("vit_fc2", 1152, 4304),
+    ("vit_merge_fc1", 4608, 4608),
+    ("vit_merge_fc2", 5120, 4608),
+    # The tiny test tower (width 64, MLP 128; its merger's 256 x 256 layers use tiny_o_proj).
+    ("tiny_vit_patch", 64, 1536),
+    ("tiny_vit_qkv", 192, 64),
+    ("tiny_vit_proj", 64, 64),
+    ("tiny_vit_fc1", 128, 64),
+    ("tiny_vit_fc2", 64, 128),
 ]
 
 

@@ -93,7 +93,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
     num_lanes: sequences decoded together (the CUDA runner's batch bucket). num_slots: the lanes
     and their verification snapshots, then the prefix cache's snapshot slots. mtp: load the MTP
     head (with --synthetic-weights a random one of the config's shape). vision:
-    load the vision tower (CPU backend; `vision_settings` refuses it elsewhere). shape_config:
+    load the vision tower (the artifact's, so not with --synthetic-weights). shape_config:
     `--synthetic-shape` as `synthetic_shape` read it."""
     synthetic, shape_name = settings.synthetic_weights, settings.synthetic_shape
     draft_vocab = settings.mtp_draft_vocab if mtp else None
@@ -112,6 +112,8 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
                  "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                  "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
                  "cuda_graphs": not settings.no_cuda_graph, "mtp_draft_vocab": draft_vocab}
+        if vision and synthetic is not None:
+            raise ConfigError("--vision loads the artifact's vision tower; --synthetic-weights has none")
         try:
             if synthetic is not None:
                 logger.warning("--synthetic-weights %d: random weights, the output is noise",
@@ -123,7 +125,7 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
                 # The artifact's projection formats (an FP8 model gets random FP8 weights).
                 return module.CudaRunner.synthetic(config, synthetic, mtp=mtp, **shape,
                                                    weight_formats=lambda name: text.entry(name).format)
-            return module.CudaRunner.from_artifact(artifact, progress=progress, mtp=mtp, **shape)
+            return module.CudaRunner.from_artifact(artifact, progress=progress, mtp=mtp, vision=vision, **shape)
         except NotImplementedError as exc:      # a model the CUDA runner cannot run yet
             raise ConfigError(f"--device cuda: {exc}; --device cpu runs it on the NumPy "
                               "reference") from None

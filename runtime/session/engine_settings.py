@@ -109,9 +109,6 @@ def vision_settings(settings: Any, device: str, artifact: Any,
     if "vision" not in artifact.all_component_names:
         raise ConfigError("--vision: this model has no vision component (convert a checkpoint "
                           "with model.visual.* tensors)")
-    if device != "cpu":
-        raise ConfigError("--vision runs on the CPU backend only so far (--device cpu); the "
-                          "GPU vision tower is not built yet")
     if speculative.mtp or speculative.ngram_draft_tokens:
         raise ConfigError("--vision with speculative decoding is not supported yet")
     config = artifact.component("vision").config

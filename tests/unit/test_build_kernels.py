@@ -90,7 +90,8 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
                         "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
-                        "moe_grouped"}
+                        "moe_grouped",
+                        "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
@@ -126,7 +127,8 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
-                 "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped"}),
+                 "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
+                 "vision_attention", "vision_pos"}),
     # gemv_nvfp4 reuses gemv_fp8's e4m3 table.
     ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).

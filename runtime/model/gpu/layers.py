@@ -237,12 +237,13 @@ class Forward:
         m = shape.m
         pad_pages = st.num_pages + 1  # the pad page padded decode rows write into
         self.linear(out, buf["h"], layer["w_qkv"], buf["proj"], m, exact_rows=shape.exact_rows)
+        rope = "rope_pos" if "rope_pos" in st.meta_off else "pos"  # a runner with media (`vision_rows`)
         pages = {"k_pages": st.k_pages[n], "v_pages": st.v_pages[n]}
         self.launch(out, "attention", k.prep, {"x": buf["proj"], "qn_w": self.w(layer["q_norm"]),
                                                "kn_w": self.w(layer["k_norm"]), "cos": buf["cos"], "sin": buf["sin"],
-                                               "pos": st.meta_ptr("pos"), "wrow": st.meta_ptr("wrow"),
+                                               "pos": st.meta_ptr(rope), "wrow": st.meta_ptr("wrow"),
                                                "q_out": buf["q"], **pages},
-                    {"M": m, "P": st.rope_positions, "NP": pad_pages})
+                    {"M": m, "P": st.rope_rows, "NP": pad_pages})
         rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
         if shape.prefill and k.prefill_attn:
             self.launch(out, *k.prefill_attn,

@@ -20,6 +20,10 @@ With an MTP head (`mtp=True`, `gpu.mtp`): after every prefill piece, decode row 
 ahead included, once used) and verification row, the final-normed hidden rows are copied from the
 workspace to the slot's kept rows (`_keep`), keyed by the engine slot (so `commit`'s swap of
 physical slots does not move them); `mtp_draft` runs the head from them.
+
+With a vision tower (`vision_component`, `gpu.vision_rows`): a prefill piece's image and video
+pads take the tower's merged rows after the embedding, and every row of a sequence with media is
+rotated at its MRoPE position; a runner without one launches exactly what it did before.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class CudaRunner:
                  decode_min_split: int = DECODE_MIN_SPLIT, lookahead: bool = True,
                  progress: Callable[[int, int], None] | None = None,
                  weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
-                 mtp_component: Any = None, synthetic_router: str = "balanced", mtp_draft_vocab: int | None = None):
+                 mtp_component: Any = None, synthetic_router: str = "balanced", mtp_draft_vocab: int | None = None,
+                 vision_component: Any = None):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -113,7 +118,7 @@ class CudaRunner:
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                max_context=self.max_context, decode_splits=decode_splits,
                                decode_min_split=decode_min_split,
-                               mtp_layers=len(self.layout.mtp_layers))
+                               mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None)
         st = self.storage
         if component is not None:
             upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress, mtp_component)
@@ -138,17 +143,29 @@ class CudaRunner:
         self.mtp_layers = len(self.layout.mtp_layers)
         self.mtp_draft_vocab = checked_draft_vocab(mtp_draft_vocab, self.vocab_size)
         self._mtp = MtpHead(self, self.mtp_draft_vocab) if mtp else None
+        # With a vision component, `vision_rows.MediaRows` (the GPU tower and the MRoPE rows);
+        # without one, rows with media are refused.
+        self._media = None
+        if vision_component is not None:
+            from runtime.model.gpu.vision import tower_from_component
+            from runtime.model.gpu.vision_rows import MediaRows
+
+            self._media = MediaRows(tower_from_component(vision_component, device, self.library, self.stream), c,
+                                    st.rope_positions)
 
     @classmethod
-    def from_artifact(cls, path_or_artifact: Any, mtp: bool = False, **kwargs: Any) -> "CudaRunner":
-        """mtp: load the artifact's `mtp` component as the MTP head."""
+    def from_artifact(cls, path_or_artifact: Any, mtp: bool = False, vision: bool = False,
+                      **kwargs: Any) -> "CudaRunner":
+        """mtp: load the artifact's `mtp` component as the MTP head; vision: its `vision`
+        component as the tower (media rows: `vision_rows`)."""
         from runtime.artifact import open_artifact
 
         artifact = open_artifact(path_or_artifact) if not hasattr(path_or_artifact, "component") \
             else path_or_artifact
         text = artifact.component("text")
         runner = cls(ModelConfig.from_dict(text.config), component=text, mtp=mtp,
-                     mtp_component=artifact.component("mtp") if mtp else None, **kwargs)
+                     mtp_component=artifact.component("mtp") if mtp else None,
+                     vision_component=artifact.component("vision") if vision else None, **kwargs)
         runner._artifact = artifact  # keeps the mapped file open for the host embedding rows
         return runner
 
@@ -229,9 +246,10 @@ class CudaRunner:
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
+        self._checked_media(chunk.media)
         self._ahead = None
         wanted = range(len(tokens)) if chunk.all_logits else (len(tokens) - 1,)
-        return self._prefill(chunk.slot, tokens, start, pages, wanted)
+        return self._prefill(chunk.slot, tokens, start, pages, wanted, media=chunk.media)
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
         self._ahead = None
@@ -240,18 +258,23 @@ class CudaRunner:
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
         checked_rows(rows, self.num_slots)
         checked = [self._checked_chunk(row.slot, row.token_ids, row.start_pos, row.page_table) for row in rows]
+        for row in rows:
+            self._checked_media(row.media)
+            if row.media and row.snapshots is not None:
+                raise ValueError("verification rows with media are not supported (--vision refuses "
+                                 "speculative decoding)")
         self._ahead = None
         out: list[np.ndarray | None] = [None] * len(rows)
         decodes = [i for i, row in enumerate(rows) if row.num_tokens == 1 and row.snapshots is None]
         for lo in range(0, len(decodes), self.max_batch):
             group = decodes[lo:lo + self.max_batch]
             logits = self._launch_decode([DecodeItem(rows[i].slot, int(checked[i][0][0]), checked[i][1],
-                                                     checked[i][2]) for i in group])
+                                                     checked[i][2], media=rows[i].media) for i in group])
             for b, i in enumerate(group):
                 out[i] = logits[b:b + 1] if rows[i].logit_offsets() else logits[:0]
         for i, row in enumerate(rows):
             if out[i] is None and row.snapshots is None:
-                out[i] = self._prefill(row.slot, *checked[i], row.logit_offsets())
+                out[i] = self._prefill(row.slot, *checked[i], row.logit_offsets(), media=row.media)
         verify = [i for i, row in enumerate(rows) if row.snapshots is not None]
         if verify:
             for i, logits in zip(verify, self._verify([rows[i] for i in verify], [checked[i] for i in verify])):
@@ -276,8 +299,9 @@ class CudaRunner:
         if chunk.all_logits:
             raise ValueError("prefill_sampled samples the last position; all_logits asks for logits")
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
+        self._checked_media(chunk.media)
         self._ahead = None
-        self._prefill(chunk.slot, tokens, start, pages, (), sample=True)
+        self._prefill(chunk.slot, tokens, start, pages, (), sample=True, media=chunk.media)
         rows = list(sampling())
         if len(rows) != 1:
             raise ValueError(f"sampling gave {len(rows)} rows for one prefill chunk")
@@ -314,7 +338,7 @@ class CudaRunner:
         if len(rows) != b:
             raise ValueError(f"sampling gave {len(rows)} rows for {b} decode items")
         done = self.sampler.queue(rows)
-        ahead = self.steps.launch_ahead(items) if lookahead else None
+        ahead = self.steps.launch_ahead(items, self._rope_shifts(items, 1)) if lookahead else None
         if ahead is not None and self._mtp is not None:  # its hidden rows, kept if the step is used
             self.device.memcpy_dtod(self.storage.buf["mtp_ahead"], self.storage.buf["h"], b * self._row_bytes,
                                     self.stream)
@@ -327,17 +351,29 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ work
 
+    def _checked_media(self, media: Sequence[Any]) -> None:
+        if media and self._media is None:
+            raise ValueError("media given but this runner has no vision tower (--vision)")
+
+    def _rope_shifts(self, items: Sequence[DecodeItem], ahead: int = 0) -> list[int] | None:
+        """Decode rows' rotary shifts (at their position + `ahead`); None for a runner without media."""
+        if self._media is None:
+            return None
+        return [self._media.shift(int(item.pos) + ahead, item.media) for item in items]
+
     def _prefill(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, wanted: Sequence[int],
-                 sample: bool = False) -> np.ndarray:
+                 sample: bool = False, media: Sequence[Any] = ()) -> np.ndarray:
         """The chunk in pieces of at most `prefill_chunk` tokens; float32 logits of the chunk
-        offsets `wanted` [len(wanted), V] (sample: the last row left for the sampler)."""
+        offsets `wanted` [len(wanted), V] (sample: the last row left for the sampler); media: the
+        sequence's media blocks (`vision_rows`)."""
         outputs = []
         for lo in range(0, len(tokens), self.prefill_chunk):
             piece = tokens[lo:lo + self.prefill_chunk]
             last = lo + len(piece) == len(tokens)
             rows = [o - lo for o in wanted if lo <= o < lo + len(piece)]
+            placed = self._media.piece(piece, start + lo, media) if self._media is not None else None
             outputs += self.steps.prefill_piece(self.slots.phys[slot], piece, start + lo, pages, rows,
-                                                sample=sample and last)
+                                                sample=sample and last, media=placed)
             self._keep(slot, start + lo, self.storage.buf["h"], len(piece), append=lo > 0)
         return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, self.vocab_size), np.float32)
 
@@ -363,7 +399,8 @@ class CudaRunner:
                 raise ValueError(f"decode position {pos} outside [0, {self.max_context})")
         tables = [checked_page_table(item.page_table, pos + 1, self.num_pages) for item, pos in zip(items, positions)]
         phys = [self.slots.phys[s] for s in slots]
-        self.steps.decode(tokens, positions, tables, phys, phys)
+        self._checked_media([span for item in items for span in item.media])
+        self.steps.decode(tokens, positions, tables, phys, phys, self._rope_shifts(items))
         for i, (s, pos) in enumerate(zip(slots, positions)):
             self._keep(s, pos, self.storage.buf["h"] + i * self._row_bytes, 1)
         return b
@@ -473,4 +510,6 @@ class CudaRunner:
         if self._mtp is not None:
             self._mtp.close()
         self.steps.destroy_graphs()
+        if self._media is not None:
+            self._media.tower.close()
         self.storage.release()

@@ -100,20 +100,25 @@ class Steps:
         self.plans = Plans()
         self.graphs: dict[Any, Any] = {}  # decode bucket, or ("verify", nseq, t)
         self._meta_turn = 0
+        # A runner with media: each row's rotary table row minus its KV position, for the next
+        # metadata upload only (`shift_rope`; `vision_rows`).
+        self._rope_shift = np.zeros(storage.rows, np.int32) if "rope_pos" in storage.meta_off else None
 
     # ------------------------------------------------------------------ decode
 
     def decode(self, tokens: np.ndarray, positions: Sequence[int], tables: Sequence[np.ndarray],
-               slots_in: Sequence[int], slots_out: Sequence[int]) -> None:
+               slots_in: Sequence[int], slots_out: Sequence[int], shifts: Sequence[int] | None = None) -> None:
         """Queue one decode batch (checked by the caller; physical slots); its logits land in
-        rows 0..b-1 of the logits buffer."""
+        rows 0..b-1 of the logits buffer. shifts: the rows' rotary shifts (`shift_rope`)."""
         meta = self._meta_clear()
         bucket = self._decode_meta(meta, positions, tables, slots_in, slots_out)
         meta["ids"][:len(tokens)] = tokens
+        if shifts is not None:
+            self.shift_rope(shifts)
         self._upload_step(tokens, bucket)
         self._run_decode(bucket)
 
-    def launch_ahead(self, items: Sequence[DecodeItem]) -> Ahead | None:
+    def launch_ahead(self, items: Sequence[DecodeItem], shifts: Sequence[int] | None = None) -> Ahead | None:
         """Queue the decode step after `items` (see the module docstring); None where it cannot be
         computed ahead: no embedding kernel (ids are gathered on the host), too few spare slots,
         a position past the context, or a next position whose page the table does not hold yet."""
@@ -129,6 +134,8 @@ class Steps:
         spares = slots.spares[:b]
         meta = self.meta_views(self._next_meta_block())
         bucket = self._decode_meta(meta, positions, tables, [slots.phys[int(item.slot)] for item in items], spares)
+        if shifts is not None:
+            self.shift_rope(shifts)
         self._upload_meta()
         self.device.memcpy_dtod(st.meta_ptr("ids"), st.buf["sample_ids"], b * 4, self.stream)
         self._run_decode(bucket)
@@ -267,11 +274,18 @@ class Steps:
 
     # ------------------------------------------------------------------ prefill
 
+    def shift_rope(self, shifts: Sequence[int]) -> None:
+        """Rows 0.. of the next step rotate at their KV position plus `shifts` (a runner with
+        media: the sequence's MRoPE shift, `vision_rows`); consumed by that step's upload."""
+        assert self._rope_shift is not None, "a runner without media has no rotary shifts"
+        self._rope_shift[:len(shifts)] = shifts
+
     def prefill_piece(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, wanted: Sequence[int],
-                      sample: bool = False) -> list[np.ndarray]:
+                      sample: bool = False, media: Any = None) -> list[np.ndarray]:
         """Queue one piece of at most `prefill_chunk` tokens of the sequence in physical slot
         `slot`; returns the float32 logits of the piece offsets `wanted` (increasing), in blocks.
-        sample: leave the last row's logits in the logits buffer for the sampler instead."""
+        sample: leave the last row's logits in the logits buffer for the sampler instead.
+        media: the piece's `vision_rows.PieceMedia` (rotary rows and merged media rows), or None."""
         st = self.storage
         t = len(tokens)
         end = start + t
@@ -288,9 +302,23 @@ class Steps:
         for n, window in enumerate(st.windows):
             self.device.memcpy_dtod(st.buf["win_scratch"] + n * st.win_slot_bytes,
                                     window + slot * st.win_slot_bytes, st.win_slot_bytes, self.stream)
+        if media is not None:
+            self.shift_rope(media.shift)
+            if media.tables is not None:
+                half_bytes = st.config.rotary_dim // 2 * 2
+                for name, rows in zip(("cos", "sin"), media.tables):
+                    self.device.memcpy_htod(st.buf[name] + st.rope_positions * half_bytes, rows, self.stream)
         self._upload_step(tokens, t)
         shape = StepShape(m=t, nseq=1, t=t, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT, prefill=True)
-        for launch in self.plans.get(("prefill", t), lambda: self.forward.bind(shape)):
+        plan = self.plans.get(("prefill", t), lambda: self.forward.bind(shape))
+        # The merged media rows replace the pads' token rows once the embedding is in the residual
+        # (the first launch when the embedding kernel gathers them, else uploaded with the step).
+        embedded = 1 if self.kernels.embedding else 0
+        for launch in plan[:embedded]:
+            launch(self.stream)
+        for row0, rows in (media.embeddings if media is not None else ()):
+            self.device.memcpy_htod(st.buf["resid"] + row0 * st.config.hidden_size * 2, rows, self.stream)
+        for launch in plan[embedded:]:
             launch(self.stream)
         if sample:
             self._run_lm_head(t - 1, 1)
@@ -337,8 +365,12 @@ class Steps:
         return self.meta_views(self._next_meta_block())
 
     def _upload_meta(self) -> None:
-        """Upload the metadata block filled last."""
+        """Upload the metadata block filled last (with media, its rotary rows: `shift_rope`)."""
         st = self.storage
+        if self._rope_shift is not None:
+            meta = self._meta_views(st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count))
+            meta["rope_pos"][:] = meta["pos"] + self._rope_shift
+            self._rope_shift[:] = 0
         self.device.memcpy_htod(st.buf["meta"], st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count),
                                 self.stream)
 

@@ -98,7 +98,8 @@ class Storage:
 
     def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
                  phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int,
-                 decode_splits: int | None = None, decode_min_split: int = DECODE_MIN_SPLIT, mtp_layers: int = 0):
+                 decode_splits: int | None = None, decode_min_split: int = DECODE_MIN_SPLIT, mtp_layers: int = 0,
+                 media: bool = False):
         c = self.config = config
         self.device = device
         self.num_pages = num_pages
@@ -123,6 +124,9 @@ class Storage:
         part_rows = max(max_batch * self.decode_splits, rows * PREFILL_SPLITS) * hq
         self.part_rows = part_rows // hq  # query rows x splits the attention partials hold
         self.rope_positions = min(c.max_position_embeddings, max(max_context, 1))
+        # With media (`vision_rows`) the prep kernel rotates at `rope_pos`, and the table rows past
+        # the positions hold a prefill piece's own MRoPE angles, one per row.
+        self.rope_rows = self.rope_positions + (rows if media else 0)
         # Logits rows staged at once: every row of a step where the budget allows, else as many
         # whole 128-row tiles of the lm_head GEMM as fit (a 2,048-token chunk of a 248K vocabulary
         # reads back in blocks of 512), never fewer than a decode batch.
@@ -134,7 +138,7 @@ class Storage:
             "q": rows * hq * d * 2, "attn_out": rows * hq * d * 2, "act": rows * (c.intermediate_size or 0) * 2,
             "o_part": part_rows * d * 4, "lse": part_rows * 4,
             "logits": self.logit_rows * c.vocab_size * 2,
-            "cos": self.rope_positions * (c.rotary_dim // 2) * 2, "sin": self.rope_positions * (c.rotary_dim // 2) * 2,
+            "cos": self.rope_rows * (c.rotary_dim // 2) * 2, "sin": self.rope_rows * (c.rotary_dim // 2) * 2,
             "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
         }
         if mtp_layers:
@@ -170,6 +174,8 @@ class Storage:
         # has a snapshot slot per row: `layers.StepShape`); err; table [max_batch, maxp].
         self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": rows,
                           "slots_in": rows, "err": 4, "table": max_batch * self.maxp}
+        if media:
+            self.meta_size["rope_pos"] = rows  # the rotary table row of each row (`vision_rows`)
         self.meta_off: dict[str, int] = {}
         off = 0
         for name, count in self.meta_size.items():
