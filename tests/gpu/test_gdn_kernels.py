@@ -130,8 +130,9 @@ def test_gdn_column_blocks_equal_one_block(library, mem, stream, key, b, t):
     one = next(v.key for v in gdn.variants() if v.config["mode"] == "fused" and v.config["cols"] == 1
                and all(v.config[k] == cfg[k] for k in ("Hk", "Hv", "dk", "dv", "threads")))
     hv, dv = cfg["Hv"], cfg["dv"]
-    ns = 7
-    slots, slots_out = np.array([6, 1, 3, 0, 4][:b]), np.array([2, 5, 0, 6, 3][:b])
+    ns = 10
+    # Out of place, the written slots apart from every read one (no sequence reads another's output).
+    slots, slots_out = np.array([6, 1, 3, 0, 4][:b]), np.array([2, 5, 7, 8, 9][:b])
     inp = _gdn_inputs(cfg, b, t, ns, 13 * b + t + cfg["cols"])
     common = {"qkv": mem.bf16(inp["qkv"]), "x": mem.bf16(inp["x"]), "a_log": mem.bf16(inp["a_log"]),
               "dt_bias": mem.bf16(inp["dt_bias"]), "norm_w": mem.bf16(inp["norm_w"]), "slots": mem.i32(slots),
