@@ -250,7 +250,9 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
                         s_top_v[rank] = v
                         s_top_i[rank] = i
             cute.arch.sync_threads()
-            expert = s_top_i[s]
+            # Clamped as `up` clamps ids: NaN logits leave the ranks short of a permutation, and an
+            # unwritten slot must not send the loads outside the expert stack.
+            expert = cutlass.max(cutlass.min(s_top_i[s], e), 0)
         f0 = tile * uf + warp * per_warp
         _stage_gate_up(w, expert, f0, per_warp, h, inter, s_w.iterator, lane, tid)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
