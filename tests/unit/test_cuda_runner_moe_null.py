@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.model.runner import DecodeItem
+from runtime.model.runner import DecodeItem, PrefillChunk
 
 from null_cuda import built_or_skip
 
