@@ -288,14 +288,17 @@ def bench_gdn(b: Bench) -> None:
             qkv, x = _bf16(torch, m, cfg["conv_dim"]), _bf16(torch, m, cfg["x_stride"])
             a_log, dt_bias, norm_w = _bf16(torch, hv), _bf16(torch, hv), _bf16(torch, dv)
             out = torch.empty(m, hv * dv, device="cuda", dtype=torch.bfloat16)
-            slots = [torch.arange(i * per_launch, (i + 1) * per_launch, device="cuda", dtype=torch.int32)
+            # Each rep: its own slots, and (verify) its snapshot slots in their own 16-byte-aligned
+            # buffer (the kernels load slot lists as vectors: a slice at `batch` would not be aligned).
+            slots = [torch.arange(i * per_launch, i * per_launch + batch, device="cuda", dtype=torch.int32)
                      for i in range(reps)]
+            snaps = [torch.arange(i * per_launch + batch, (i + 1) * per_launch, device="cuda", dtype=torch.int32)
+                     if mode == "verify" else s for i, s in enumerate(slots)]
             kern = b.lib.kernel("gdn", v.key)
             bound = [kern.bind({"qkv": qkv.data_ptr(), "x": x.data_ptr(), "a_log": a_log.data_ptr(),
                                 "dt_bias": dt_bias.data_ptr(), "norm_w": norm_w.data_ptr(), "state": state.data_ptr(),
-                                "slots": s.data_ptr(),
-                                "slots_out": (s[batch:] if mode == "verify" else s).data_ptr(), "out": out.data_ptr()},
-                               {"B": batch, "T": t, "NS": reps * per_launch}) for s in slots]
+                                "slots": s.data_ptr(), "slots_out": so.data_ptr(), "out": out.data_ptr()},
+                               {"B": batch, "T": t, "NS": reps * per_launch}) for s, so in zip(slots, snaps)]
             us, _ = b.compare(b.ours(bound), None)
             b.record("gdn", v.key, f"B={batch} T={t}, {cfg['cols']} column block(s)", us, None, "",
                      batch * hv * dv * dk * 4 * (1 + t))
@@ -357,10 +360,11 @@ def render(report: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| error | {r['error']} | | | | | | |")
             continue
-        rate = f"{r['TBps']:.2f} TB/s" if "TBps" in r else f"{r['TFLOPs']:.0f} TFLOP/s"
+        rate = f"{r['TBps']:.2f} TB/s" if "TBps" in r else f"{r['TFLOPs']:.0f} TFLOP/s" if "TFLOPs" in r else ""
         frac = r.get("of_copy_bw", r.get("of_matrix_rate"))
-        # One-row launches are latency, not bandwidth: a fraction of the ceiling means nothing there.
-        frac_text = "latency" if frac is not None and frac < 0.05 else f"{frac:.0%}"
+        # One-row launches are latency, not bandwidth: a fraction of the ceiling means nothing there
+        # (and a step with no byte or FLOP count, such as a routing kernel, has none).
+        frac_text = "" if frac is None else "latency" if frac < 0.05 else f"{frac:.0%}"
         peer_us = "" if r["peer_us"] is None else f"{r['peer_us']:.1f}"
         speed = "" if "speedup_vs_peer" not in r else f"{r['speedup_vs_peer']:.2f}x"
         lines.append(f"| {r['family']}/{r['key']} | {r['case']} | {r['us']:.1f} | {rate} | {frac_text} | {r['peer']} | "

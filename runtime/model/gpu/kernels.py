@@ -41,7 +41,7 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
 # the forms side by side; switch here to the fastest (each form passes the same numerics tests).
-GEMV_FORMS = {FP8: "cvt", NVFP4: "lut"}
+GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
