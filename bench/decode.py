@@ -138,7 +138,8 @@ def timed_steps(runner: Any, items: list, context: int, steps: int, mode: str) -
 
 def run(batches: list[int], contexts: list[int], steps: int, decode_split: int | None = None,
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
-        shape: str = "qwen3.6-27b", router: str = "balanced", draft_vocabs: tuple[int, ...] = ()) -> dict[str, Any]:
+        shape: str = "qwen3.6-27b", router: str = "balanced",
+        draft_vocabs: tuple[int, ...] = ()) -> dict[str, Any]:
     from bench import mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
