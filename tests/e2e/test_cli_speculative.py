@@ -81,7 +81,7 @@ def test_draft_tokens_without_mtp_exits_2(model):
 
 def test_impossible_combinations_are_config_errors():
     settings = SimpleNamespace(spec="mtp", draft_tokens=None, ngram_draft_tokens=0,
-                               ngram_min_match=12, synthetic_weights=None)
+                               ngram_min_match=12, synthetic_weights=None, mtp_draft_vocab=None)
     without_mtp = SimpleNamespace(all_component_names=("text",))
     for device in ("cpu", "cuda"):      # both runners have the MTP head; it must be in the file
         with pytest.raises(ConfigError, match="no MTP component"):
@@ -90,10 +90,12 @@ def test_impossible_combinations_are_config_errors():
     # Synthetic weights fill a random head of the config's shape, whatever the file holds.
     synthetic = SimpleNamespace(**{**vars(settings), "synthetic_weights": 3})
     assert speculative_settings(synthetic, "cuda", without_mtp).draft_tokens == 3
-    off = SimpleNamespace(spec="off", draft_tokens=None, ngram_draft_tokens=0, ngram_min_match=12)
+    off = SimpleNamespace(spec="off", draft_tokens=None, ngram_draft_tokens=0, ngram_min_match=12,
+                          mtp_draft_vocab=None)
     config = speculative_settings(off, "cuda", without_mtp)
     assert not config.enabled and config.max_drafts == 0
-    ngram = SimpleNamespace(spec="off", draft_tokens=None, ngram_draft_tokens=9, ngram_min_match=5)
+    ngram = SimpleNamespace(spec="off", draft_tokens=None, ngram_draft_tokens=9, ngram_min_match=5,
+                            mtp_draft_vocab=None)
     for device in ("cpu", "cuda"):      # n-gram drafts verify on either runner
         config = speculative_settings(ngram, device, without_mtp)
         assert (config.mtp, config.max_drafts, config.ngram_min_match) == (False, 9, 5)
