@@ -165,7 +165,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     blocks = k // BLOCK
     per_warp, extra = blocks // WARPS, blocks % WARPS  # warps < extra take one more block
     fp8_ctas = n // ROWS
-    bf16 = cutlass.BFloat16
 
     def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, into: Any) -> None:
         for j in range(8):  # a plain helper: Python loops unroll while tracing

@@ -12,10 +12,11 @@ e4m3(scale[n, k // 16]) * gscale[n]`. It keeps the structure of `gemv_fp8.py` (a
 - per step, lane (r, q) = (lane / 4, lane % 4) loads 32 contiguous columns of rows r and r + 8:
   16 bytes of codes and 2 scale bytes per row (the 32 columns are two 16-column scale blocks),
   and the same 32 columns of token r's activation (64 bytes);
-- decode in registers: per 32-bit word of 8 codes, byte permutes (`prmt`) look the 3-bit
-  magnitudes up in two constant tables (high and low bytes of the bf16 value), the sign bits are
-  moved to bit 15 of each bf16 and the low / high bytes interleaved into bf16 pairs. The eight
-  e2m1 magnitudes are exact in bf16;
+- decode in registers (the `lut` form; `FORMS` below and `dequant.py` give the cheaper `shift`
+  forms, whose scaled weights come out times 2^-7, undone exactly after the MMA): per 32-bit
+  word of 8 codes, byte permutes (`prmt`) look the 3-bit magnitudes up in two constant tables
+  (high and low bytes of the bf16 value), the sign bits are moved to bit 15 of each bf16 and the
+  low / high bytes interleaved into bf16 pairs. The eight e2m1 magnitudes are exact in bf16;
 - scale: each bf16 pair is multiplied by its block's e4m3 scale as a bf16 pair (`mul.bf16x2`).
   Exact: an e2m1 value has 2 significand bits and an e4m3 value 4, so the product needs at most
   6 of bf16's 8, and its exponent (2^-10 .. 2^11.4) is far inside bf16's range;
