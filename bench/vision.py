@@ -116,7 +116,7 @@ def main() -> None:
                              merge_size=config.spatial_merge_size)
     video_rules = VideoRules(patch_size=patch, temporal_patch_size=config.temporal_patch_size,
                              merge_size=config.spatial_merge_size)
-    inputs = [(f"image {mp:g} MP", image_grid(float(mp), image_rules, patch)) for mp in args.megapixels.split(",")]
+    inputs = [(f"image {mp:g} MP", image_grid(mp, image_rules, patch)) for mp in map(float, args.megapixels.split(","))]
     if args.video_seconds > 0:
         inputs.append((f"video {args.video_seconds:g} s 720p", video_grid(args.video_seconds, video_rules, patch)))
     most = max(int(np.prod(g)) for _, g in inputs)
