@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.moe_grouped import bench_moe_prefill
+from .moe_grouped import bench_moe_prefill
 from .kernels_quant import bench_gemv_q
 
 DOC_BEGIN = "<!-- kernels:begin (written by bench/kernels.py) -->"
