@@ -10,13 +10,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cute_kernels import gemv_nvfp4
+from runtime.model.gpu.kernels import GEMV_FORMS
 from runtime.model.gpu.weights import NVFP4
 from runtime.model.runner import DecodeItem, PrefillChunk
 
 from null_cuda import built_or_skip, family_launches, null_runner
 
-TINY_KEYS = {"tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8", "tiny_attn_qkv_n768_k256_m8",
-             "tiny_o_proj_n256_k256_m8", "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
+# The runner's NVFP4 GEMV form (`kernels.GEMV_FORMS`) tags every key but the family's first form's.
+_FORM = GEMV_FORMS[NVFP4]
+_TAG = "" if _FORM == next(iter(gemv_nvfp4.FORMS)) else f"_{_FORM}"
+TINY_KEYS = {key + _TAG for key in ("tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8",
+                                    "tiny_attn_qkv_n768_k256_m8", "tiny_o_proj_n256_k256_m8",
+                                    "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8")}
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +108,11 @@ def test_decode_binds_the_nvfp4_gemv_with_scales_globals_and_tail(runner):
     gdn = runner.layout.layers[0]
     w_in, out_proj = gdn["w_in"], gdn["out_proj"]
     key, ptrs, _ = launches[0]
-    assert key == "tiny_gdn_in_n384_t8_k256_m8"
+    assert key == "tiny_gdn_in_n384_t8_k256_m8" + _TAG
     assert ptrs == [buf["h"], base + w_in.offset, base + w_in.scale_offset, base + w_in.gscale_offset,
                     base + gdn["w_in_tail"].offset, buf["proj"]]
     key, ptrs, _ = launches[1]
-    assert key == "tiny_gdn_out_n256_k128_m8"
+    assert key == "tiny_gdn_out_n256_k128_m8" + _TAG
     assert ptrs == [buf["gdn_out"], base + out_proj.offset, base + out_proj.scale_offset,
                     base + out_proj.gscale_offset, buf["delta"]]
     assert {k for k, _, _ in launches} == TINY_KEYS

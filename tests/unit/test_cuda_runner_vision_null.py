@@ -45,7 +45,7 @@ def model(tmp_path_factory):
 
 def meta_block(runner) -> dict:
     steps, st = runner.steps, runner.storage
-    return steps._meta_views(st.meta_hosts[steps._meta_turn].array(np.int32, st.meta_count))
+    return steps.meta_views(st.meta_hosts[steps._meta_turn].array(np.int32, st.meta_count))
 
 
 def test_prefill_rotary_rows_and_media_rows(model):

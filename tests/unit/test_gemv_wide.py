@@ -47,7 +47,7 @@ def _forward_27b():
     kernels = built_or_skip(lambda: KernelChoice(library, config))
     layout = WeightLayout.plan(config)
     storage = Storage(config, device, kernels, weight_bytes=layout.total, num_pages=33, phys_slots=80, max_batch=8,
-                      prefill_chunk=512, max_context=2048, decode_split=256)
+                      prefill_chunk=512, max_context=2048)
     return Forward(config, kernels, library, storage, layout, phys_slots=80), storage, layout
 
 

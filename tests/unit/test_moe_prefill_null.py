@@ -34,10 +34,11 @@ def _kind(function: str) -> str:
     return function.split("_moe_")[1].removeprefix("grouped_").split("_")[0]
 
 
-@pytest.mark.parametrize("rows", [1, 40, 64])
+@pytest.mark.parametrize("rows", [9, 40, 64])
 def test_a_prefill_moe_layer_runs_the_grouped_kernels(runner, rows):
     """Per layer: logits, route, perm, gather, gate/up GEMM, SwiGLU, down GEMM, combine, with
-    grids from the capacity C of the chunk's rows and the buffers of one launch feeding the next."""
+    grids from the capacity C of the chunk's rows and the buffers of one launch feeding the next.
+    (A chunk of at most MOE_DECODE_ROWS rows takes the decode form instead: see below.)"""
     dev, c, st = runner.device, runner.config, runner.storage
     mp = runner.kernels.moe_prefill
     assert mp is not None
@@ -67,6 +68,22 @@ def test_a_prefill_moe_layer_runs_the_grouped_kernels(runner, rows):
         assert [_ptr(b) for b in combine.params[:4]] == [buf["moe_rows"], buf["moe_pos"], buf["moe_wts"],
                                                          buf["delta"]]
         assert int.from_bytes(gate_up.params[5], "little") == int.from_bytes(down.params[5], "little") == cap
+
+
+def test_a_prefill_chunk_of_few_rows_takes_the_decode_form(runner):
+    """A chunk of at most MOE_DECODE_ROWS rows (a short prompt, the tail of a long one) runs the
+    decode form of MOE_DECODE_FORM, as decode rows do, not the grouped GEMMs sized for a chunk."""
+    from runtime.model.gpu.kernels import MOE_DECODE_FORM, MOE_DECODE_ROWS
+
+    dev, c = runner.device, runner.config
+    n = len(dev.launches)
+    runner.reset_slot(0)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, MOE_DECODE_ROWS + 1)), start_pos=0, page_table=[0]))
+    moe = [launch.function for launch in dev.launches[n:] if "_moe_" in launch.function]
+    gate_up = "route_up" if MOE_DECODE_FORM[0] == "route_up" else "up_wide"
+    assert len(moe) == (3 if gate_up == "route_up" else 4) * c.num_hidden_layers
+    assert not any("grouped" in f for f in moe)
+    assert any(f"_moe_{gate_up}_" in f for f in moe) and any("_moe_down_wide_" in f for f in moe)
 
 
 def test_the_workspace_holds_the_capacity_of_a_whole_chunk(runner):

@@ -368,7 +368,7 @@ class Steps:
         """Upload the metadata block filled last (with media, its rotary rows: `shift_rope`)."""
         st = self.storage
         if self._rope_shift is not None:
-            meta = self._meta_views(st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count))
+            meta = self.meta_views(st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count))
             meta["rope_pos"][:] = meta["pos"] + self._rope_shift
             self._rope_shift[:] = 0
         self.device.memcpy_htod(st.buf["meta"], st.meta_hosts[self._meta_turn].array(np.int32, st.meta_count),
