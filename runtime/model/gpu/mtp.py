@@ -32,13 +32,13 @@ the lm_head over the rows that draft.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from runtime.model.gpu.layers import StepShape
-from runtime.model.gpu.mtp_chain import ChainRow, DeviceCopy, DraftChain
+from runtime.model.gpu.mtp_chain import ChainRow, DeviceCopy, DeviceCopy2D, DraftChain
 from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
 from runtime.model.runner import MTP_MAX_DRAFTS, MtpRow, checked_page_table, checked_tokens
 from runtime.model.sampling import RowSampling
@@ -89,23 +89,6 @@ class KeptHidden:
             return free[0]
         _, (entry, _, _) = self._held.popitem(last=False)
         return entry
-
-
-@dataclass(frozen=True)
-class _Copy2D:
-    """A strided device copy as a launch of a step's list (graph-capturable)."""
-
-    device: Any
-    dst: int
-    dst_pitch: int
-    src: int
-    src_pitch: int
-    width: int
-    height: int
-
-    def __call__(self, stream: Any) -> None:
-        self.device.memcpy2d_dtod(self.dst, self.dst_pitch, self.src, self.src_pitch, self.width, self.height,
-                                  stream)
 
 
 class MtpHead:
@@ -296,8 +279,8 @@ class MtpHead:
                                           "out": buf["delta"]}, {"M": m})
         f.launch(out, "rmsnorm", k.norm, {"x": hidden, "w": f.w(lay.mtp["pre_fc_norm_hidden"]), "out": buf["h"]},
                  {"M": m})
-        out.append(_Copy2D(self.device, buf["mtp_x"], 2 * rb, buf["delta"], rb, rb, m))
-        out.append(_Copy2D(self.device, buf["mtp_x"] + rb, 2 * rb, buf["h"], rb, rb, m))
+        out.append(DeviceCopy2D(self.device, buf["mtp_x"], 2 * rb, buf["delta"], rb, rb, m))
+        out.append(DeviceCopy2D(self.device, buf["mtp_x"] + rb, 2 * rb, buf["h"], rb, rb, m))
         f.linear(out, buf["mtp_x"], lay.mtp["fc"], buf["resid"], m, exact_rows=shape.exact_rows)
         layer = lay.mtp_layers[self.layer]
         f.norm(out, shape, layer["input_norm"])

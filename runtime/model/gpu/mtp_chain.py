@@ -44,6 +44,23 @@ class DeviceCopy:
 
 
 @dataclass(frozen=True)
+class DeviceCopy2D:
+    """A strided device copy as a launch of a step's list (graph-capturable)."""
+
+    device: Any
+    dst: int
+    dst_pitch: int
+    src: int
+    src_pitch: int
+    width: int
+    height: int
+
+    def __call__(self, stream: Any) -> None:
+        self.device.memcpy2d_dtod(self.dst, self.dst_pitch, self.src, self.src_pitch, self.width, self.height,
+                                  stream)
+
+
+@dataclass(frozen=True)
 class ChainRow:
     """One drafting row of the chain: its first chained position (start + m), page table and
     number of chained steps (its drafts - 1)."""
