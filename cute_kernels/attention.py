@@ -72,12 +72,13 @@ def x_stride(hq: int, hkv: int, d: int) -> int:
     return hq * 2 * d + 2 * hkv * d
 
 
-def split_length(pos: Any, splits: int, min_split: int) -> Any:
+def split_length(pos: Any, splits: Any, min_split: Any, maximum: Any = np.maximum) -> Any:
     """Keys per split of a row at position pos (it sees pos + 1 keys) when its keys are cut into at
-    most `splits` splits: the keys over the splits rounded up to a page, at least `min_split`. The
-    split and combine kernels compute the same number on the device; works on ints and arrays."""
+    most `splits` splits: the keys over the splits rounded up to a page, at least `min_split`.
+    Works on ints and arrays; the split and combine kernels run this same function on DSL integers
+    (`maximum=cutlass.max`), so the host's plan and the device's cannot drift apart."""
     per = (pos + splits) // splits  # ceil((pos + 1) / splits)
-    return np.maximum(min_split, (per + PAGE - 1) // PAGE * PAGE)
+    return maximum(min_split, (per + PAGE - 1) // PAGE * PAGE)
 
 
 def _prep(name: str, hq: int, hkv: int, d: int, rd: int) -> Variant:
@@ -235,14 +236,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     return build_combine(variant)
 
 
-def _split_length(position: Any, ns: Any, min_split: Any) -> Any:
-    """`split_length` on DSL integers, inside the split and combine kernels."""
-    import cutlass
-
-    per = (position + ns) // ns
-    return cutlass.max(min_split, (per + PAGE - 1) // PAGE * PAGE)
-
-
 def _warp_max(value: Any, width: int) -> Any:
     """Butterfly max over groups of `width` consecutive lanes (width a power of two <= 32)."""
     import cutlass.cute as cute
@@ -371,7 +364,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
         one = cute.make_layout(1)
         position = cute.make_tensor(pos, cute.make_layout(m))[row]
         seq = cute.make_tensor(qseq, cute.make_layout(m))[row]
-        split = _split_length(position, ns, min_split)
+        split = split_length(position, ns, min_split, cutlass.max)
         start = sp * split
         end = cutlass.min(start + split, position + 1)
         smem = cutlass.memory.SmemAllocator()

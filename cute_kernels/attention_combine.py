@@ -4,7 +4,7 @@ that neither file grows past the project's length."""
 
 from typing import Any
 
-from .attention import _split_length, _warp_max
+from .attention import _warp_max, split_length
 from .variant import Variant
 
 
@@ -35,7 +35,7 @@ def build_combine(variant: Variant) -> tuple[Any, list[Any]]:
         v8 = cute.make_layout((8,))
         one = cute.make_layout(1)
         position = cute.make_tensor(pos, cute.make_layout(m))[row]
-        split = _split_length(position, ns, min_split)
+        split = split_length(position, ns, min_split, cutlass.max)
         n = (position + split) // split  # the splits that hold keys 0..position
         base = (cutlass.Int64(row) * hq + h) * ns
         smem = cutlass.memory.SmemAllocator()
