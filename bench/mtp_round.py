@@ -15,23 +15,13 @@ for this model family's MTP head, bonus token included): assumed, not measured.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from bench.timing import median_event_seconds
-from bench.verify_step import rows_for, wall_ms
+from bench.timing import median_event_seconds, wall_ms
+from bench.verify_step import rows_for, step_ms
 from runtime.model.runner import MtpRow
 
 TOKENS_PER_ROUND = {3: 2.5}  # assumed acceptance (issue 21: about 2.5 tokens a round at k = 3)
-
-
-def _timed(steps: int, work) -> float:
-    work()  # capture / warm-up
-    work()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        work()
-    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def _chain_gpu_ms(runner: Any, k: int, batch: int) -> float | None:
@@ -73,11 +63,11 @@ def _run_vocab(runner: Any, batches: list[int], drafts: list[int], context: int,
                steps: int) -> list[dict[str, Any]]:
     out = []
     for batch in batches:
-        decode = wall_ms(runner, rows_for(batch, 1, context, pages_per_row, runner.max_batch, False, runner.vocab_size),
+        decode = step_ms(runner, rows_for(batch, 1, context, pages_per_row, runner.max_batch, False, runner.vocab_size),
                          steps)
         for k in drafts:
             verify = rows_for(batch, k + 1, context, pages_per_row, runner.max_batch, True, runner.vocab_size)
-            verify_ms = wall_ms(runner, verify, steps)
+            verify_ms = step_ms(runner, verify, steps)
 
             # The positions the verification rows keep, paired with the tokens after them.
             def mtp(n: int) -> list[MtpRow]:
@@ -91,11 +81,11 @@ def _run_vocab(runner: Any, batches: list[int], drafts: list[int], context: int,
                     runner.commit(row.slot, row.snapshots[0])  # noise drafts: the first position kept
 
             runner.step(verify)  # the kept hidden rows the first draft reads
-            catch_up_ms = _timed(steps, lambda: runner.mtp_draft(mtp(0)))
-            first_ms = _timed(steps, lambda: runner.mtp_draft(mtp(1)))
-            draft_ms = _timed(steps, lambda: runner.mtp_draft(mtp(k)))
+            catch_up_ms = wall_ms(steps, lambda: runner.mtp_draft(mtp(0)))
+            first_ms = wall_ms(steps, lambda: runner.mtp_draft(mtp(1)))
+            draft_ms = wall_ms(steps, lambda: runner.mtp_draft(mtp(k)))
             chain_gpu = _chain_gpu_ms(runner, k, batch)
-            round_ms = _timed(steps, round_)
+            round_ms = wall_ms(steps, round_)
             result = {"batch": batch, "draft_tokens": k, "context": context, "draft_vocab": runner.mtp_draft_vocab,
                       "decode_ms": decode, "verify_ms": verify_ms, "catch_up_ms": catch_up_ms,
                       "first_draft_ms": first_ms - catch_up_ms,

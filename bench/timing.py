@@ -1,9 +1,21 @@
-"""GPU timing helpers shared by the benches: CUDA events on a runtime.cuda stream."""
+"""Timing helpers shared by the benches: host wall time of a repeated call, and CUDA events on a
+runtime.cuda stream."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
+
+
+def wall_ms(steps: int, work: Callable[[], Any]) -> float:
+    """Mean host wall milliseconds of `work()` over `steps` calls, after two (capture, warm-up)."""
+    work()
+    work()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        work()
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def median_event_seconds(device: Any, stream: Any, work: Callable[[Any], None],

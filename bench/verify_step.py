@@ -11,9 +11,9 @@ each round; cost does not depend on the values).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from bench.timing import wall_ms
 from runtime.model.runner import StepRow
 
 
@@ -30,13 +30,9 @@ def rows_for(batch: int, n: int, context: int, pages_per_row: int, spare: int, v
     return out
 
 
-def wall_ms(runner: Any, rows: list[StepRow], steps: int) -> float:
-    runner.step(rows)  # capture / warm-up
-    runner.step(rows)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        runner.step(rows)
-    return (time.perf_counter() - t0) / steps * 1e3
+def step_ms(runner: Any, rows: list[StepRow], steps: int) -> float:
+    """Wall milliseconds of one `runner.step(rows)` (`timing.wall_ms`)."""
+    return wall_ms(steps, lambda: runner.step(rows))
 
 
 def run(runner: Any, batches: list[int], drafts: list[int], context: int, pages_per_row: int,
@@ -44,9 +40,9 @@ def run(runner: Any, batches: list[int], drafts: list[int], context: int, pages_
     """One result per (batch, k): ms of the decode step, of the verification step, and the ratio."""
     out = []
     for batch in batches:
-        decode = wall_ms(runner, rows_for(batch, 1, context, pages_per_row, runner.max_batch, False, runner.vocab_size), steps)
+        decode = step_ms(runner, rows_for(batch, 1, context, pages_per_row, runner.max_batch, False, runner.vocab_size), steps)
         for k in drafts:
-            verify = wall_ms(runner, rows_for(batch, k + 1, context, pages_per_row, runner.max_batch, True,
+            verify = step_ms(runner, rows_for(batch, k + 1, context, pages_per_row, runner.max_batch, True,
                                            runner.vocab_size), steps)
             out.append({"batch": batch, "draft_tokens": k, "context": context, "decode_ms": decode,
                         "verify_ms": verify, "decode_steps": verify / decode})
