@@ -134,20 +134,21 @@ def window_order_rows_cols(grid_h: int, grid_w: int, merge: int) -> tuple[np.nda
             cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1))
 
 
+def bilinear_axis(coord: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Along one axis, patch coordinates `coord` of a grid of `size` mapped onto a table of `side`
+    with align_corners: (lower table index, upper index, fraction towards the upper)."""
+    x = coord * ((side - 1) / (size - 1)) if size > 1 else np.zeros(len(coord))
+    low = np.floor(x).astype(np.int64)
+    return low, np.minimum(low + 1, side - 1), x - low
+
+
 def resampled_positions(table: np.ndarray, rows: np.ndarray, cols: np.ndarray, grid_h: int,
                         grid_w: int) -> np.ndarray:
     """The square learned table [side*side, W] resampled bilinearly with align_corners to a
     grid_h x grid_w grid, at the given patch coordinates."""
     side = math.isqrt(table.shape[0])
-
-    def axis(coord: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = coord * ((side - 1) / (size - 1)) if size > 1 else np.zeros(len(coord))
-        low = np.floor(x).astype(np.int64)
-        high = np.minimum(low + 1, side - 1)
-        return low, high, x - low
-
-    r0, r1, fr = axis(rows, grid_h)
-    c0, c1, fc = axis(cols, grid_w)
+    r0, r1, fr = bilinear_axis(rows, grid_h, side)
+    c0, c1, fc = bilinear_axis(cols, grid_w, side)
     frac_r, frac_c = fr[:, None].astype(table.dtype), fc[:, None].astype(table.dtype)
     return ((1 - frac_r) * (1 - frac_c) * table[r0 * side + c0]
             + (1 - frac_r) * frac_c * table[r0 * side + c1]

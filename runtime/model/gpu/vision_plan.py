@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from runtime.model.vision_reference import VisionConfig, window_order_rows_cols
+from runtime.model.vision_reference import VisionConfig, bilinear_axis, window_order_rows_cols
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,8 @@ def position_corners(side: int, rows: np.ndarray, cols: np.ndarray, grid_h: int,
                      ) -> tuple[np.ndarray, np.ndarray]:
     """(corner table rows [n, 4] int32, weights [n, 4] float32) of patches at (rows, cols) of a
     grid_h x grid_w grid over a side x side table, align_corners (`resampled_positions`)."""
-    def axis(coord: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = coord * ((side - 1) / (size - 1)) if size > 1 else np.zeros(len(coord))
-        low = np.floor(x).astype(np.int64)
-        return low, np.minimum(low + 1, side - 1), x - low
-
-    r0, r1, fr = axis(rows, grid_h)
-    c0, c1, fc = axis(cols, grid_w)
+    r0, r1, fr = bilinear_axis(rows, grid_h, side)
+    c0, c1, fc = bilinear_axis(cols, grid_w, side)
     idx = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=1)
     wts = np.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], axis=1)
     return idx.astype(np.int32), wts.astype(np.float32)
