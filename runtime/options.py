@@ -125,8 +125,8 @@ OPTIONS: tuple[Option, ...] = (
            "gives none (server)", group="capacity", minimum=1, maximum=262144, serve_default=4096),
     Option("no-cuda-graph", bool, False, "disable CUDA-graph decode", group="capacity"),
     # --- media --------------------------------------------------------------------------------
-    Option("vision", bool, False, "load the model's vision tower and accept image input (CPU "
-           "backend only so far)", group="media"),
+    Option("vision", bool, False, "load the model's vision tower and accept image and video "
+           "input", group="media"),
     Option("vision-max-merged", int, None, "most merged vision tokens per image; larger images "
            "are downscaled in preprocessing", group="media", minimum=64, maximum=32768,
            metavar="N"),
