@@ -3,6 +3,7 @@
     python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
         [--gdn chunked|split|fused|all] [--attn split|flash|both] [--attn-tokens 8192] [--gdn-tokens 8192]
         [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|FILE.json] [--router balanced|skewed]
+        [--sweep-chunks 1024,2048,4096]
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports
 the second run (the first binds the launch plans) as tok/s and the fraction of the BF16 matrix
@@ -19,7 +20,9 @@ mma.sync `attention_prefill` and every form of `attention_wgmma`) is timed again
 (flash backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads for
 SDPA), and when fla is importable the GDN prefill kernels alone against fla's
 `chunk_gated_delta_rule` on the same inputs (`--gdn-tokens`). Writes `prefill.json` and prints
-Markdown tables.
+Markdown tables. `--sweep-chunks` also times each prompt prefilled the way the engine feeds a
+`--prefill-chunk` of each size (one runner call per chunk, each size at most `--chunk`), which is
+how the server's default chunk is chosen.
 """
 
 from __future__ import annotations
@@ -241,7 +244,8 @@ GDN_MODES = ("chunked", "split", "fused")
 
 
 def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash", attn_tokens: int = 8192,
-        gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
+        gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced",
+        sweep_chunks: list[int] | None = None) -> dict[str, Any]:
     runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router)
     rate = matrix_rate(runner)
     k = runner.kernels
@@ -261,6 +265,7 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
         runs[name] = run_prompts(runner, prompts, chunk)
     use_gdn(runner, "chunked" if gdn_kernels["gdn_chunked"] else "split", gdn_kernels)
     use_attn(runner, "flash", flash)
+    sweep = chunk_sweep(runner, prompts, sweep_chunks) if sweep_chunks else []
     vs = attention_vs_sdpa(runner, attn_tokens) if attn_tokens else {}
     print(json.dumps({"attention_vs_sdpa": vs}), flush=True)
     k.gdn_chunked, k.gdn_split = gdn_kernels["gdn_chunked"], gdn_kernels["gdn_split"]
@@ -269,7 +274,7 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
     return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
             "shape": shape, "router": router,
             "gdn_kernels": gdn_kernels, "attention_prefill_kernel": flash, "runs": runs,
-            "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla}
+            "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla, "chunk_sweep": sweep}
 
 
 def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
@@ -297,6 +302,32 @@ def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
     return {"results": results, "breakdown_us": chunk_breakdown(runner, min(chunk, max(prompts)))}
 
 
+def chunk_sweep(runner: Any, prompts: list[int], chunks: list[int]) -> list[dict[str, Any]]:
+    """Seconds to prefill each prompt fed as the engine feeds it with `--prefill-chunk` c: one
+    runner call per c tokens (c at most the runner's own chunk). Second of two runs, as run_prompts."""
+    from runtime.model.runner import PrefillChunk
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in prompts:
+        ids = rng.integers(0, runner.config.vocab_size, n).tolist()
+        pages = list(range(-(-n // 64)))
+        for c in chunks:
+            if c > runner.prefill_chunk:
+                raise ValueError(f"--sweep-chunks {c} exceeds --chunk {runner.prefill_chunk}")
+            for _ in range(2):
+                runner.reset_slot(0)
+                runner.device.synchronize()
+                t0 = time.perf_counter()
+                for lo in range(0, n, c):
+                    runner.prefill(PrefillChunk(slot=0, token_ids=ids[lo:lo + c], start_pos=lo, page_table=pages))
+                runner.device.synchronize()
+                secs = time.perf_counter() - t0
+            rows.append({"tokens": n, "chunk": c, "seconds": secs, "tok_s": n / secs})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def render(data: dict[str, Any]) -> str:
     rate = data["matrix_rate_tflops"]
     lines = [f"Shape {data['shape']} (router {data['router']} where MoE). Matrix ceiling in the same run: "
@@ -313,6 +344,10 @@ def render(data: dict[str, Any]) -> str:
                   "| kernel | ms per chunk | share |", "|---|---:|---:|"]
         for name, us in list(kernels.items())[:14]:
             lines.append(f"| {name} | {us / 1e3:.2f} | {100 * us / total:.1f}% |")
+    if data.get("chunk_sweep"):
+        lines += ["", "Prompts fed one engine chunk per runner call:", "",
+                  "| prompt tokens | chunk | seconds | tok/s |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['tokens']} | {r['chunk']} | {r['seconds']:.3f} | {r['tok_s']:.0f} |" for r in data["chunk_sweep"]]
     vs = data.get("attention_vs_sdpa") or {}
     if "kernels" in vs:
         lines += ["", f"Prefill attention alone, {vs['tokens']} causal queries over as many keys (same Q/K/V; "
@@ -349,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
                     "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON text config")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")
+    ap.add_argument("--sweep-chunks", default="", help="also prefill each prompt one engine chunk of each "
+                    "size per runner call (comma list, each <= --chunk)")
     args = ap.parse_args(argv)
     data = run([int(p) for p in args.prompts.split(",")], args.chunk, args.gdn, args.attn, args.attn_tokens,
-               args.gdn_tokens, args.synthetic_shape, args.router)
+               args.gdn_tokens, args.synthetic_shape, args.router,
+               [int(c) for c in args.sweep_chunks.split(",") if c])
     data["command"] = "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill.json").write_text(json.dumps(data, indent=1))

@@ -39,3 +39,12 @@ def test_the_table_lists_each_kernel_beside_sdpa():
     assert "| ours attention_prefill/fwd_q24_kv4_d256 (gate fused) | 2.56 | 322 | 3.0e-03 |" in text
     assert "| torch SDPA flash (torch 2.9) | 2.70 | 305 | |" in text
     assert "0.82 TFLOP" in text
+
+
+def test_the_chunk_sweep_table_has_a_row_per_prompt_and_chunk():
+    sweep = [{"tokens": 32768, "chunk": 1024, "seconds": 4.0, "tok_s": 8192.0},
+             {"tokens": 32768, "chunk": 4096, "seconds": 3.2, "tok_s": 10240.0}]
+    text = render({"matrix_rate_tflops": 700.0, "shape": "qwen3.6-27b", "router": "balanced", "chunk": 4096,
+                   "runs": {}, "chunk_sweep": sweep})
+    assert "| 32768 | 1024 | 4.000 | 8192 |" in text
+    assert "| 32768 | 4096 | 3.200 | 10240 |" in text
