@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Sequence
 
 import tokenizers
 
+from runtime.text.piece_cache import PieceCache
 from runtime.text.text_pieces import cut, cuttable
 
 # GPT-2 byte-level alphabet, inverted: byte-level text -> the bytes it stands for.
@@ -94,6 +95,7 @@ class Tokenizer:
         # `encode_special_tokens` is a flag on the shared Rust object: every encode holds this
         # lock, and literal encodes flip the flag inside it.
         self._lock = threading.Lock()
+        self._pieces = PieceCache()
         vocab = hf_tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         added = hf_tokenizer.get_added_tokens_decoder()
@@ -164,17 +166,28 @@ class Tokenizer:
                 pieces.append(piece)
                 owners.append(index)
         with self._lock:
-            if parse_special:
-                encodings = self._encode_releasing_the_gil(pieces)
+            # Long pieces seen before (an agent's history, resent every turn) come from the cache:
+            # each piece is encoded on its own, so its ids depend on its text alone.
+            found = [self._pieces.get(piece, parse_special) for piece in pieces]
+            missing = [piece for piece, hit in zip(pieces, found) if hit is None]
+            if not missing:
+                encodings = []
+            elif parse_special:
+                encodings = self._encode_releasing_the_gil(missing)
             else:
                 self._hf.encode_special_tokens = True
                 try:
-                    encodings = self._encode_releasing_the_gil(pieces)
+                    encodings = self._encode_releasing_the_gil(missing)
                 finally:
                     self._hf.encode_special_tokens = False
+            fresh = iter(encodings)
+            for i, hit in enumerate(found):
+                if hit is None:
+                    found[i] = next(fresh).ids
+                    self._pieces.put(pieces[i], parse_special, found[i])
         ids: list[list[int]] = [[] for _ in texts]
-        for owner, encoding in zip(owners, encodings):
-            ids[owner].extend(encoding.ids)
+        for owner, piece_ids in zip(owners, found):
+            ids[owner].extend(piece_ids)
         return ids
 
     def _encode_releasing_the_gil(self, texts: list[str]) -> list:
