@@ -77,12 +77,50 @@ def _fwd(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
     )
 
 
+def _fwd_kv_split(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
+    """The same kernel over absolute key splits: CTA (head, tile, s) attends to keys
+    [s * split, (s + 1) * split) only and writes the split's normalised output and log2-sum-exp
+    in the layout of `attention.split_*`, which `attention.combine_*` merges (gate applied there).
+    `split` is a multiple of the page; rows that end before a split skip it (the combine reads
+    the first cdiv(pos + 1, split) splits of a row). For prefill chunks over a long context:
+    few query tiles would otherwise leave SMs idle while each tile walks every key."""
+    wgs = FORMS[form]
+    bm, threads = wgs * WG_ROWS, wgs * 128
+    return Variant(
+        family=FAMILY,
+        key=f"fwd_{name}_{form}_kvsplit",
+        config={"kind": "fwd", "form": form, "Hq": hq, "Hkv": hkv, "D": d, "x_stride": attention.x_stride(hq, hkv, d),
+                "BM": bm, "BN": BN, "stages": STAGES, "threads": threads, "kv_split": True},
+        params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
+                ptr("lse"), i32("M"), i32("maxp"), i32("S"), i32("split")],
+        tensors={
+            **attention.paged_query_tensors(hq, hkv, d),
+            "o_part": tensor("f32", "M", hq, "S", d, role="out"),
+            "lse": tensor("f32", "M", hq, "S", role="out"),
+        },
+        sizes=("M", "maxp", "R", "NP", "S", "split"),
+        block=(threads, 1, 1),
+        grid=(hq, f"cdiv(M, {bm})", "S"),
+        requires=("M >= 1", "maxp >= 1", "R >= 1", "NP >= 1", f"cdiv(M, {bm}) <= 65535", "S >= 1", "S <= 65535",
+                  f"split >= {BN}", f"split % {BN} == 0"),
+        arches=HOPPER,
+        note=f"WGMMA causal prefill attention over key splits ({wgs} warpgroups, {bm}-row tiles), split "
+             f"partials for attention.combine, paged K/V, GQA {hq}/{hkv}, D={d}",
+        example_sizes={"M": 1024, "maxp": 4096, "R": 1, "NP": 4096, "S": 8, "split": 32768},
+    )
+
+
+# Forms compiled over key splits: the default one (runtime/model/gpu/kernels.py picks `wg2`).
+KV_SPLIT_FORMS = ("wg2",)
+
+
 def variants() -> list[Variant]:
     out = []
     for name, hq, hkv, d in _SHAPES:
         if d % 64 or hq % hkv:
             raise ValueError(f"attention_wgmma {name}: head dim must be a multiple of 64")
         out += [_fwd(name, hq, hkv, d, form) for form in FORMS]
+        out += [_fwd_kv_split(name, hq, hkv, d, form) for form in KV_SPLIT_FORMS]
     return out
 
 
@@ -136,6 +174,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     cfg = variant.config
     hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
     bm, threads = cfg["BM"], cfg["threads"]
+    kv_split = bool(cfg.get("kv_split"))
     wgs = threads // 128
     group = hq // hkv
     scale_log2 = d ** -0.5 * LOG2E
@@ -172,19 +211,29 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             else:
                 tdst[None, i, None].fill(0)
 
-    @cute.kernel
-    def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
-               maxp: cutlass.Int32):
+    @cute.jit
+    def attend(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, o_part: cute.Pointer,
+               lse: cute.Pointer, m: cutlass.Int32, maxp: cutlass.Int32, ns: cutlass.Int32,
+               split: cutlass.Int32) -> None:
+        """The kernel body: x / out (gate, bf16 output) or, over key splits, o_part / lse, ns, split."""
         q_lay, k_lay, v_lay = smem_layouts()
         tid, _, _ = cute.arch.thread_idx()
-        head, by, _ = cute.arch.block_idx()
+        head, by, sidx = cute.arch.block_idx()
         tiles = (m + bm - 1) // bm
         m0 = (tiles - 1 - by) * bm  # longest tiles first
         kvh = head // group
         gpos = cute.make_tensor(pos, cute.make_layout(m))
         end = gpos[cutlass.min(m0 + bm - 1, m - 1)] + 1  # keys this tile reads: 0..end-1
-        nkb = (end + BN - 1) // BN
+        # Keys k_lo..k_hi-1 (tiles kb0..nkb-1): all of them, or this CTA's split of them (none
+        # when the split starts past the tile's last row: zero-filled loads, no iteration).
+        k_lo = cutlass.Int32(0)
+        k_hi = end
+        if cutlass.const_expr(kv_split):
+            k_lo = sidx * split
+            k_hi = cutlass.min(k_lo + split, end)
+        kb0 = k_lo // BN
+        nkb = (k_hi + BN - 1) // BN
         seq = cute.make_tensor(qseq, cute.make_layout(m))[m0]
         trow = cute.make_tensor(table + cutlass.Int64(seq) * maxp, cute.make_layout(maxp))
 
@@ -214,13 +263,13 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         gQ = cute.make_tensor(q + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
                               cute.make_layout((bm, d), stride=(hq * d, 1)))
         load_tile(gcopy, thr_g, gQ, sQ[None, None, 0], q_rows, m0, m)
-        page = trow[0]
+        page = trow[kb0]
         gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
                               cute.make_layout((BN, d), stride=(kv_stride, 1)))
         gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
                               cute.make_layout((BN, d), stride=(kv_stride, 1)))
-        load_tile(gcopy, thr_g, gK, sK[None, None, 0], kv_rows, 0, end)
-        load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, 0], key_by_d), kv_rows, 0, end)
+        load_tile(gcopy, thr_g, gK, sK[None, None, 0], kv_rows, k_lo, k_hi)
+        load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, 0], key_by_d), kv_rows, k_lo, k_hi)
         cute.arch.cp_async_commit_group()
 
         # ---- WGMMA partitions: warpgroup w owns query rows 64w..64w+63 of the tile.
@@ -256,20 +305,20 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             row_max[h] = f32(ninf)
             row_sum[h] = f32(0.0)
 
-        for kb in cutlass.range(nkb, unroll=1):
+        for kb in cutlass.range(kb0, nkb, unroll=1):
             n0 = kb * BN
-            stage = kb % STAGES
+            stage = (kb - kb0) % STAGES
             # The next tile's copies go out first (its stage was released by the barrier that
             # ended the previous iteration).
             if kb + 1 < nkb:
-                nxt = (kb + 1) % STAGES
+                nxt = (kb - kb0 + 1) % STAGES
                 page = trow[kb + 1]
                 gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
                                       cute.make_layout((BN, d), stride=(kv_stride, 1)))
                 gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
                                       cute.make_layout((BN, d), stride=(kv_stride, 1)))
-                load_tile(gcopy, thr_g, gK, sK[None, None, nxt], kv_rows, n0 + BN, end)
-                load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, nxt], key_by_d), kv_rows, n0 + BN, end)
+                load_tile(gcopy, thr_g, gK, sK[None, None, nxt], kv_rows, n0 + BN, k_hi)
+                load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, nxt], key_by_d), kv_rows, n0 + BN, k_hi)
             cute.arch.cp_async_commit_group()
             # This tile (and Q) landed; cp.async and the zero fills write through the generic
             # proxy and WGMMA reads through the async one: fence, then make every thread's rows
@@ -325,36 +374,75 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cute.arch.sync_threads()  # every warpgroup is done with this stage (and, last, with sQ)
         cute.arch.cp_async_wait_group(0)
 
-        # ---- epilogue: O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
+        # ---- epilogue
         for h in cutlass.range_constexpr(2):
             total = row_sum[h]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            row_sum[h] = f32(1.0) / total
-        sO = sQ[None, None, 0]
-        for i in cutlass.range_constexpr(o_vals):
-            r, c = o_coords[i]
-            sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
-        cute.arch.sync_threads()
-        gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
-                              cute.make_layout((bm, d), stride=(stride, 1)))
-        gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
-                              cute.make_layout((bm, d), stride=(hq * d, 1)))
-        tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
-        for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-            if m0 + q_rows[0, i, 0][0] < m:
-                o = tOsO[None, i, None].load().to(f32)
-                g = tOgG[None, i, None].load().to(f32)
-                sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
-                tOgO[None, i, None].store((o * sig).to(bf16))
+            row_sum[h] = total
+        if cutlass.const_expr(kv_split):
+            # The split's O / sum (fp32) and log2-sum-exp per row that has keys in it (a row that
+            # ends before k_lo has none: its values are not finite and the combine never reads them).
+            for h in cutlass.range_constexpr(2):
+                row = m0 + s_coords[2 * h][0]
+                if row < m and row_pos[h] >= k_lo and tid % 4 == 0:
+                    cute.make_tensor(lse + (cutlass.Int64(row) * hq + head) * ns + sidx, cute.make_layout(1))[0] = (
+                        row_max[h] * f32(scale_log2) + cute.math.log2(row_sum[h]))
+            for i in cutlass.range_constexpr(o_vals):
+                r, c = o_coords[i]
+                if m0 + r < m and row_pos[row_of(i)] >= k_lo:
+                    base = (cutlass.Int64(m0 + r) * hq + head) * ns + sidx
+                    cute.make_tensor(o_part + base * d + c, cute.make_layout(1))[0] = acc_o[i] / row_sum[row_of(i)]
+        else:
+            # O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
+            for h in cutlass.range_constexpr(2):
+                row_sum[h] = f32(1.0) / row_sum[h]
+            sO = sQ[None, None, 0]
+            for i in cutlass.range_constexpr(o_vals):
+                r, c = o_coords[i]
+                sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
+            cute.arch.sync_threads()
+            gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
+                                  cute.make_layout((bm, d), stride=(stride, 1)))
+            gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
+                                  cute.make_layout((bm, d), stride=(hq * d, 1)))
+            tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
+            for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+                if m0 + q_rows[0, i, 0][0] < m:
+                    o = tOsO[None, i, None].load().to(f32)
+                    g = tOgG[None, i, None].load().to(f32)
+                    sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
+                    tOgO[None, i, None].store((o * sig).to(bf16))
 
+    if kv_split:
+        @cute.kernel
+        def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+                   qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
+                   maxp: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32):
+            attend(q, k_pages, v_pages, table, qseq, pos, q, q, o_part, lse, m, maxp, ns, split)
+
+        @cute.jit
+        def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+                   qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
+                   maxp: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32, stream: Any):
+            kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, maxp, ns, split).launch(
+                grid=_dsl.grid(variant, {"M": m, "S": ns}), block=list(variant.block), stream=stream)
+
+        aligns = {"table": 4, "qseq": 4, "pos": 4, "lse": 4, "o_part": 4}
+    else:
+        @cute.kernel
+        def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+                   qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+                   maxp: cutlass.Int32):
+            attend(q, k_pages, v_pages, table, qseq, pos, x, out, x, x, m, maxp, cutlass.Int32(1), cutlass.Int32(BN))
+
+        @cute.jit
+        def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+                   qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+                   maxp: cutlass.Int32, stream: Any):
+            kernel(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp).launch(
+                grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
+
+        aligns = {"table": 4, "qseq": 4, "pos": 4}
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_wgmma_{variant.key}")
-
-    @cute.jit
-    def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
-               maxp: cutlass.Int32, stream: Any):
-        kernel(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp).launch(
-            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
-
-    return launch, _dsl.example_args(variant, aligns={"table": 4, "qseq": 4, "pos": 4})
+    return launch, _dsl.example_args(variant, aligns=aligns)

@@ -92,8 +92,13 @@ def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, fo
         "q": mem.bf16(q), "k_pages": mem.bf16(pages_k), "v_pages": mem.bf16(pages_v), "table": mem.i32(table),
         "qseq": mem.i32(np.full(t, c["seq_row"])), "pos": mem.i32(pos), "x": mem.bf16(x), "out": out},
         {"M": t, "maxp": table.shape[1], "R": table.shape[0], "NP": c["npages"]})
-    got = mem.read_bf16(out, (t + 1, hq * d))
-    what = f"wgmma prefill attention {form} {name} start={start} t={t}"
+    _check(mem.read_bf16(out, (t + 1, hq * d)), c, f"wgmma prefill attention {form} {name} start={start} t={t}")
+
+
+def _check(got: np.ndarray, c: dict, what: str) -> None:
+    """Rows 0..t-1 of `got` [t + 1, Hq * D] against the case's references (module docstring);
+    row t, past the last, unwritten."""
+    t = got.shape[0] - 1
     assert np.isnan(got[t]).all(), f"{what}: wrote past the last row"
     got = got[:t]
     assert_close_to_baseline(got, c["exact"], c["base"], what, slack=2.5)
@@ -102,3 +107,35 @@ def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, fo
     bad = np.flatnonzero(row_err > 4 * row_base + 1e-5)
     assert not bad.size, (f"{what}: rows {bad[:8].tolist()} err {row_err[bad[:8]].tolist()} vs baseline "
                           f"{row_base[bad[:8]].tolist()}")
+
+
+# Over key splits (`fwd_*_wg2_kvsplit` + the attention family's combine): split lengths of one
+# page, an odd number of pages and several tiles, so rows see 1..80 splits; the partials start as
+# NaN, so a split the combine reads but the kernel did not write shows up.
+@pytest.mark.parametrize("name,start,t,split", [(name, start, t, split) for name in SHAPES
+                                                for start, t in ((0, 300), (1000, 65), (5000, 1), (5000, 130))
+                                                for split in (64, 448, 1024)])
+def test_wgmma_over_key_splits_then_combine(library, mem, stream, cases, name, start, t, split):
+    try:
+        kernel = library.kernel("attention_wgmma", f"fwd_{name}_wg2_kvsplit")
+        combine = library.kernel("attention", f"combine_{name}")
+    except KernelMissing as exc:
+        pytest.skip(f"not built: {exc}")
+    cfg = _cfg(name, "wg2")
+    hq, d = cfg["Hq"], cfg["D"]
+    c = _case(cases, name, start, t)
+    q, pages_k, pages_v, _, pos, x = c["args"]
+    table = c["table"]
+    splits = -(-(start + t) // split)
+    o_part = mem.poisoned(2 * t * hq * splits * d)
+    lse = mem.poisoned(2 * t * hq * splits)
+    rows = {"table": mem.i32(table), "qseq": mem.i32(np.full(t, c["seq_row"])), "pos": mem.i32(pos)}
+    kernel.launch(stream, {"q": mem.bf16(q), "k_pages": mem.bf16(pages_k), "v_pages": mem.bf16(pages_v), **rows,
+                           "o_part": o_part, "lse": lse},
+                  {"M": t, "maxp": table.shape[1], "R": table.shape[0], "NP": c["npages"], "S": splits,
+                   "split": split})
+    out = mem.poisoned((t + 1) * hq * d)
+    combine.launch(stream, {"o_part": o_part, "lse": lse, "pos": rows["pos"], "x": mem.bf16(x), "out": out},
+                   {"M": t, "S": splits, "min_split": split})
+    _check(mem.read_bf16(out, (t + 1, hq * d)), c,
+           f"wgmma prefill attention over {split}-key splits {name} start={start} t={t}")

@@ -89,3 +89,21 @@ def test_the_plan_reproduces_attention(splits, min_split):
     want = attention.reference_attention(q, k, v, pos, np.full((5, hq, d), 60.0), exact=True)
     np.testing.assert_allclose(_split_combine(q, k, v, pos, splits, min_split).reshape(5, hq * d), want,
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("max_context,chunk,split,splits", [
+    (131072, 1024, 16384, 8),      # the server's 128K context: the 16K floor
+    (262144, 1024, 16384, 16),
+    (1 << 20, 1024, 65536, 16),    # at most PREFILL_SPLITS partials a row
+    (20480, 3072, 18432, 2),       # a multiple of the chunk: no chunk straddles it
+    (4096, 256, 16384, 1),
+])
+def test_the_prefill_key_split_is_a_multiple_of_the_chunk_with_few_partials(max_context, chunk, split, splits):
+    from runtime.model.gpu.storage import prefill_kv_split
+
+    got = prefill_kv_split(max_context, chunk)
+    assert got == split and got % chunk == 0 and got % 64 == 0
+    assert -(-max_context // got) == splits <= PREFILL_SPLITS
+    # the combine's split length for every row of the context is the split itself
+    pos = np.arange(0, max_context, 997)
+    assert (attention.split_length(pos, splits, got) == got).all()

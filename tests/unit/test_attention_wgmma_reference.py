@@ -45,12 +45,30 @@ def test_blocked_reference_matches_the_row_by_row_one(start, t, block):
 
 
 def test_variants_cover_both_large_shapes_in_both_forms():
-    got = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["form"], v.config["BM"], v.block[0])
-           for v in attention_wgmma.variants()}
-    assert got == {(24, 4, 256, "wg2", 128, 256), (24, 4, 256, "wg1", 64, 128),
-                   (16, 2, 256, "wg2", 128, 256), (16, 2, 256, "wg1", 64, 128)}
-    for v in attention_wgmma.variants():  # the runner swaps it for attention_prefill: same buffers
+    got = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["form"], v.config["BM"], v.block[0],
+            bool(v.config.get("kv_split"))) for v in attention_wgmma.variants()}
+    assert got == {(24, 4, 256, "wg2", 128, 256, False), (24, 4, 256, "wg1", 64, 128, False),
+                   (16, 2, 256, "wg2", 128, 256, False), (16, 2, 256, "wg1", 64, 128, False),
+                   (24, 4, 256, "wg2", 128, 256, True), (16, 2, 256, "wg2", 128, 256, True)}
+    fused = [v for v in attention_wgmma.variants() if not v.config.get("kv_split")]
+    for v in fused:  # the runner swaps it for attention_prefill: same buffers
         twin = next(p for p in attention_prefill.variants()
                     if (p.config["Hq"], p.config["Hkv"], p.config["D"]) == (v.config["Hq"], v.config["Hkv"], v.config["D"]))
         assert [p.name for p in v.params] == [p.name for p in twin.params]
         assert v.tensors == twin.tensors and v.config["x_stride"] == twin.config["x_stride"]
+
+
+def test_the_key_split_form_writes_the_split_kernels_partials():
+    """Over key splits the kernel takes the split-KV kernel's partial buffers (the combine merges
+    them), plus the split length, which must be whole pages."""
+    from cute_kernels import attention
+
+    for v in attention_wgmma.variants():
+        if not v.config.get("kv_split"):
+            continue
+        twin = next(p for p in attention.variants() if p.config["kind"] == "split"
+                    and (p.config["Hq"], p.config["Hkv"], p.config["D"]) == (v.config["Hq"], v.config["Hkv"], v.config["D"]))
+        assert v.tensors["o_part"] == twin.tensors["o_part"] and v.tensors["lse"] == twin.tensors["lse"]
+        assert [p.name for p in v.params] == ["q", "k_pages", "v_pages", "table", "qseq", "pos", "o_part", "lse",
+                                              "M", "maxp", "S", "split"]
+        assert v.grid[2] == "S" and "split % 64 == 0" in v.requires

@@ -150,7 +150,7 @@ class KernelChoice:
             self.conv = _need(lib, "conv1d", "the GDN conv", mode="chunk", **conv)
             self.conv_verify = _need(lib, "conv1d", "the GDN conv of verification steps", mode="verify", **conv)
             self.gdn_stride = stride
-        self.prep = self.split = self.combine = self.prefill_attn = None
+        self.prep = self.split = self.combine = self.prefill_attn = self.prefill_attn_split = None
         self.attn_stride = 0
         if c.attention_layers:
             hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -163,10 +163,14 @@ class KernelChoice:
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
             # one; None (the split-KV path) when neither was. Both take the same buffers.
             shape = {"kind": "fwd", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": self.attn_stride}
-            wgmma = _find(lib, "attention_wgmma", form="wg2", **shape)
+            wgmma = _find(lib, "attention_wgmma", form="wg2", kv_split=None, **shape)
             mma_sync = _find(lib, "attention_prefill", **shape)
             self.prefill_attn = ("attention_wgmma", wgmma) if wgmma else \
                 ("attention_prefill", mma_sync) if mma_sync else None
+            # Chunks past the first key split take the WGMMA kernel over key splits + the combine
+            # (`Storage.prefill_kv_split`), where compiled with the fused one.
+            self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv_split=True, **shape) \
+                if wgmma else None
 
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).
         self.sample_candidates = _find(lib, "sampling", kind="candidates")
@@ -247,4 +251,5 @@ class KernelChoice:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:
             chosen.append(self.prefill_attn)
+        chosen.append(("attention_wgmma", self.prefill_attn_split))
         return [(family, key) for family, key in chosen if key]

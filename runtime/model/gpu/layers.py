@@ -42,7 +42,11 @@ class StepShape:
 
     exact: False lets the projections of a decode-kernel step pick the kernel by row count (the
     GEMM for many rows) instead of decode GEMV blocks: the MTP head's catch-up over a prompt chunk,
-    whose drafts need no bit-exactness (`gpu.mtp`)."""
+    whose drafts need no bit-exactness (`gpu.mtp`).
+
+    kv_split: a prefill chunk at or past `Storage.prefill_kv_split`: the WGMMA attention over key
+    splits of `min_split` keys (`splits` of them at most) and the combine, instead of the fused
+    kernel."""
 
     m: int
     nseq: int
@@ -51,6 +55,7 @@ class StepShape:
     min_split: int
     prefill: bool
     exact: bool = True
+    kv_split: bool = False
 
     @property
     def exact_rows(self) -> bool:
@@ -245,15 +250,20 @@ class Forward:
                                                "q_out": buf["q"], **pages},
                     {"M": m, "P": st.rope_rows, "NP": pad_pages})
         rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
-        if shape.prefill and k.prefill_attn:
+        if shape.prefill and k.prefill_attn and not shape.kv_split:
             self.launch(out, *k.prefill_attn,
                         {"q": buf["q"], **pages, **rows, "x": buf["proj"], "out": buf["attn_out"]},
                         {"M": m, "maxp": st.maxp, "R": st.max_batch, "NP": pad_pages})
         else:
-            self.launch(out, "attention", k.split, {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"],
-                                                    "lse": buf["lse"]},
-                        {"M": m, "S": shape.splits, "min_split": shape.min_split, "maxp": st.maxp,
-                         "R": st.max_batch, "NP": pad_pages})
+            partials = {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"], "lse": buf["lse"]}
+            if shape.kv_split:
+                self.launch(out, "attention_wgmma", k.prefill_attn_split, partials,
+                            {"M": m, "S": shape.splits, "split": shape.min_split, "maxp": st.maxp,
+                             "R": st.max_batch, "NP": pad_pages})
+            else:
+                self.launch(out, "attention", k.split, partials,
+                            {"M": m, "S": shape.splits, "min_split": shape.min_split, "maxp": st.maxp,
+                             "R": st.max_batch, "NP": pad_pages})
             self.launch(out, "attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"],
                                                       "pos": st.meta_ptr("pos"), "x": buf["proj"],
                                                       "out": buf["attn_out"]},

@@ -363,12 +363,15 @@ class CudaRunner:
 
     def _prefill(self, slot: int, tokens: np.ndarray, start: int, pages: np.ndarray, wanted: Sequence[int],
                  sample: bool = False, media: Sequence[Any] = ()) -> np.ndarray:
-        """The chunk in pieces of at most `prefill_chunk` tokens; float32 logits of the chunk
-        offsets `wanted` [len(wanted), V] (sample: the last row left for the sampler); media: the
-        sequence's media blocks (`vision_rows`)."""
+        """The chunk in pieces of at most `prefill_chunk` tokens, cut also where the prefill
+        attention's first key split starts (`Storage.prefill_kv_split`: rows before it and past it
+        take different kernels); float32 logits of the chunk offsets `wanted` [len(wanted), V]
+        (sample: the last row left for the sampler); media: the sequence's media blocks."""
         outputs = []
-        for lo in range(0, len(tokens), self.prefill_chunk):
-            piece = tokens[lo:lo + self.prefill_chunk]
+        split = self.storage.prefill_kv_split - start
+        cuts = sorted({*range(0, len(tokens), self.prefill_chunk), *([split] if 0 < split < len(tokens) else [])})
+        for lo, hi in zip(cuts, cuts[1:] + [len(tokens)]):
+            piece = tokens[lo:hi]
             last = lo + len(piece) == len(tokens)
             rows = [o - lo for o in wanted if lo <= o < lo + len(piece)]
             placed = self._media.piece(piece, start + lo, media) if self._media is not None else None

@@ -309,8 +309,14 @@ class Steps:
                 for name, rows in zip(("cos", "sin"), media.tables):
                     self.device.memcpy_htod(st.buf[name] + st.rope_positions * half_bytes, rows, self.stream)
         self._upload_step(tokens, t)
-        shape = StepShape(m=t, nseq=1, t=t, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT, prefill=True)
-        plan = self.plans.get(("prefill", t), lambda: self.forward.bind(shape))
+        # From the first key split of the prefill attention on, its form over key splits (the
+        # runner cuts pieces there, so a piece is wholly on one side: `Storage.prefill_kv_split`).
+        if self.kernels.prefill_attn_split and start >= st.prefill_kv_split:
+            shape = StepShape(m=t, nseq=1, t=t, splits=st.prefill_kv_splits, min_split=st.prefill_kv_split,
+                              prefill=True, kv_split=True)
+        else:
+            shape = StepShape(m=t, nseq=1, t=t, splits=PREFILL_SPLITS, min_split=PREFILL_MIN_SPLIT, prefill=True)
+        plan = self.plans.get(("prefill", t, shape.kv_split), lambda: self.forward.bind(shape))
         # The merged media rows replace the pads' token rows once the embedding is in the residual
         # (the first launch when the embedding kernel gathers them, else uploaded with the step).
         embedded = 1 if self.kernels.embedding else 0

@@ -38,6 +38,10 @@ from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP
 BUCKETS = (1, 2, 4, 8)
 PREFILL_SPLITS = 16  # KV splits per query row in prefill (split-KV fallback, MTP catch-up)
 PREFILL_MIN_SPLIT = PAGE_SIZE  # fewest keys per split there
+# Keys per split of the WGMMA prefill attention over a long context (at least; see
+# `prefill_kv_split`): a chunk of 1K rows over 116K keys otherwise runs 8 query tiles x 24 heads =
+# 192 CTAs on 132 SMs (two waves, one 45 % full), and a 40-row chunk 24 CTAs.
+PREFILL_KV_SPLIT = 16384
 # Decode attention: the split count per row is fixed at startup (the graph's grid), each row's split
 # length follows its own position (`attention.split_length`). At batch 1, DECODE_CTAS_PER_SM (row,
 # KV head, split) CTAs per SM: whole waves of the split kernels, which keep 3 (27B: 165 registers)
@@ -50,6 +54,16 @@ LOGITS_BYTES = 256 << 20  # the logits staging buffer's budget (device and pinne
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def prefill_kv_split(max_context: int, prefill_chunk: int) -> int:
+    """Keys per split of the prefill attention over key splits: at least `PREFILL_KV_SPLIT`,
+    few enough splits for the partials (`PREFILL_SPLITS` per row), and a multiple of the prefill
+    chunk. Chunks lie on the prefill-chunk grid, so no chunk straddles a multiple of it: a chunk
+    takes the split kernel iff it starts at or past it, and then every row's keys are cut at the
+    same absolute multiples of it whatever chunk the row is in (request invariance)."""
+    split = max(PREFILL_KV_SPLIT, cdiv(max_context, PREFILL_SPLITS))
+    return cdiv(split, prefill_chunk) * prefill_chunk
 
 
 def default_decode_splits(kv_heads: int, max_context: int, sm_count: int, min_split: int = DECODE_MIN_SPLIT) -> int:
@@ -110,6 +124,8 @@ class Storage:
         self.decode_splits = decode_splits or default_decode_splits(config.num_key_value_heads, max_context,
                                                                     device.sm_count, decode_min_split)
         rows = self.rows = max(prefill_chunk, max_batch)
+        self.prefill_kv_split = prefill_kv_split(max_context, prefill_chunk)
+        self.prefill_kv_splits = cdiv(max_context, self.prefill_kv_split)  # <= PREFILL_SPLITS
         h = c.hidden_size
         n_gdn, n_kv = len(c.linear_layers), len(c.attention_layers) + mtp_layers
         self.page_bytes = PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2  # one layer's K (or V) rows
