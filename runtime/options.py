@@ -233,7 +233,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("host-context-mib", int, 8192, "host memory for snapshots and KV blocks demoted "
            "from the device and for paused requests", commands=SERVE_ONLY,
            group="prefix cache", minimum=0, maximum=1 << 22),
-    Option("snapshot-interval", int, 2048, "snapshot long prompts every N tokens (prefill "
+    Option("snapshot-interval", int, 8192, "snapshot long prompts every N tokens (prefill "
            "chunks end there), a multiple of 64; 0 = only at the turn starts the server hints",
            commands=SERVE_ONLY, group="prefix cache", minimum=0, maximum=1 << 20),
     Option("prefix-cache-file", str, None, "keep the prefix cache in FILE across restarts "

@@ -251,7 +251,7 @@ def test_the_server_has_the_cache_and_the_cli_does_not():
 
     serve = prefix_cache_settings(parse_settings("serve", ["m.infernix"]))
     assert serve == {"prefix_cache": True, "snapshot_slots": 8, "host_cache_bytes": 8192 << 20,
-                     "snapshot_interval": 2048, "cache_file": None, "cache_save_s": 0.0,
+                     "snapshot_interval": 8192, "cache_file": None, "cache_save_s": 0.0,
                      "ssd_bytes": 0, "ssd_dir": None}
     off = prefix_cache_settings(parse_settings("serve", [
         "m.infernix", "--no-prefix-cache", "--prefix-cache-file", "c.npz",
