@@ -221,14 +221,17 @@ def restart(command: str, flags: list[str], out: Path, grow: int, max_new: int, 
     file_bytes = cache_file.stat().st_size if cache_file.exists() else 0
     messages += [{"role": "assistant", "content": first["text"] or "ok"}, user_turn(1, grow, history)]
     runs, ready, read = {}, {}, {}
-    for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
-        server = Server(command, arm_flags, out / f"serve-restart-{name}.log")
-        try:
-            ready[name] = server.ready_s
-            runs[name] = chat(server.base, messages, max_new, seed=1)
-            read[name] = server.metrics()
-        finally:
-            server.close(SAVE_WAIT_S)
+    try:
+        for name, arm_flags in (("after_restart", with_file), ("recompute", flags + ARMS["no-cache"])):
+            server = Server(command, arm_flags, out / f"serve-restart-{name}.log")
+            try:
+                ready[name] = server.ready_s
+                runs[name] = chat(server.base, messages, max_new, seed=1)
+                read[name] = server.metrics()
+            finally:
+                server.close(SAVE_WAIT_S)
+    finally:
+        cache_file.unlink(missing_ok=True)  # a scratch file of ~64 KB a token: not a result
     numbers = read["after_restart"]
     return {"file_bytes": file_bytes, "shutdown_s": stopped["shutdown_s"],
             "shutdown_killed": stopped["killed"],
