@@ -112,13 +112,18 @@ class CudaRunner:
         for fmt in (FP8, NVFP4):  # a missing shape is refused before the upload, naming it
             for n, nt, k in sorted(self.layout.quantized_shapes(fmt)):
                 self.kernels.linear_quantised(fmt, n, nt, k)
+        # The FP8 linears with a prefill GEMM compiled (`KernelChoice.fp8_prefill`) share one
+        # buffer of quantised activations, sized for the widest input among them.
+        fp8_k = max((k for n, nt, k in self.layout.quantized_shapes(FP8) if self.kernels.fp8_prefill(n, nt, k)),
+                    default=0)
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                max_context=self.max_context, decode_splits=decode_splits,
                                decode_min_split=decode_min_split,
-                               mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None)
+                               mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None,
+                               fp8_k=fp8_k)
         st = self.storage
         if component is not None:
             upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress, mtp_component)
