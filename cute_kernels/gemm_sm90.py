@@ -81,12 +81,16 @@ SHAPES = [
     ("tiny_vit_fc1", 128, 64),
     ("tiny_vit_fc2", 64, 128),
 ]
-# (name, N, K, ld): the BF16 tails of fused FP8 projections (`gemm_fp8_sm90` writes the first
-# columns of each output row, these the last NT = N of the ld = N_fp8 + NT): the GDN in_proj_b /
-# in_proj_a of the 27B and of the tiny fp8 model. The runner passes out = y + N_fp8 columns.
-TAIL_SHAPES = [
+# (name, N, K, ld): GEMMs writing some of the columns of wider output rows (row stride ld), for
+# fused quantised projections with a BF16 tail (the GDN in_proj_b / in_proj_a of the 27B and of
+# the tiny model): the tails themselves (N = NT, written after the quantised columns: the runner
+# passes out = y + N_q columns) and the NVFP4 heads `[in_proj_qkv | in_proj_z]` decoded to BF16
+# (`dequant_nvfp4`) and written first.
+STRIDED_SHAPES = [
     ("gdn_in_tail", 96, 5120, 16480),
     ("tiny_gdn_in_tail", 8, 256, 392),
+    ("gdn_in_head", 16384, 5120, 16480),
+    ("tiny_gdn_in_head", 384, 256, 392),
 ]
 
 
@@ -118,7 +122,7 @@ def _variant(name: str, n: int, k: int, ld: int | None = None) -> Variant:
 
 
 def variants() -> list[Variant]:
-    return [_variant(*s) for s in SHAPES] + [_variant(*s) for s in TAIL_SHAPES]
+    return [_variant(*s) for s in SHAPES] + [_variant(*s) for s in STRIDED_SHAPES]
 
 
 def reference(x: np.ndarray, w: np.ndarray, *, exact: bool = False) -> np.ndarray:

@@ -6,8 +6,6 @@ rows run the activation quantisation + FP8 GEMM (up to 16: the GEMV 8 rows at a 
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
@@ -73,18 +71,6 @@ def test_decode_binds_the_fp8_gemv_with_scales_and_tail(runner):
                                            "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
 
 
-def _gemm_launches(launches, family):
-    """(key, [pointer parameters], M) of every launch of `family` (TMA descriptors and int32
-    sizes skipped: the 8-byte parameters are the pointers), in order."""
-    prefix = f"infx_{family}_"
-    out = []
-    for rec in launches:
-        if rec.function.startswith(prefix):
-            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1] if len(p) == 8]
-            out.append((rec.function[len(prefix):].split("_kernel")[0], ptrs, struct.unpack("<i", rec.params[-1])[0]))
-    return out
-
-
 def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):
     """20 rows: every FP8 linear quantises its input rows, then runs the block-scaled GEMM over
     all of them at once; the GDN input projection's BF16 tail is the BF16 GEMM writing columns
@@ -95,7 +81,7 @@ def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):
     new = dev.launches[n:]
     assert _fp8_launches(new) == []
     quant = family_launches(new, "quantize_act")
-    gemm = _gemm_launches(new, "gemm_fp8_sm90")
+    gemm = family_launches(new, "gemm_fp8_sm90")
     # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
     assert len(quant) == len(gemm) == 16 and all(m == 20 for _, _, m in quant + gemm)
     buf, base = runner.storage.buf, runner.storage.weights_base
@@ -106,7 +92,7 @@ def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):
                        20)
     assert quant[1][0] == "k128" and gemm[1][0] == "tiny_gdn_out_n256_k128"
     assert gemm[1][1] == [buf["fp8_scale"], base + gdn["out_proj"].scale_offset, buf["delta"]]
-    tails = [t for t in _gemm_launches(new, "gemm") if "_tail_" in t[0]]
+    tails = [t for t in family_launches(new, "gemm") if "_tail_" in t[0]]
     assert [(key, ptrs[-1], m) for key, ptrs, m in tails] == [("tiny_gdn_in_tail_n8_k256_ld392", buf["proj"] + 384 * 2,
                                                                20)] * 3
     # The quantised activations fit the widest FP8 input (down: K = 512) of a 64-row piece.
@@ -119,7 +105,7 @@ def test_prefill_of_16_rows_or_fewer_keeps_the_fp8_gemv(runner):
     n = len(dev.launches)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 13)), start_pos=0, page_table=[0]))
     new = dev.launches[n:]
-    assert family_launches(new, "quantize_act") == [] and _gemm_launches(new, "gemm_fp8_sm90") == []
+    assert family_launches(new, "quantize_act") == [] and family_launches(new, "gemm_fp8_sm90") == []
     launches = _fp8_launches(new)
     gate_up = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gate_up")]
     assert len(gate_up) == 4 * 2  # 4 layers x cdiv(12, 8) pieces

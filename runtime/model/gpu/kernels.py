@@ -4,10 +4,10 @@
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
 fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depend on the row
-count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 weights use the
-FP8 GEMV for the same row counts and above them, where compiled for the shape, the activation
-quantisation and the block-scaled FP8 GEMM (`fp8_prefill`); NVFP4 weights use their GEMV at every
-row count (`linear_quantised`); `layers.Forward.linear` picks by the weight's format.
+count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4 weights
+use their format's GEMV (`linear_quantised`) for the same row counts and above them, where
+compiled for the shape, a prefill GEMM (`quantised_prefill`: W8A8 for FP8, the weight decoded to
+BF16 then the BF16 GEMM for NVFP4); `layers.Forward.linear` picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
 (logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
 (logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
@@ -66,12 +66,12 @@ def _need(library: Any, family: str, what: str, **match: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Fp8Prefill:
-    """Keys of one FP8 linear's prefill kernels (`KernelChoice.fp8_prefill`)."""
+class QuantisedPrefill:
+    """(family, key) of a quantised linear's prefill kernels (`KernelChoice.quantised_prefill`)."""
 
-    quantize: str  # quantize_act: bf16 rows -> e4m3 codes + a scale per (row, 128 columns)
-    gemm: str  # gemm_fp8_sm90: the block-scaled W8A8 GEMM over the FP8 rows
-    tail: str | None  # gemm_sm90 with the output stride N + NT: the BF16 tail's columns (None: no tail)
+    first: tuple[str, str]  # FP8: quantize_act (the rows to e4m3 + scales); NVFP4: dequant_nvfp4 (W to bf16)
+    gemm: tuple[str, str]  # FP8: gemm_fp8_sm90; NVFP4: gemm_sm90 over the decoded weight
+    tail: tuple[str, str] | None  # gemm_sm90 with the row stride N + NT for the BF16 tail (None: no tail)
 
 
 @dataclass
@@ -242,18 +242,23 @@ class KernelChoice:
                 f"{self.library.manifest.arch}`")
         return family, key
 
-    def fp8_prefill(self, n: int, nt: int, k: int) -> Fp8Prefill | None:
-        """The kernels of the FP8 prefill GEMM for a weight [n, k] with a BF16 tail of nt rows: the
-        activation quantisation for K = k, the block-scaled GEMM, and the BF16 GEMM writing the
-        tail's columns with the row stride n + nt; None when any was not compiled for the shape
-        (the runner then keeps the FP8 GEMV, 8 rows a launch)."""
+    def quantised_prefill(self, fmt: str, n: int, nt: int, k: int) -> QuantisedPrefill | None:
+        """The prefill kernels of a weight [n, k] of a quantised format with a BF16 tail of nt rows
+        (`layers.Forward.quantised_gemm`), written with the row stride n + nt: FP8, the activation
+        quantisation and the block-scaled FP8 GEMM (W8A8); NVFP4, the weight decoded to BF16 and
+        the BF16 GEMM (W4A16); the tail by the BF16 GEMM. None when one of them was not compiled
+        for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
         lib = self.library
-        quantize = _find(lib, "quantize_act", K=k)
-        gemm = _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k)
-        tail = _find(lib, "gemm_sm90", N=nt, K=k, ld=n + nt) if nt else None
-        if quantize is None or gemm is None or (nt and tail is None):
+        if fmt == FP8:
+            first = ("quantize_act", _find(lib, "quantize_act", K=k))
+            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k))
+        else:
+            first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
+            gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt))
+        tail = ("gemm_sm90", _find(lib, "gemm_sm90", N=nt, K=k, ld=n + nt)) if nt else None
+        if first[1] is None or gemm[1] is None or (tail is not None and tail[1] is None):
             return None
-        return Fp8Prefill(quantize, gemm, tail)
+        return QuantisedPrefill(first, gemm, tail)
 
     def required(self) -> list[tuple[str, str]]:
         """(family, key) of every non-linear kernel chosen (loaded, and so checked, at start)."""

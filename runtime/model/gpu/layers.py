@@ -125,15 +125,16 @@ class Forward:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
         shape: BF16, the GEMV for a few rows, the GEMM otherwise (exact_rows: the decode GEMV
         in blocks of `KernelChoice.exact_block` rows, whatever `rows` is, so a row's numbers do
-        not depend on how many there are); FP8, `fp8_linear`; NVFP4, the NVFP4 GEMV 8 rows a
-        launch (block scales and per-row global scales bound, `tail`, a BF16 slot after the
-        NVFP4 rows, computed by the same launch; y is then N + NT wide)."""
-        if weight.format == FP8 and rows > PREFILL_GEMV_ROWS and not exact_rows:
+        not depend on how many there are); FP8 and NVFP4, `quantised_gemm` for more than
+        PREFILL_GEMV_ROWS rows outside exact_rows steps where its kernels were compiled, else the
+        format's GEMV 8 rows a launch (block scales, and NVFP4's per-row global scales, bound;
+        `tail`, a BF16 slot after the quantised rows, computed by the same launch; y is then
+        N + NT wide)."""
+        if weight.format in (FP8, NVFP4) and rows > PREFILL_GEMV_ROWS and not exact_rows:
             n, k = weight.shape
-            nt = tail.shape[0] if tail else 0
-            prefill = self.kernels.fp8_prefill(n, nt, k)
+            prefill = self.kernels.quantised_prefill(weight.format, n, tail.shape[0] if tail else 0, k)
             if prefill is not None:
-                self.fp8_gemm(out, x, weight, y, rows, tail, prefill)
+                self.quantised_gemm(out, x, weight, y, rows, tail, prefill)
                 return
         if weight.format in (FP8, NVFP4):
             n, k = weight.shape
@@ -160,28 +161,36 @@ class Forward:
             self.launch(out, family, key, {"x": x + r0 * k * 2, "w": self.w(weight), "out": y + r0 * n * 2},
                         {"M": m})
 
-    def fp8_gemm(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None, prefill: Any) -> None:
-        """y[rows, :N] = x @ dequant(weight)^T by W8A8: the rows quantised to e4m3 with a scale per
-        (row, 128 columns) (`quantize_act`), then the block-scaled FP8 GEMM (`gemm_fp8_sm90`); a
-        BF16 `tail` by the BF16 GEMM into columns N .. N + NT of the same rows (row stride N + NT).
+    def quantised_gemm(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None,
+                       prefill: Any) -> None:
+        """y[rows, :N] = x @ dequant(weight)^T for a prefill piece (`KernelChoice.quantised_prefill`):
+        FP8 as W8A8, the rows quantised to e4m3 with a scale per (row, 128 columns) (`quantize_act`)
+        then the block-scaled FP8 GEMM (`gemm_fp8_sm90`); NVFP4 as W4A16, the weight decoded to
+        bf16 (`dequant_nvfp4`, code x block scale x global, rounded once) into a scratch the size of
+        the largest NVFP4 linear, then the BF16 GEMM. A BF16 `tail` by the BF16 GEMM into columns
+        N .. N + NT of the same rows (row stride N + NT).
 
         Which rows take it (`linear`): more than PREFILL_GEMV_ROWS rows outside exact_rows steps,
-        the rule the BF16 GEMM follows, so FP8 keeps its guarantees: a row's numbers never depend
-        on the other rows of its launch (its scales are its own, and every output element is one
-        thread's fixed-order sum over the k-tiles), so a prompt's rows get the same numbers
-        however it is chunked as long as each piece takes the GEMM, and every piece between block
-        boundaries has 64 or more rows (docs/prefix_cache.md, Exactness). Decode, verification
-        and pieces of up to 16 rows (a prompt's last few tokens) keep the FP8 GEMV (W8A16): other
+        the rule the BF16 GEMM follows, and it keeps that rule's guarantee: a row's numbers never
+        depend on the other rows of its launch (FP8: its scales are its own; both GEMMs sum each
+        output in a fixed order over the k-tiles), so a prompt's rows get the same numbers however
+        it is chunked as long as each piece takes the GEMM, and every piece between block
+        boundaries has 64 or more rows (docs/prefix_cache.md, Exactness). Decode, verification and
+        pieces of up to 16 rows (a prompt's last few tokens) keep the GEMV (W8A16 / W4A16): other
         numbers, as the BF16 GEMV's differ from the BF16 GEMM's."""
-        n = weight.shape[0]
+        n, k = weight.shape
         buf, base = self.storage.buf, self.storage.weights_base
-        self.launch(out, "quantize_act", prefill.quantize, {"x": x, "q": buf["fp8_x"], "scale": buf["fp8_scale"]},
-                    {"M": rows})
-        self.launch(out, "gemm_fp8_sm90", prefill.gemm,
-                    {"x": buf["fp8_x"], "w": self.w(weight), "x_scale": buf["fp8_scale"],
-                     "w_scale": base + weight.scale_offset, "out": y}, {"M": rows})
+        if weight.format == FP8:
+            self.launch(out, *prefill.first, {"x": x, "q": buf["fp8_x"], "scale": buf["fp8_scale"]}, {"M": rows})
+            self.launch(out, *prefill.gemm, {"x": buf["fp8_x"], "w": self.w(weight), "x_scale": buf["fp8_scale"],
+                                             "w_scale": base + weight.scale_offset, "out": y}, {"M": rows})
+        else:
+            self.launch(out, *prefill.first, {"w": self.w(weight), "scale": base + weight.scale_offset,
+                                              "gscale": base + weight.gscale_offset, "out": buf["nvfp4_w"]},
+                        {"N": n})
+            self.launch(out, *prefill.gemm, {"x": x, "w": buf["nvfp4_w"], "out": y}, {"M": rows})
         if tail:
-            self.launch(out, "gemm_sm90", prefill.tail, {"x": x, "w": self.w(tail), "out": y + n * 2}, {"M": rows})
+            self.launch(out, *prefill.tail, {"x": x, "w": self.w(tail), "out": y + n * 2}, {"M": rows})
 
     # ------------------------------------------------------------------ layer kinds
 
