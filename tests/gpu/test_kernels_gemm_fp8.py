@@ -7,7 +7,8 @@ for each quotient, round-to-nearest-even saturating e4m3), so codes and scales m
 The FP8 GEMM's exact reference is float64 of the dequantised operands (`gemm_fp8_sm90.reference(
 exact=True)`); the same-precision baseline is the kernel's order in fp32 (per-block partial times
 both scales, fp32 sum, bf16). Both must hold:
-- the relative (Frobenius) error at most 2x the baseline's (`assert_close_to_baseline`);
+- the relative (Frobenius) error at most 2x the baseline's plus 2^-11 (`assert_close_to_baseline`;
+  the floor for the FP8 WGMMA's reduced-precision block sums, which the baseline does not model);
 - elementwise |got - exact| <= 2^-8 |exact| + 2^-10 mag, mag = sum_k |x_k w_k| (dequantised): the
   bf16 output rounding is at most 2^-9 |result| and the FP8 WGMMA's accumulation keeps the top
   ~14 bits of each 128-term block sum (DeepSeek-V3 section 3.3: at most ~2^-13 of its magnitude;
@@ -111,7 +112,10 @@ def _magnitude(xq, x_scale, wq, w_scale):
 def _check(got, xq, x_scale, wq, w_scale, what):
     exact = gemm_fp8_sm90.reference(xq, x_scale, wq, w_scale, exact=True)
     base = gemm_fp8_sm90.reference(xq, x_scale, wq, w_scale)
-    assert_close_to_baseline(got, exact, base, what)
+    # floor 2^-11: the FP8 WGMMA's block sums (not modelled by the fp32 baseline) keep ~14 bits of
+    # their running sum per addition, ~sqrt(128) 2^-14 = 2^-10.5 of a block sum at most (before
+    # the errors of the blocks average out), small against the baseline's bf16 rounding (~2^-10).
+    assert_close_to_baseline(got, exact, base, what, floor=2.0**-11)
     bound = 2.0**-8 * np.abs(exact) + 2.0**-10 * _magnitude(xq, x_scale, wq, w_scale)
     worst = np.unravel_index(np.argmax(np.abs(got - exact) - bound), got.shape)
     assert np.all(np.abs(got - exact) <= bound), f"{what}: at {worst} got {got[worst]} want {exact[worst]}"

@@ -1,6 +1,7 @@
 """`CudaRunner` on an FP8 artifact, on the null device: the FP8 projections are uploaded as stored
-(codes + block scales), bound to the `gemv_fp8` kernels with their scale pointers, prefill pieces of more than 16
-rows run the activation quantisation + FP8 GEMM (up to 16: the GEMV 8 rows at a time), and synthetic FP8 weights fill codes and scales. Kernels do not run here;
+(codes + block scales), bound to the `gemv_fp8` kernels with their scale pointers, prefill pieces
+of more than 16 rows run the activation quantisation + FP8 GEMM (up to 16: the GEMV 8 rows at a
+time), and synthetic FP8 weights fill codes and scales. Kernels do not run here;
 `tests/gpu/test_cuda_runner_fp8.py` checks values. Needs the built kernels and skips without them.
 """
 
