@@ -85,8 +85,9 @@ def _scaled_mm_form(torch: Any, m: int, n: int, k: int) -> tuple[str, Any]:
     """The torch._scaled_mm peer for an [m, k] x [n, k] FP8 product: blockwise (1x128 activation and
     128x128 weight scales, the same recipe as ours) where this torch takes it, else rowwise (a scale
     per row and per output column, a cheaper epilogue-only scaling). Returns (name, call())."""
-    xq = (torch.randn(m, k, device="cuda") * 64).to(torch.float8_e4m3fn)
-    wq = (torch.randn(n, k, device="cuda") * 64).to(torch.float8_e4m3fn)
+    # Clamped: torch's cast to e4m3fn does not saturate (past 448 gives NaN).
+    xq = (torch.randn(m, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wq = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     xs = torch.rand(m, k // 128, device="cuda") * 1e-3
     ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
     forms = [("blockwise", xs.t().contiguous().t(), ws.t()), ("blockwise", xs, ws.t().contiguous()),

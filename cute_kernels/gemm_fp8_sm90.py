@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from runtime.artifact.formats import e4m3_to_f32
 from runtime.cuda.manifest import TmaEncode
 
 from .bf16 import round_bf16
 from .gemm_sm90 import CONSUMER_REGS, GROUP_M, PRODUCER_REGS, SMS, THREADS, tile_coords
+from .gemv_fp8 import e4m3_values
 from .variant import HOPPER, Variant, i32, ptr, tensor, tma
 
 FAMILY = "gemm_fp8_sm90"
@@ -107,7 +107,7 @@ def reference(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.nd
     ft = np.float64 if exact else np.float32
     m, k = xq.shape
     n = w.shape[0]
-    a, b = e4m3_to_f32(xq).astype(ft), e4m3_to_f32(w).astype(ft)
+    a, b = e4m3_values(xq).astype(ft), e4m3_values(w).astype(ft)
     w_rows = np.repeat(w_scale.astype(ft), BN, axis=0)[:n]
     total = np.zeros((m, n), dtype=ft)
     for kb in range(-(-k // BK)):

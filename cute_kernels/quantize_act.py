@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.artifact.formats import f32_to_e4m3
-
+from .gemv_fp8 import e4m3_values
 from .variant import HOPPER, Variant, i32, ptr, tensor
 
 FAMILY = "quantize_act"
@@ -36,6 +35,20 @@ SHAPES = [("k5120", 5120), ("k6144", 6144), ("k17408", 17408), ("k128", 128), ("
 
 def groups(k: int) -> int:
     return -(-k // GROUP)
+
+
+def e4m3_codes(values: np.ndarray) -> np.ndarray:
+    """float32 -> e4m3fn codes as `cvt.rn.satfinite.e4m3x2.f32` gives them: the nearest finite
+    value, ties to the even code (its mantissa's last bit 0), magnitudes past 448 saturated, the
+    sign kept (-0 and negatives that round to 0 are 0x80)."""
+    v = np.asarray(values, dtype=np.float32)
+    table = e4m3_values(np.arange(0x7F, dtype=np.uint8))  # codes 0x00 .. 0x7E: increasing magnitudes
+    mag = np.minimum(np.abs(v).astype(np.float64), E4M3_MAX)
+    upper = np.minimum(np.searchsorted(table, mag, side="left"), 0x7E)
+    lower = np.maximum(upper - 1, 0)
+    below, above = mag - table[lower], table[upper] - mag
+    code = np.where((below < above) | ((below == above) & (lower % 2 == 0)), lower, upper)
+    return (code.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 7)).astype(np.uint8)
 
 
 def _variant(key: str, k: int) -> Variant:
@@ -75,7 +88,7 @@ def reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = (np.abs(blocks).max(axis=2) / np.float32(E4M3_MAX)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1.0))[:, :, None]
     quotient = np.where(scale[:, :, None] > 0, blocks / safe, np.float32(0.0)).astype(np.float32)
-    codes = f32_to_e4m3(quotient).reshape(m, kb * GROUP)[:, :k]
+    codes = e4m3_codes(quotient).reshape(m, kb * GROUP)[:, :k]
     return np.ascontiguousarray(codes), scale
 
 

@@ -128,10 +128,10 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "gemm_fp8_sm90", "dequant_nvfp4",
-                 "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
+                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
                  "vision_attention", "vision_pos"}),
-    # gemv_nvfp4 reuses gemv_fp8's e4m3 table, dequant_nvfp4 both GEMVs' decoding.
-    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4"}),
+    # gemv_nvfp4, dequant_nvfp4, quantize_act and gemm_fp8_sm90 reuse gemv_fp8's e4m3 table.
+    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4", "quantize_act", "gemm_fp8_sm90"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
     ("moe_kernels.py", {"moe"}),
     # moe_grouped's GEMM and the FP8 GEMM are built from gemm_sm90's constants (the FP8 GEMM also

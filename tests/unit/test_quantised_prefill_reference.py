@@ -8,7 +8,22 @@ import numpy as np
 
 from cute_kernels import dequant_nvfp4, gemm_fp8_sm90, gemm_sm90, gemv_fp8, quantize_act
 from cute_kernels.bf16 import round_bf16, to_bits
-from runtime.artifact.formats import e4m3_to_f32, fp8_block_dequantize, nvfp4_dequantize
+from runtime.artifact.formats import e4m3_to_f32, f32_to_e4m3, fp8_block_dequantize, nvfp4_dequantize
+
+
+def test_e4m3_rounding_matches_the_artifact_quantiser():
+    """quantize_act's encoder (nearest, ties to even, saturating, signed zeros) against the
+    converter's independent bit-twiddling one, on random values over the whole range, every
+    e4m3 value and every midpoint between neighbours (the ties), both signs."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(100_000) * np.exp2(rng.integers(-14, 10, 100_000))).astype(np.float32)
+    table = e4m3_to_f32(np.arange(0x7F, dtype=np.uint8))
+    mids = ((table[1:].astype(np.float64) + table[:-1]) / 2).astype(np.float32)
+    edges = np.float32([0.0, 448.0, 449.0, 464.0, 465.0, 1e9, 2.0**-10, 3 * 2.0**-11])
+    both = np.concatenate([values, table, mids, edges])
+    both = np.concatenate([both, -both])
+    np.testing.assert_array_equal(quantize_act.e4m3_codes(both), f32_to_e4m3(both))
+    assert quantize_act.e4m3_codes(np.float32([-0.0, -1e-9]))[0] == 0x80
 
 
 def test_quantize_act_codes_and_scales_by_hand():
