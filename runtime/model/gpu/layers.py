@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
-from runtime.model.gpu.kernels import MOE_DECODE_ROWS, PREFILL_GEMV_ROWS
+from runtime.model.gpu.kernels import MOE_DECODE_ROWS, PREFILL_GEMV_ROWS, QuantisedPrefill
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
 QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
@@ -162,7 +162,7 @@ class Forward:
                         {"M": m})
 
     def quantised_gemm(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None,
-                       prefill: Any) -> None:
+                       prefill: QuantisedPrefill) -> None:
         """y[rows, :N] = x @ dequant(weight)^T for a prefill piece (`KernelChoice.quantised_prefill`):
         FP8 as W8A8, the rows quantised to e4m3 with a scale per (row, 128 columns) (`quantize_act`)
         then the block-scaled FP8 GEMM (`gemm_fp8_sm90`); NVFP4 as W4A16, the weight decoded to
