@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .moe_grouped import bench_moe_prefill
-from .kernels_quant import bench_gemv_q
+from .kernels_quant import bench_gemm_fp8, bench_gemv_q
 
 DOC_BEGIN = "<!-- kernels:begin (written by bench/kernels.py) -->"
 DOC_END = "<!-- kernels:end -->"
@@ -243,7 +243,7 @@ def bench_gemm(b: Bench, m: int) -> None:
 
     torch = b.torch
     for v in gemm_sm90.variants():
-        if v.key.startswith(("test_", "tiny_")):  # test shapes, not the 27B's
+        if v.key.startswith(("test_", "tiny_")) or v.config["ld"] != v.config["N"]:  # 27B shapes, no tails
             continue
         n, k = v.config["N"], v.config["K"]
         kern = b.lib.kernel("gemm_sm90", v.key)
@@ -305,7 +305,7 @@ def bench_gdn(b: Bench) -> None:
             del state
 
 
-SECTIONS = ("norms", "elementwise", "gemv", "gemv_q", "gemm", "moe", "gdn")
+SECTIONS = ("norms", "elementwise", "gemv", "gemv_q", "gemm", "gemm_fp8", "moe", "gdn")
 
 
 def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -316,6 +316,7 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
                 ("gemv_q", lambda: bench_gemv_q(b)), ("gemm", lambda: bench_gemm(b, 8192)),
+                ("gemm_fp8", lambda: bench_gemm_fp8(b, 8192)),
                 ("moe", lambda: _bench_moe(b)), ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:

@@ -1,6 +1,8 @@
-"""`bench.kernels --only gemv_q`: the quantised decode GEMVs (`gemv_fp8`, `gemv_nvfp4`) in every
-form they are built in (their FORMS: decode and unroll), side by side in one run.
+"""Two sections of `bench.kernels`: `--only gemv_q`, the quantised decode GEMVs (`gemv_fp8`,
+`gemv_nvfp4`) in every form they are built in (their FORMS: decode and unroll), side by side in
+one run; `--only gemm_fp8`, the FP8 prefill GEMM against torch._scaled_mm (`bench_gemm_fp8`).
 
+gemv_q:
 For each of the 27B's five shapes and M = 1 and 8, every form runs on the same weights (random
 codes without the NaN ones, e4m3 or fp32 scales, fp32 globals, the BF16 tail of gdn_in) and the
 same activations, rotating over enough weight copies that L2 cannot serve them. A row reports the
@@ -77,3 +79,64 @@ def bench_gemv_q(b: Any) -> None:
                              f"unroll={v.config['unroll']} agrees={agrees:.1e}", us, None, "",
                              wbytes + m * (k + n + nt) * 2)
             del ws, first
+
+
+def _scaled_mm_form(torch: Any, m: int, n: int, k: int) -> tuple[str, Any]:
+    """The torch._scaled_mm peer for an [m, k] x [n, k] FP8 product: blockwise (1x128 activation and
+    128x128 weight scales, the same recipe as ours) where this torch takes it, else rowwise (a scale
+    per row and per output column, a cheaper epilogue-only scaling). Returns (name, call())."""
+    # Clamped: torch's cast to e4m3fn does not saturate (past 448 gives NaN).
+    xq = (torch.randn(m, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wq = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    xs = torch.rand(m, k // 128, device="cuda") * 1e-3
+    ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
+    forms = [("blockwise", xs.t().contiguous().t(), ws.t()), ("blockwise", xs, ws.t().contiguous()),
+             ("rowwise", torch.rand(m, 1, device="cuda"), torch.rand(1, n, device="cuda"))]
+    for name, a_scale, b_scale in forms:
+        def call(a_scale: Any = a_scale, b_scale: Any = b_scale) -> Any:
+            return torch._scaled_mm(xq, wq.T, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+        try:
+            call()
+        except (RuntimeError, NotImplementedError, ValueError):
+            continue
+        return name, call
+    raise RuntimeError("this torch has no torch._scaled_mm for e4m3 operands")
+
+
+def bench_gemm_fp8(b: Any, m: int) -> None:
+    """`bench.kernels --only gemm_fp8`: the FP8 prefill linear of each 27B shape at M = m: the
+    block-scaled GEMM alone against torch._scaled_mm (blockwise where this torch supports it, else
+    rowwise; the row names which), then the activation quantisation alone, and the BF16 GEMM of the
+    same shape (gemm_sm90, when built) for the speed-up over BF16."""
+    from cute_kernels import gemm_fp8_sm90, quantize_act
+
+    torch = b.torch
+    for name, n, nt, k in gemm_fp8_sm90.SHAPES:
+        if name.startswith(("tiny", "test")):
+            continue
+        key = f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}"
+        kb = -(-k // 128)
+        x = [torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8) for _ in range(2)]
+        w = [torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8) for _ in range(2)]
+        xs = torch.rand(m, kb, device="cuda") * 1e-3
+        ws = torch.rand(-(-n // 128), kb, device="cuda") * 1e-3
+        out = torch.empty(m, n + nt, device="cuda", dtype=torch.bfloat16)
+        kern = b.lib.kernel("gemm_fp8_sm90", key)
+        bound = [kern.bind({"x": x[i % 2].data_ptr(), "w": w[i % 2].data_ptr(), "x_scale": xs.data_ptr(),
+                            "w_scale": ws.data_ptr(), "out": out.data_ptr()}, {"M": m}) for i in range(4)]
+        peer_name, call = _scaled_mm_form(torch, m, n, k)
+        us, peer_us = b.compare(b.ours(bound), b.peer([call] * 4))
+        b.record("gemm_fp8_sm90", key, f"M={m} N={n} K={k}", us, peer_us, f"torch._scaled_mm {peer_name}",
+                 flops=2.0 * m * n * k)
+        del x, w, out
+    for v in quantize_act.variants():
+        k = v.config["K"]
+        if k not in (5120, 6144, 17408):
+            continue
+        x = (torch.randn(m, k, device="cuda")).to(torch.bfloat16)
+        q = torch.empty(m, k, device="cuda", dtype=torch.uint8)
+        s = torch.empty(m, -(-k // 128), device="cuda")
+        kern = b.lib.kernel("quantize_act", v.key)
+        bound = [kern.bind({"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr()}, {"M": m})] * 4
+        us, _ = b.compare(b.ours(bound), None)
+        b.record("quantize_act", v.key, f"M={m} K={k}", us, None, "", m * k * 3 + m * (k // 128) * 4)

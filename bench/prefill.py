@@ -1,9 +1,14 @@
-"""Prefill speed of `CudaRunner` on a released model's shape with synthetic BF16 weights.
+"""Prefill speed of `CudaRunner` on a released model's shape with synthetic weights.
 
     python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
         [--gdn chunked|split|fused|all] [--attn split|flash|both] [--attn-tokens 8192] [--gdn-tokens 8192]
         [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|FILE.json] [--router balanced|skewed]
-        [--sweep-chunks 1024,2048,4096]
+        [--sweep-chunks 1024,2048,4096] [--format bf16|fp8|nvfp4]
+
+`--format` gives the projections the format of Qwen's FP8 release or of `tools.convert --recipe
+nvfp4` (as `bench.decode --format`; BF16 by default): FP8 prefill pieces of more than 16 rows run
+the activation quantisation and the block-scaled FP8 GEMM, NVFP4 ones the NVFP4 path
+(`layers.Forward.linear`); the FLOP rate is still reported against the BF16 matrix ceiling.
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports
 the second run (the first binds the launch plans) as tok/s and the fraction of the BF16 matrix
@@ -245,8 +250,9 @@ GDN_MODES = ("chunked", "split", "fused")
 
 def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash", attn_tokens: int = 8192,
         gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced",
-        sweep_chunks: list[int] | None = None) -> dict[str, Any]:
-    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router)
+        sweep_chunks: list[int] | None = None, weight_format: str = "bf16") -> dict[str, Any]:
+    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router,
+                         weight_format=weight_format)
     rate = matrix_rate(runner)
     k = runner.kernels
     gdn_kernels = {name: getattr(k, name, None) for name in ("gdn_chunked", "gdn_split", "gdn_norm")}
@@ -272,7 +278,7 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
     vs_fla = gdn_vs_fla(runner, gdn_tokens) if gdn_tokens else {}
     print(json.dumps({"gdn_vs_fla": vs_fla}), flush=True)
     return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
-            "shape": shape, "router": router,
+            "shape": shape, "router": router, "format": weight_format,
             "gdn_kernels": gdn_kernels, "attention_prefill_kernel": flash, "runs": runs,
             "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla, "chunk_sweep": sweep}
 
@@ -330,7 +336,8 @@ def chunk_sweep(runner: Any, prompts: list[int], chunks: list[int]) -> list[dict
 
 def render(data: dict[str, Any]) -> str:
     rate = data["matrix_rate_tflops"]
-    lines = [f"Shape {data['shape']} (router {data['router']} where MoE). Matrix ceiling in the same run: "
+    lines = [f"Shape {data['shape']} (router {data['router']} where MoE), {data.get('format', 'bf16')} projections. "
+             "Matrix ceiling in the same run: "
              f"**{rate:.0f} TFLOP/s** (our gemm_sm90, 8192 x 5120 x 17408). Prefill chunk {data['chunk']}."]
     for mode, run in data["runs"].items():
         lines += ["", f"Prefill kernels: {mode}", "",
@@ -386,10 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")
     ap.add_argument("--sweep-chunks", default="", help="also prefill each prompt one engine chunk of each "
                     "size per runner call (comma list, each <= --chunk)")
+    ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16",
+                    help="projection weights: BF16, Qwen's FP8 recipe, or the NVFP4 recipe")
     args = ap.parse_args(argv)
     data = run([int(p) for p in args.prompts.split(",")], args.chunk, args.gdn, args.attn, args.attn_tokens,
                args.gdn_tokens, args.synthetic_shape, args.router,
-               [int(c) for c in args.sweep_chunks.split(",") if c])
+               [int(c) for c in args.sweep_chunks.split(",") if c], args.format)
     data["command"] = "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill.json").write_text(json.dumps(data, indent=1))

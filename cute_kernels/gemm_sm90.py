@@ -81,22 +81,36 @@ SHAPES = [
     ("tiny_vit_fc1", 128, 64),
     ("tiny_vit_fc2", 64, 128),
 ]
+# (name, N, K, ld): GEMMs writing some of the columns of wider output rows (row stride ld), for
+# fused quantised projections with a BF16 tail (the GDN in_proj_b / in_proj_a of the 27B and of
+# the tiny model): the tails themselves (N = NT, written after the quantised columns: the runner
+# passes out = y + N_q columns) and the NVFP4 heads `[in_proj_qkv | in_proj_z]` decoded to BF16
+# (`dequant_nvfp4`) and written first.
+STRIDED_SHAPES = [
+    ("gdn_in_tail", 96, 5120, 16480),
+    ("tiny_gdn_in_tail", 8, 256, 392),
+    ("gdn_in_head", 16384, 5120, 16480),
+    ("tiny_gdn_in_head", 384, 256, 392),
+]
 
 
-def _variant(name: str, n: int, k: int) -> Variant:
-    if n % 2:
-        raise ValueError(f"gemm_sm90 shape {name}: N = {n} must be even (the epilogue stores column pairs)")
+def _variant(name: str, n: int, k: int, ld: int | None = None) -> Variant:
+    """ld: the output row stride in elements (default N; wider for a tail written beside other columns)."""
+    ld = n if ld is None else ld
+    if n % 2 or ld % 2 or ld < n:
+        raise ValueError(f"gemm_sm90 shape {name}: N = {n} and the output stride {ld} must be even (the epilogue "
+                         "stores column pairs) and the stride at least N")
     num_n = -(-n // BN)
     enc_a = TmaEncode(dtype="BFLOAT16", dims=(k, "M"), strides_bytes=(k * 2,), box=(BK, BM), elem_strides=(1, 1))
     enc_b = TmaEncode(dtype="BFLOAT16", dims=(k, n), strides_bytes=(k * 2,), box=(BK, BN), elem_strides=(1, 1))
     return Variant(
         family=FAMILY,
-        key=f"{name}_n{n}_k{k}",
-        config={"N": n, "K": k, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M, "threads": THREADS,
+        key=f"{name}_n{n}_k{k}" + (f"_ld{ld}" if ld != n else ""),
+        config={"N": n, "K": k, "ld": ld, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M, "threads": THREADS,
                 "regs": [PRODUCER_REGS, CONSUMER_REGS], "persistent_ctas": SMS},
         # The TMA coordinate tensor of x carries its dynamic M as an int32 right after the descriptor.
         params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("out"), i32("M")],
-        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
+        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", ld, role="out")},
         sizes=("M",),
         block=(THREADS, 1, 1),
         grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})", 1, 1),
@@ -108,13 +122,25 @@ def _variant(name: str, n: int, k: int) -> Variant:
 
 
 def variants() -> list[Variant]:
-    return [_variant(*s) for s in SHAPES]
+    return [_variant(*s) for s in SHAPES] + [_variant(*s) for s in STRIDED_SHAPES]
 
 
 def reference(x: np.ndarray, w: np.ndarray, *, exact: bool = False) -> np.ndarray:
     if exact:
         return x.astype(np.float64) @ w.astype(np.float64).T
     return round_bf16((x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32))
+
+
+def tile_coords(t: Any, tiles_m: Any, band: Any) -> tuple[Any, Any]:
+    """(M tile, N tile) of persistent tile t (traced inside a kernel; band = GROUP_M * N tiles):
+    bands of GROUP_M M-tiles, M fastest within a band, so the tiles in flight at once share
+    activation and weight tiles in L2."""
+    import cutlass
+
+    first_m = (t // band) * GROUP_M
+    band_rows = cutlass.min(tiles_m - first_m, GROUP_M)
+    local = t % band
+    return first_m + local % band_rows, local // band_rows
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
@@ -128,7 +154,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     from . import _dsl
 
-    n, k = variant.config["N"], variant.config["K"]
+    n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
     num_n = -(-n // BN)
     k_tiles = -(-k // BK)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -189,13 +215,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         grid_size, _, _ = cute.arch.grid_dim()
         per_band = GROUP_M * num_n
 
-        def tile_coords(t: Any, tiles_m: Any, band: Any) -> tuple[Any, Any]:
-            # Raster: bands of GROUP_M M-tiles, M fastest within a band.
-            first_m = (t // band) * GROUP_M
-            band_rows = cutlass.min(tiles_m - first_m, GROUP_M)
-            local = t % band
-            return first_m + local % band_rows, local // band_rows
-
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -230,7 +249,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # 32-bit word (N is even, so a pair is either wholly inside N or wholly past it).
             packed = cute.recast_tensor(result, cutlass.Int32)
             g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
-                                     cute.make_layout((m, n // 2), stride=(n // 2, 1)))
+                                     cute.make_layout((m, n // 2), stride=(ld // 2, 1)))
             k_blocks = cute.size(t_ca, mode=[2])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)

@@ -6,11 +6,16 @@ the BF16 torch forward of the dequantised weights (`_torch_bf16_logits`), whose 
 fp32 reference measures what bf16 activations cost on this model. Our NVFP4 path decodes each
 weight times its block scale exactly in bf16, sums in fp32 and applies the global scale to the
 fp32 sum, so it rounds no more than that forward (whose dequantised weights are themselves
-rounded to bf16): its error must stay within 2x. Prefill runs the NVFP4 GEMV 8 rows at a time
-(no NVFP4 GEMM yet), decode one launch per projection. Written without a GPU at hand: not run yet.
+rounded to bf16): its error must stay within 2x. Decode runs the NVFP4 GEMV. Prefill pieces of
+more than 16 rows decode each weight to bf16 (code x block scale x global, rounded once: the
+torch forward's weights are rounded the same way) and run the BF16 GEMM, so the same bound holds;
+and a prompt chunked two ways gives the same logits bit for bit.
+Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -51,6 +56,22 @@ def test_nvfp4_prefill_logits_match_reference(runners, tiny_nvfp4_path):
     agree = float(np.mean(ours.argmax(-1) == want.argmax(-1)))
     agree_torch = float(np.mean(torch_bf16.argmax(-1) == want.argmax(-1)))
     assert agree >= min(0.99, agree_torch - 0.01)
+
+
+def test_nvfp4_prefill_is_the_same_however_the_prompt_is_chunked(runners):
+    """200 tokens as pieces of 128 + 72 rows and as 64 + 64 + 72 (pieces start on 64-token
+    blocks, as the scheduler cuts them): every piece takes the decoded-weight GEMM, whose rows do
+    not see each other, so the last piece's logits are equal bit for bit."""
+    cuda, _ = runners
+    ids = _prompt(8, 200, cuda.vocab_size)
+    results = []
+    for cuts in ((0, 128, 200), (0, 64, 128, 200)):
+        cuda.reset_slot(0)
+        for start, stop in pairwise(cuts):
+            logits = cuda.prefill(PrefillChunk(slot=0, token_ids=ids[start:stop], start_pos=start,
+                                               page_table=_pages(0, 4), all_logits=True))
+        results.append(logits)
+    np.testing.assert_array_equal(results[1], results[0])
 
 
 def test_nvfp4_decode_logits_match_reference(runners, tiny_nvfp4_path):

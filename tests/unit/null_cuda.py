@@ -44,13 +44,14 @@ def null_runner(path: Path):
 
 
 def family_launches(launches, family: str) -> list[tuple[str, list[int], int]]:
-    """(key, pointer parameters, M) of every recorded launch of `family`'s kernels, in order (the
-    kernels' parameters: pointers, then M last)."""
+    """(key, pointer parameters, M) of every recorded launch of `family`'s kernels, in order (M is
+    the last parameter; the pointers are the 8-byte parameters before it, so a GEMM's TMA
+    descriptors and int32 sizes are left out)."""
     prefix = f"infx_{family}_"
     out = []
     for rec in launches:
         if rec.function.startswith(prefix):
             key = rec.function[len(prefix):].split("_kernel")[0]
-            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1]]
+            ptrs = [struct.unpack("<Q", p)[0] for p in rec.params[:-1] if len(p) == 8]
             out.append((key, ptrs, struct.unpack("<i", rec.params[-1])[0]))
     return out

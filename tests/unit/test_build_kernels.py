@@ -89,13 +89,14 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
-                        "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
+                        "quantize_act", "gemm_fp8_sm90", "dequant_nvfp4", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
                         "moe_grouped",
                         "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
     bw = bk.plan(["sm_100a"], [], TOOLS)
-    assert bw and not {j.family for j in bw} & {"gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90"}
+    assert bw and not {j.family for j in bw} & {"gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "quantize_act",
+                                                "gemm_fp8_sm90", "dequant_nvfp4"}
     assert [j.name for j in bk.plan(["sm_90a"], ["rope"], TOOLS)] == [j.name for j in jobs if j.family == "rope"]
 
 
@@ -126,15 +127,16 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
-    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
-                 "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
+    ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "gemm_fp8_sm90", "dequant_nvfp4",
+                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
                  "vision_attention", "vision_pos"}),
-    # gemv_nvfp4 reuses gemv_fp8's e4m3 table.
-    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4"}),
+    # gemv_nvfp4, dequant_nvfp4, quantize_act and gemm_fp8_sm90 reuse gemv_fp8's e4m3 table.
+    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4", "quantize_act", "gemm_fp8_sm90"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
     ("moe_kernels.py", {"moe"}),
-    # moe_grouped's GEMM is built from gemm_sm90's constants; its SIMT kernels live in their own file.
-    ("gemm_sm90.py", {"gemm_sm90", "moe_grouped"}),
+    # moe_grouped's GEMM and the FP8 GEMM are built from gemm_sm90's constants (the FP8 GEMM also
+    # its raster); moe_grouped's SIMT kernels live in their own file.
+    ("gemm_sm90.py", {"gemm_sm90", "moe_grouped", "gemm_fp8_sm90"}),
     ("moe_grouped_kernels.py", {"moe_grouped"}),
 ])
 def test_fingerprint_covers_the_package_modules_a_family_imports(tmp_path, touched, affected):

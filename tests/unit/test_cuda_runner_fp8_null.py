@@ -1,6 +1,7 @@
 """`CudaRunner` on an FP8 artifact, on the null device: the FP8 projections are uploaded as stored
-(codes + block scales), bound to the `gemv_fp8` kernels with their scale pointers, prefill runs the
-GEMV 8 rows at a time, and synthetic FP8 weights fill codes and scales. Kernels do not run here;
+(codes + block scales), bound to the `gemv_fp8` kernels with their scale pointers, prefill pieces
+of more than 16 rows run the activation quantisation + FP8 GEMM (up to 16: the GEMV 8 rows at a
+time), and synthetic FP8 weights fill codes and scales. Kernels do not run here;
 `tests/gpu/test_cuda_runner_fp8.py` checks values. Needs the built kernels and skips without them.
 """
 
@@ -71,19 +72,50 @@ def test_decode_binds_the_fp8_gemv_with_scales_and_tail(runner):
                                            "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
 
 
-def test_prefill_runs_the_fp8_gemv_eight_rows_at_a_time(runner):
+def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):
+    """20 rows: every FP8 linear quantises its input rows, then runs the block-scaled GEMM over
+    all of them at once; the GDN input projection's BF16 tail is the BF16 GEMM writing columns
+    384.. of the same 392-wide rows. No FP8 GEMV runs."""
     dev = runner.device
     n = len(dev.launches)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 21)), start_pos=0, page_table=[0]))
-    launches = _fp8_launches(dev.launches[n:])
+    new = dev.launches[n:]
+    assert _fp8_launches(new) == []
+    quant = family_launches(new, "quantize_act")
+    gemm = family_launches(new, "gemm_fp8_sm90")
+    # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
+    assert len(quant) == len(gemm) == 16 and all(m == 20 for _, _, m in quant + gemm)
+    buf, base = runner.storage.buf, runner.storage.weights_base
+    gdn = runner.layout.layers[0]
+    assert quant[0] == ("k256", [buf["h"], buf["fp8_x"], buf["fp8_scale"]], 20)
+    # Pointer parameters x_scale, w_scale, out (x and w travel as TMA descriptors).
+    assert gemm[0] == ("tiny_gdn_in_n384_t8_k256", [buf["fp8_scale"], base + gdn["w_in"].scale_offset, buf["proj"]],
+                       20)
+    assert quant[1][0] == "k128" and gemm[1][0] == "tiny_gdn_out_n256_k128"
+    assert gemm[1][1] == [buf["fp8_scale"], base + gdn["out_proj"].scale_offset, buf["delta"]]
+    tails = [t for t in family_launches(new, "gemm") if "_tail_" in t[0]]
+    assert [(key, ptrs[-1], m) for key, ptrs, m in tails] == [("tiny_gdn_in_tail_n8_k256_ld392", buf["proj"] + 384 * 2,
+                                                               20)] * 3
+    # The quantised activations fit the widest FP8 input (down: K = 512) of a 64-row piece.
+    assert buf["fp8_scale"] - buf["fp8_x"] >= 64 * 512
+
+
+def test_prefill_of_16_rows_or_fewer_keeps_the_fp8_gemv(runner):
+    """A piece of at most 16 rows (the BF16 path's GEMV bound) runs the FP8 GEMV 8 rows a launch."""
+    dev = runner.device
+    n = len(dev.launches)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 13)), start_pos=0, page_table=[0]))
+    new = dev.launches[n:]
+    assert family_launches(new, "quantize_act") == [] and family_launches(new, "gemm_fp8_sm90") == []
+    launches = _fp8_launches(new)
     gate_up = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gate_up")]
-    assert len(gate_up) == 4 * 3  # 4 layers x cdiv(20, 8) pieces
+    assert len(gate_up) == 4 * 2  # 4 layers x cdiv(12, 8) pieces
     h, proj = runner.storage.buf["h"], runner.storage.buf["proj"]
-    assert [m for _, m in gate_up[:3]] == [8, 8, 4]
-    assert [p[0] - h for p, _ in gate_up[:3]] == [0, 8 * 256 * 2, 16 * 256 * 2]  # x rows
-    assert [p[3] - proj for p, _ in gate_up[:3]] == [0, 8 * 1024 * 2, 16 * 1024 * 2]  # out rows
+    assert [m for _, m in gate_up[:2]] == [8, 4]
+    assert [p[0] - h for p, _ in gate_up[:2]] == [0, 8 * 256 * 2]  # x rows
+    assert [p[3] - proj for p, _ in gate_up[:2]] == [0, 8 * 1024 * 2]  # out rows
     gdn_in = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gdn_in")]
-    assert [p[4] - proj for p, _ in gdn_in[:3]] == [0, 8 * 392 * 2, 16 * 392 * 2]  # rows N + NT = 392 wide
+    assert [p[4] - proj for p, _ in gdn_in[:2]] == [0, 8 * 392 * 2]  # rows N + NT = 392 wide
 
 
 def test_a_missing_fp8_shape_names_it_and_the_build_command(runner):

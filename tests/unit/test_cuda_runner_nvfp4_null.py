@@ -1,6 +1,7 @@
 """`CudaRunner` on an NVFP4 artifact, on the null device: the NVFP4 projections are uploaded as
 stored (codes, e4m3 block scales) with each part's global scale repeated over its rows, bound to
-the `gemv_nvfp4` kernels with their three pointers, prefill runs the GEMV 8 rows at a time, and
+the `gemv_nvfp4` kernels with their three pointers, prefill pieces of more than 16 rows decode
+each weight to bf16 and run the BF16 GEMM (up to 16: the GEMV 8 rows at a time), and
 synthetic NVFP4 weights fill codes, scales and globals. Kernels do not run here;
 `tests/gpu/test_cuda_runner_nvfp4.py` checks values. Needs the built kernels and skips without them.
 """
@@ -118,20 +119,51 @@ def test_decode_binds_the_nvfp4_gemv_with_scales_globals_and_tail(runner):
     assert {k for k, _, _ in launches} == TINY_KEYS
 
 
-def test_prefill_runs_the_nvfp4_gemv_eight_rows_at_a_time(runner):
+def test_prefill_of_more_than_16_rows_decodes_each_weight_then_runs_the_bf16_gemm(runner):
+    """20 rows: every NVFP4 linear is decoded to bf16 into one scratch (`dequant_nvfp4`, N rows)
+    and multiplied by the BF16 GEMM over all rows; the GDN input projection's head and its BF16
+    tail are the strided GEMMs writing columns 0..383 and 384..391 of the 392-wide rows."""
     dev = runner.device
     n = len(dev.launches)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 21)), start_pos=0, page_table=[0]))
-    launches = _nvfp4_launches(dev.launches[n:])
+    new = dev.launches[n:]
+    assert _nvfp4_launches(new) == []
+    buf, base = runner.storage.buf, runner.storage.weights_base
+    gdn = runner.layout.layers[0]
+    decode = family_launches(new, "dequant_nvfp4")
+    # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
+    assert len(decode) == 16
+    assert decode[0] == ("k256", [base + gdn["w_in"].offset, base + gdn["w_in"].scale_offset,
+                                  base + gdn["w_in"].gscale_offset, buf["nvfp4_w"]], 384)
+    assert decode[1] == ("k128", [base + gdn["out_proj"].offset, base + gdn["out_proj"].scale_offset,
+                                  base + gdn["out_proj"].gscale_offset, buf["nvfp4_w"]], 256)
+    gemms = family_launches(new, "gemm")  # gemm_sm90 (TMA descriptors left out: out, then M)
+    assert gemms[:4] == [("tiny_gdn_in_head_n384_k256_ld392", [buf["proj"]], 20),
+                         ("tiny_gdn_in_tail_n8_k256_ld392", [buf["proj"] + 384 * 2], 20),
+                         ("tiny_gdn_out_n256_k128", [buf["delta"]], 20),
+                         ("tiny_gate_up_n1024_k256", [buf["proj"]], 20)]
+    # The scratch holds the largest NVFP4 weight (gate_up, 1024 x 256) in bf16: the next buffer
+    # starts at least that far after it.
+    after = min(ptr for ptr in buf.values() if ptr > buf["nvfp4_w"])
+    assert after - buf["nvfp4_w"] >= 1024 * 256 * 2
+
+
+def test_prefill_of_16_rows_or_fewer_keeps_the_nvfp4_gemv(runner):
+    dev = runner.device
+    n = len(dev.launches)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 13)), start_pos=0, page_table=[0]))
+    new = dev.launches[n:]
+    assert family_launches(new, "dequant_nvfp4") == []
+    launches = _nvfp4_launches(new)
     gate_up = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gate_up")]
-    assert len(gate_up) == 4 * 3  # 4 layers x cdiv(20, 8) pieces
+    assert len(gate_up) == 4 * 2  # 4 layers x cdiv(12, 8) pieces
     h, proj = runner.storage.buf["h"], runner.storage.buf["proj"]
-    assert [m for _, m in gate_up[:3]] == [8, 8, 4]
-    assert [p[0] - h for p, _ in gate_up[:3]] == [0, 8 * 256 * 2, 16 * 256 * 2]  # x rows
-    assert [p[4] - proj for p, _ in gate_up[:3]] == [0, 8 * 1024 * 2, 16 * 1024 * 2]  # out rows
-    assert len({tuple(p[1:4]) for p, _ in gate_up[:3]}) == 1  # the same weights for every piece
+    assert [m for _, m in gate_up[:2]] == [8, 4]
+    assert [p[0] - h for p, _ in gate_up[:2]] == [0, 8 * 256 * 2]  # x rows
+    assert [p[4] - proj for p, _ in gate_up[:2]] == [0, 8 * 1024 * 2]  # out rows
+    assert len({tuple(p[1:4]) for p, _ in gate_up[:2]}) == 1  # the same weights for every piece
     gdn_in = [(ptrs, m) for key, ptrs, m in launches if key.startswith("tiny_gdn_in")]
-    assert [p[5] - proj for p, _ in gdn_in[:3]] == [0, 8 * 392 * 2, 16 * 392 * 2]  # rows N + NT = 392 wide
+    assert [p[5] - proj for p, _ in gdn_in[:2]] == [0, 8 * 392 * 2]  # rows N + NT = 392 wide
 
 
 def test_a_missing_nvfp4_shape_names_it_and_the_build_command(runner):

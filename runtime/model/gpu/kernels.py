@@ -4,9 +4,10 @@
 variant of every family that matches its shapes; a shape nobody compiled is an error naming the
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
 fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depend on the row
-count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4
-weights use their format's GEMV at every row count (`linear_quantised`); `layers.Forward.linear`
-picks by the weight's format.
+count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4 weights
+use their format's GEMV (`linear_quantised`) for the same row counts and above them, where
+compiled for the shape, a prefill GEMM (`quantised_prefill`: W8A8 for FP8, the weight decoded to
+BF16 then the BF16 GEMM for NVFP4); `layers.Forward.linear` picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
 (logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
 (logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
@@ -24,6 +25,7 @@ from runtime.model.gpu.moe_prefill import MoePrefill
 from runtime.model.gpu.weights import FP8, NVFP4
 
 GEMV_ROWS = (8, 16, 32, 64)  # the row counts (MB) of the BF16 decode GEMV's variants
+PREFILL_GEMV_ROWS = 16  # the most rows a non-exact launch runs through a GEMV (more: the GEMM)
 # The decode GEMV family of each quantised weight format, and the format's name in messages.
 QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
 # The recurrent GDN kernels (decode, verification, the prefill fallback) take the fewest column
@@ -61,6 +63,15 @@ def _need(library: Any, family: str, what: str, **match: Any) -> str:
             f"{library.root / 'manifest.json'}; add a variant to cute_kernels/{family}.py and run "
             f"`python build_kernels.py --arch {library.manifest.arch}`")
     return key
+
+
+@dataclass(frozen=True)
+class QuantisedPrefill:
+    """(family, key) of a quantised linear's prefill kernels (`KernelChoice.quantised_prefill`)."""
+
+    first: tuple[str, str]  # FP8: quantize_act (the rows to e4m3 + scales); NVFP4: dequant_nvfp4 (W to bf16)
+    gemm: tuple[str, str]  # FP8: gemm_fp8_sm90; NVFP4: gemm_sm90 over the decoded weight
+    tail: tuple[str, str] | None  # gemm_sm90 with the row stride N + NT for the BF16 tail (None: no tail)
 
 
 @dataclass
@@ -200,11 +211,11 @@ class KernelChoice:
         same in every GEMV variant, cute_kernels/gemv.py), else the GEMM."""
         lib = self.library
         for mb in GEMV_ROWS:
-            if m <= mb <= (GEMV_ROWS[-1] if exact else 16):
+            if m <= mb <= (GEMV_ROWS[-1] if exact else PREFILL_GEMV_ROWS):
                 key = _find(lib, "gemv", N=n, K=k, MB=mb)
                 if key is not None:
                     return "gemv", key
-        key = _find(lib, "gemm_sm90", N=n, K=k)
+        key = _find(lib, "gemm_sm90", N=n, K=k, ld=n)
         if key is not None:
             return "gemm_sm90", key
         raise KernelMissing(
@@ -234,6 +245,24 @@ class KernelChoice:
                 f"(both quantised GEMVs take them) and run `python build_kernels.py --arch "
                 f"{self.library.manifest.arch}`")
         return family, key
+
+    def quantised_prefill(self, fmt: str, n: int, nt: int, k: int) -> QuantisedPrefill | None:
+        """The prefill kernels of a weight [n, k] of a quantised format with a BF16 tail of nt rows
+        (`layers.Forward.quantised_gemm`), written with the row stride n + nt: FP8, the activation
+        quantisation and the block-scaled FP8 GEMM (W8A8); NVFP4, the weight decoded to BF16 and
+        the BF16 GEMM (W4A16); the tail by the BF16 GEMM. None when one of them was not compiled
+        for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
+        lib = self.library
+        if fmt == FP8:
+            first = ("quantize_act", _find(lib, "quantize_act", K=k))
+            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k))
+        else:
+            first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
+            gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt))
+        tail = ("gemm_sm90", _find(lib, "gemm_sm90", N=nt, K=k, ld=n + nt)) if nt else None
+        if first[1] is None or gemm[1] is None or (tail is not None and tail[1] is None):
+            return None
+        return QuantisedPrefill(first, gemm, tail)
 
     def required(self) -> list[tuple[str, str]]:
         """(family, key) of every non-linear kernel chosen (loaded, and so checked, at start)."""

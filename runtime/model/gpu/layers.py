@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.model.config import LINEAR_ATTENTION, MOE_MLP
 from runtime.model.gpu.collective import AllReduce, Collective
-from runtime.model.gpu.kernels import MOE_DECODE_ROWS
+from runtime.model.gpu.kernels import MOE_DECODE_ROWS, PREFILL_GEMV_ROWS, QuantisedPrefill
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
 QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
@@ -130,11 +130,17 @@ class Forward:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
         shape: BF16, the GEMV for a few rows, the GEMM otherwise (exact_rows: the decode GEMV
         in blocks of `KernelChoice.exact_block` rows, whatever `rows` is, so a row's numbers do
-        not depend on how many there are); FP8, the FP8 GEMV with the block scales bound, and
-        `tail` (a BF16 slot after the FP8 rows; y is then N + NT wide) computed by the same launch. There is
-        no FP8 GEMM yet, so FP8 prefill rows run through the GEMV 8 at a time: the same numbers
-        as decode, the weights read once per 8 rows. NVFP4 likewise with the NVFP4 GEMV (block
-        scales and per-row global scales bound)."""
+        not depend on how many there are); FP8 and NVFP4, `quantised_gemm` for more than
+        PREFILL_GEMV_ROWS rows outside exact_rows steps where its kernels were compiled, else the
+        format's GEMV 8 rows a launch (block scales, and NVFP4's per-row global scales, bound;
+        `tail`, a BF16 slot after the quantised rows, computed by the same launch; y is then
+        N + NT wide)."""
+        if weight.format in (FP8, NVFP4) and rows > PREFILL_GEMV_ROWS and not exact_rows:
+            n, k = weight.shape
+            prefill = self.kernels.quantised_prefill(weight.format, n, tail.shape[0] if tail else 0, k)
+            if prefill is not None:
+                self.quantised_gemm(out, x, weight, y, rows, tail, prefill)
+                return
         if weight.format in (FP8, NVFP4):
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0
@@ -159,6 +165,37 @@ class Forward:
             family, key = self.kernels.linear(n, k, m, exact=exact_rows)
             self.launch(out, family, key, {"x": x + r0 * k * 2, "w": self.w(weight), "out": y + r0 * n * 2},
                         {"M": m})
+
+    def quantised_gemm(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None,
+                       prefill: QuantisedPrefill) -> None:
+        """y[rows, :N] = x @ dequant(weight)^T for a prefill piece (`KernelChoice.quantised_prefill`):
+        FP8 as W8A8, the rows quantised to e4m3 with a scale per (row, 128 columns) (`quantize_act`)
+        then the block-scaled FP8 GEMM (`gemm_fp8_sm90`); NVFP4 as W4A16, the weight decoded to
+        bf16 (`dequant_nvfp4`, code x block scale x global, rounded once) into a scratch the size of
+        the largest NVFP4 linear, then the BF16 GEMM. A BF16 `tail` by the BF16 GEMM into columns
+        N .. N + NT of the same rows (row stride N + NT).
+
+        Which rows take it (`linear`): more than PREFILL_GEMV_ROWS rows outside exact_rows steps,
+        the rule the BF16 GEMM follows, and it keeps that rule's guarantee: a row's numbers never
+        depend on the other rows of its launch (FP8: its scales are its own; both GEMMs sum each
+        output in a fixed order over the k-tiles), so a prompt's rows get the same numbers however
+        it is chunked as long as each piece takes the GEMM, and every piece between block
+        boundaries has 64 or more rows (docs/prefix_cache.md, Exactness). Decode, verification and
+        pieces of up to 16 rows (a prompt's last few tokens) keep the GEMV (W8A16 / W4A16): other
+        numbers, as the BF16 GEMV's differ from the BF16 GEMM's."""
+        n, k = weight.shape
+        buf, base = self.storage.buf, self.storage.weights_base
+        if weight.format == FP8:
+            self.launch(out, *prefill.first, {"x": x, "q": buf["fp8_x"], "scale": buf["fp8_scale"]}, {"M": rows})
+            self.launch(out, *prefill.gemm, {"x": buf["fp8_x"], "w": self.w(weight), "x_scale": buf["fp8_scale"],
+                                             "w_scale": base + weight.scale_offset, "out": y}, {"M": rows})
+        else:
+            self.launch(out, *prefill.first, {"w": self.w(weight), "scale": base + weight.scale_offset,
+                                              "gscale": base + weight.gscale_offset, "out": buf["nvfp4_w"]},
+                        {"N": n})
+            self.launch(out, *prefill.gemm, {"x": x, "w": buf["nvfp4_w"], "out": y}, {"M": rows})
+        if tail:
+            self.launch(out, *prefill.tail, {"x": x, "w": self.w(tail), "out": y + n * 2}, {"M": rows})
 
     # ------------------------------------------------------------------ layer kinds
 

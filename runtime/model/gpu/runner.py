@@ -112,13 +112,20 @@ class CudaRunner:
         for fmt in (FP8, NVFP4):  # a missing shape is refused before the upload, naming it
             for n, nt, k in sorted(self.layout.quantized_shapes(fmt)):
                 self.kernels.linear_quantised(fmt, n, nt, k)
+        # The quantised linears with prefill kernels compiled (`KernelChoice.quantised_prefill`)
+        # share scratch sized for the largest: FP8 the widest input's quantised rows, NVFP4 the
+        # largest weight decoded to bf16.
+        prefill = {fmt: [(n, k) for n, nt, k in self.layout.quantized_shapes(fmt)
+                         if self.kernels.quantised_prefill(fmt, n, nt, k)] for fmt in (FP8, NVFP4)}
         self._component = component
         self._host_embed: np.ndarray | None = None
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                max_context=self.max_context, decode_splits=decode_splits,
                                decode_min_split=decode_min_split,
-                               mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None)
+                               mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None,
+                               fp8_k=max((k for _, k in prefill[FP8]), default=0),
+                               nvfp4_weights=max((n * k for n, k in prefill[NVFP4]), default=0))
         st = self.storage
         if component is not None:
             upload_artifact(self.layout, component, device, st.weights_base, self.stream, progress, mtp_component)

@@ -113,7 +113,7 @@ class Storage:
     def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
                  phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int,
                  decode_splits: int | None = None, decode_min_split: int = DECODE_MIN_SPLIT, mtp_layers: int = 0,
-                 media: bool = False):
+                 media: bool = False, fp8_k: int = 0, nvfp4_weights: int = 0):
         c = self.config = config
         self.device = device
         self.num_pages = num_pages
@@ -157,6 +157,14 @@ class Storage:
             "cos": self.rope_rows * (c.rotary_dim // 2) * 2, "sin": self.rope_rows * (c.rotary_dim // 2) * 2,
             "win_scratch": max(n_gdn, 1) * self.win_slot_bytes,
         }
+        if fp8_k:
+            # The FP8 prefill GEMM's quantised activations (e4m3 codes and a fp32 scale per row and
+            # 128 columns) of one linear at a time; fp8_k: the widest input of an FP8 linear that runs it.
+            sizes.update({"fp8_x": rows * fp8_k, "fp8_scale": rows * cdiv(fp8_k, 128) * 4})
+        if nvfp4_weights:
+            # The NVFP4 prefill path's weight decoded to bf16, one linear at a time; nvfp4_weights:
+            # the most elements of an NVFP4 linear that runs it.
+            sizes["nvfp4_w"] = nvfp4_weights * 2
         if mtp_layers:
             sizes.update({"mtp_x": rows * 2 * h * 2, "mtp_in": rows * h * 2, "mtp_chain": max_batch * h * 2,
                           "mtp_kept": max_batch * rows * h * 2, "mtp_ahead": max_batch * h * 2})

@@ -1,0 +1,287 @@
+"""FP8 prefill GEMM for Hopper (W8A8, block scaled): `out[M, :N] = dequant(xq)[M, K] @ dequant(W)[N, K]^T`.
+
+Operands as the runtime holds them: the weight `w[N, K]` e4m3 with one fp32 scale per 128 x 128
+block, `w_scale[cdiv(N, 128), cdiv(K, 128)]` (the artifact's `fp8_e4m3` layout, as `gemv_fp8`
+reads it), and the activations `xq[M, K]` e4m3 with one fp32 scale per row and 128 columns,
+`x_scale[M, cdiv(K, 128)]` (written by `quantize_act`). So
+
+    out[m, n] = bf16( sum_kb  x_scale[m, kb] * w_scale[n / 128, kb] * sum_{k in kb} xq[m, k] * w[n, k] ).
+
+The kernel is gemm_sm90's (warp-specialised TMA + WGMMA, persistent CTAs over tiles rasterised in
+bands of GROUP_M M-tiles, producer warpgroup at 40 registers, two consumer warpgroups of 64 rows
+each; see that module's docstring), with what FP8 block scaling changes:
+
+- tile 128 x 128 x 128: a k-tile is one scale block of both operands (128 e4m3 = one 128-byte
+  swizzled line), and an N tile is one weight-scale row, so a (tile, k-tile) has one weight
+  scale; 6 stages of 32 KiB;
+- each k-tile's 4 WGMMAs (K = 32, both operands K-major from shared memory) accumulate into a
+  fresh fp32 fragment, which after `wait_group(0)` is added into the tile's accumulator times
+  `x_scale[row, kb] * w_scale[n tile, kb]` (fp32 FMA): the per-block promotion also bounds the
+  FP8 WGMMA's reduced-precision accumulation to 128 products. The scales are loaded from global
+  memory (L1/L2) before the k-tile's barrier wait, so their latency hides behind it. The stage is
+  released as soon as the WGMMAs finished reading it; while one consumer warpgroup scales, the
+  other's WGMMAs run;
+- edges: TMA reads rows past M and N and columns past K as zeros (a partial last k-block or
+  N-block contributes nothing past the edge); rows past M read row M - 1's scale (their results
+  are never stored). K must be a multiple of 16 (TMA strides) and N of 2 (paired stores);
+- the output row stride is `ld` = N + NT: a fused projection whose last NT rows are BF16 (the
+  runner's `tail`) has them written after column N by gemm_sm90 with the same stride.
+
+Numerics: each block's partial is the WGMMA's (exact products of e4m3 values; an accumulation
+that keeps at least the top ~14 bits of the block sum, DeepSeek-V3 section 3.3), scaled and summed
+in fp32, rounded once to bf16. `reference` models it in fp32.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from runtime.cuda.manifest import TmaEncode
+
+from .bf16 import round_bf16
+from .gemm_sm90 import CONSUMER_REGS, GROUP_M, PRODUCER_REGS, SMS, THREADS, tile_coords
+from .gemv_fp8 import e4m3_values
+from .variant import HOPPER, Variant, i32, ptr, tensor, tma
+
+FAMILY = "gemm_fp8_sm90"
+BM, BN, BK = 128, 128, 128  # BN = BK = the 128 x 128 weight-scale block
+STAGES = 6
+
+# (name, N, NT, K): the FP8 linears of Qwen3.6-27B in Qwen's FP8 recipe (`weights.fp8_recipe_format`:
+# every projection but the GDN in_proj_b / in_proj_a, which follow gdn_in as a 96-row BF16 tail, and the
+# lm_head) and of the tiny fp8 test model (tools/make_tiny.py), the same shapes as gemv_fp8; then a
+# ragged one for tests (N, K not multiples of 128: partial blocks at both edges).
+SHAPES = [
+    ("gdn_in", 16384, 96, 5120),
+    ("o_proj", 5120, 0, 6144),  # GDN out_proj and attention o_proj
+    ("attn_qkv", 14336, 0, 5120),
+    ("gate_up", 34816, 0, 5120),
+    ("down", 5120, 0, 17408),
+    ("tiny_gdn_in", 384, 8, 256),
+    ("tiny_gdn_out", 256, 0, 128),
+    ("tiny_attn_qkv", 768, 0, 256),
+    ("tiny_o_proj", 256, 0, 256),
+    ("tiny_gate_up", 1024, 0, 256),
+    ("tiny_down", 256, 0, 512),
+    ("test", 328, 0, 320),
+]
+
+
+def _variant(name: str, n: int, nt: int, k: int) -> Variant:
+    if n % 2 or k % 16:
+        raise ValueError(f"gemm_fp8_sm90 shape {name}: N = {n} must be even (paired stores) and K = {k} a "
+                         "multiple of 16 (TMA row strides)")
+    num_n, kb = -(-n // BN), -(-k // BK)
+    ld = n + nt
+    enc_a = TmaEncode(dtype="UINT8", dims=(k, "M"), strides_bytes=(k,), box=(BK, BM), elem_strides=(1, 1))
+    enc_b = TmaEncode(dtype="UINT8", dims=(k, n), strides_bytes=(k,), box=(BK, BN), elem_strides=(1, 1))
+    return Variant(
+        family=FAMILY,
+        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}",
+        config={"N": n, "NT": nt, "K": k, "ld": ld, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M,
+                "threads": THREADS, "regs": [PRODUCER_REGS, CONSUMER_REGS], "persistent_ctas": SMS},
+        params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("x_scale"),
+                ptr("w_scale"), ptr("out"), i32("M")],
+        tensors={"x": tensor("e4m3", "M", k), "w": tensor("e4m3", n, k), "x_scale": tensor("f32", "M", kb),
+                 "w_scale": tensor("f32", num_n, kb), "out": tensor("bf16", "M", ld, role="out")},
+        sizes=("M",),
+        block=(THREADS, 1, 1),
+        grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})", 1, 1),
+        requires=("M >= 1", f"M <= {(2**31 - 1) // max(ld, k)}"),
+        arches=HOPPER,
+        note=f"prefill fp8 xq[M,{k}] @ W[{n},{k}]^T, 1x128 / 128x128 block scales, out stride {ld}",
+        example_sizes={"M": 8192},
+    )
+
+
+def variants() -> list[Variant]:
+    return [_variant(*s) for s in SHAPES]
+
+
+def reference(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray, *,
+              exact: bool = False) -> np.ndarray:
+    """The product from the codes and scales, block by block: exact (float64: the e4m3 products
+    and their 128-term sums are exact there, so this is the product of the dequantised operands
+    up to float64 rounding), or the kernel's order in fp32 (per-block partial, times both scales,
+    summed over blocks, rounded to bf16)."""
+    ft = np.float64 if exact else np.float32
+    m, k = xq.shape
+    n = w.shape[0]
+    a, b = e4m3_values(xq).astype(ft), e4m3_values(w).astype(ft)
+    w_rows = np.repeat(w_scale.astype(ft), BN, axis=0)[:n]
+    total = np.zeros((m, n), dtype=ft)
+    for kb in range(-(-k // BK)):
+        part = a[:, kb * BK:(kb + 1) * BK] @ b[:, kb * BK:(kb + 1) * BK].T
+        total += part * (x_scale[:, kb:kb + 1].astype(ft) * w_rows[None, :, kb])
+    return total if exact else round_bf16(total)
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.tensor_utils.layout import LayoutEnum
+
+    from . import _dsl
+
+    n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
+    num_n = -(-n // BN)
+    k_tiles = -(-k // BK)
+    e4m3, bf16, f32 = cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32
+    k_major = LayoutEnum.ROW_MAJOR
+    stage_bytes = (BM + BN) * BK
+
+    def smem_layouts() -> tuple[Any, Any]:
+        a = sm90.make_smem_layout_a(k_major, (BM, BN, BK), e4m3, STAGES)
+        b = sm90.make_smem_layout_b(k_major, (BM, BN, BK), e4m3, STAGES)
+        for what, lay in (("x", a), ("w", b)):
+            # The manifest promises 128-byte swizzle to the runtime's descriptor encode.
+            if "S<3,4,3>" not in str(lay.inner):
+                raise ValueError(f"{variant.name}: {what} smem layout is {lay.inner}, expected 128-byte swizzle")
+        return a, b
+
+    def make_mma() -> Any:
+        return sm90.make_trivial_tiled_mma(e4m3, e4m3, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(),
+                                           f32, (2, 1, 1), tiler_mn=(64, BN))
+
+    @cute.kernel
+    def kernel(tma_x: cute.CopyAtom, m_x: cute.Tensor, tma_w: cute.CopyAtom, m_w: cute.Tensor,
+               x_scale: cute.Pointer, w_scale: cute.Pointer, out: cute.Pointer, m: cutlass.Int32):
+        a_layout, b_layout = smem_layouts()
+        tiled_mma = make_mma()
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_x)
+            cpasync.prefetch_descriptor(tma_w)
+
+        @cute.struct
+        class Storage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sa: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(a_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(b_layout)], 1024]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+
+        num_m = (m + BM - 1) // BM
+        num_tiles = num_m * num_n
+        grid_size, _, _ = cute.arch.grid_dim()
+        per_band = GROUP_M * num_n
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
+                    m_tile, n_tile = tile_coords(t, num_m, per_band)
+                    g_x = cute.local_tile(m_x, (BM, BK), (m_tile, None))
+                    g_w = cute.local_tile(m_w, (BN, BK), (n_tile, None))
+                    t_sx, t_gx = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
+                                                       cute.group_modes(g_x, 0, 2))
+                    t_sw, t_gw = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
+                                                       cute.group_modes(g_w, 0, 2))
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_x, t_gx[(None, kt)], t_sx[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
+                ring.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tid - 128
+            wg_mma = tiled_mma.get_slice((ctid // 128) * 128)
+            thr_mma = tiled_mma.get_slice(ctid)
+            t_ca = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
+            t_cb = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
+            coords = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+            acc = cute.make_rmem_tensor(coords.shape, f32)
+            part = cute.make_rmem_tensor(coords.shape, f32)
+            result = cute.make_rmem_tensor(coords.shape, bf16)
+            packed = cute.recast_tensor(result, cutlass.Int32)
+            g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
+                                     cute.make_layout((m, ld // 2), stride=(ld // 2, 1)))
+            g_xs = cute.make_tensor(x_scale, cute.make_layout((m, k_tiles), stride=(k_tiles, 1)))
+            g_ws = cute.make_tensor(w_scale, cute.make_layout((num_n, k_tiles), stride=(k_tiles, 1)))
+            k_blocks = cute.size(t_ca, mode=[2])
+            # A WGMMA accumulator holds 2 rows per thread: slot j is row r0 + 8 * ((j // 2) % 2) of
+            # the warpgroup's 64 (the m64nNk32 C layout: column pairs, then the row half, then
+            # 8-column steps), so each k-tile needs two activation scales per thread.
+            r_lo, _ = coords[0]
+            r_hi, _ = coords[2]
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
+                m_tile, n_tile = tile_coords(t, num_m, per_band)
+                row0 = m_tile * BM
+                col0 = n_tile * BN
+                row_lo = cutlass.min(row0 + r_lo, m - 1)
+                row_hi = cutlass.min(row0 + r_hi, m - 1)
+                acc.fill(0.0)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    w_s = g_ws[n_tile, kt]
+                    s_lo = g_xs[row_lo, kt] * w_s
+                    s_hi = g_xs[row_hi, kt] * w_s
+                    ring.consumer_wait(read)
+                    warpgroup.fence()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, part, t_ca[(None, None, kb, read.index)],
+                                  t_cb[(None, None, kb, read.index)], part)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    ring.consumer_release(read)
+                    read.advance()
+                    for j in cutlass.range_constexpr(cute.size(acc)):
+                        acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
+
+                result.store(acc.load().to(bf16))
+                if row0 + BM <= m and col0 + BN <= n:
+                    for j in cutlass.range_constexpr(cute.size(packed)):
+                        r, c = coords[2 * j]
+                        g_out[row0 + r, (col0 + c) // 2] = packed[j]
+                else:
+                    for j in cutlass.range_constexpr(cute.size(packed)):
+                        r, c = coords[2 * j]
+                        if row0 + r < m and col0 + c < n:
+                            g_out[row0 + r, (col0 + c) // 2] = packed[j]
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemm_fp8_sm90_{variant.key}")
+
+    @cute.jit
+    def launch(x: cute.Tensor, w: cute.Tensor, x_scale: cute.Pointer, w_scale: cute.Pointer, out: cute.Pointer,
+               m: cutlass.Int32, stream: Any):
+        a_layout, b_layout = smem_layouts()
+        tma_x, t_x = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(a_layout, (None, None, 0)), (BM, BK)
+        )
+        tma_w, t_w = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(b_layout, (None, None, 0)), (BN, BK)
+        )
+        kernel(tma_x, t_x, tma_w, t_w, x_scale, w_scale, out, m).launch(
+            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream
+        )
+
+    m_sym = cute.sym_int32(divisibility=1)
+    x_fake = make_fake_compact_tensor(e4m3, (m_sym, k), stride_order=(1, 0), assumed_align=16)
+    w_fake = make_fake_compact_tensor(e4m3, (n, k), stride_order=(1, 0), assumed_align=16)
+    return launch, [x_fake, w_fake, _dsl.fake_ptr("f32"), _dsl.fake_ptr("f32"), _dsl.fake_ptr("bf16"),
+                    cutlass.Int32(1), _dsl.stream()]
