@@ -291,9 +291,10 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-            if shape.prefill and k.moe_prefill and not decode:
-                # Many rows: sorted by expert and run through grouped GEMMs (`gpu.moe_prefill`); the
-                # same routing, slot order and final rounding as the split form.
+            if not shape.exact_rows and k.moe_prefill and not decode:
+                # Many rows of a prefill chunk or an MTP catch-up (not `exact`): sorted by expert and
+                # run through grouped GEMMs (`gpu.moe_prefill`); the same routing, slot order and
+                # final rounding as the split form.
                 k.moe_prefill.bind(self, out, m, layer, route)
                 self.all_reduce(out, m)
                 return
