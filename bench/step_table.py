@@ -13,7 +13,8 @@ attention_wgmma), "moe_mlp" (moe, moe_grouped), "dense_mlp" (silu_mul alone), el
 are not kernels).
 
 Bytes (`launch_bytes`): a linear's weight (N x K at 2, 1 or 0.5 bytes a value for gemv / gemm_sm90,
-gemv_fp8, gemv_nvfp4, scales left out) plus its bf16 input and output rows; the MoE kernels' router
+gemv_fp8, gemv_nvfp4, scales left out) plus its bf16 input rows and its output rows (bf16, or fp32
+for the router's GEMM); the MoE kernels' router
 and expert weights, counting min(M x k, E) routed experts + the shared one read once each (exact at
 one row, an upper bound where rows share experts), plus their activation rows. Other launches:
 unknown (None), left out of the bandwidth column.
@@ -24,6 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from runtime.cuda.manifest import DTYPE_BYTES
 
 MIXERS = {"conv1d": "gdn", "gdn": "gdn", "gdn_chunked": "gdn", "attention": "attention",
           "attention_prefill": "attention", "attention_wgmma": "attention", "moe": "moe_mlp",
@@ -41,6 +44,7 @@ class LaunchInfo:
     family: str
     key: str
     rows: int | None
+    out_bytes: int = 2  # bytes of an output value (a linear's: 4 for an FP32-out GEMM)
 
 
 def describe(launch: Any) -> LaunchInfo:
@@ -50,7 +54,9 @@ def describe(launch: Any) -> LaunchInfo:
 
     if not isinstance(launch, BoundLaunch):
         return LaunchInfo(COPY, type(launch).__name__, None)
-    return LaunchInfo(launch.kernel.entry.family, launch.kernel.entry.key, launch.sizes.get("M"))
+    entry = launch.kernel.entry
+    out = entry.tensors.get("out")
+    return LaunchInfo(entry.family, entry.key, launch.sizes.get("M"), DTYPE_BYTES[out.dtype] if out else 2)
 
 
 def parts(infos: Sequence[LaunchInfo], norm_keys: Sequence[str]) -> list[str]:
@@ -109,7 +115,7 @@ def launch_bytes(info: LaunchInfo) -> int | None:
         if nk is None:
             return None
         n, k = nk["n"], nk["k"]
-        return int(n * k * LINEAR_BYTES[info.family]) + 2 * m * (k + n)
+        return int(n * k * LINEAR_BYTES[info.family]) + 2 * m * k + info.out_bytes * m * n
     if info.family != "moe":
         return None
     kind = info.key.split("_h")[0].split("_e")[0]

@@ -38,6 +38,8 @@ def test_launch_bytes_of_linears_and_moe_kernels():
     assert launch_bytes(_info("gemv", "a3b_o_proj_n2048_k4096_m8", 8)) == 2048 * 4096 * 2 + 2 * 8 * (4096 + 2048)
     assert launch_bytes(_info("gemm_sm90", "a3b_o_proj_n2048_k4096", 512)) == \
         2048 * 4096 * 2 + 2 * 512 * (4096 + 2048)
+    router = LaunchInfo("gemm_sm90", "a3b_router_n256_k2048", 512, out_bytes=4)
+    assert launch_bytes(router) == 256 * 2048 * 2 + 2 * 512 * 2048 + 4 * 512 * 256
     assert launch_bytes(_info("gemv_fp8", "attn_qkv_n14336_k5120_m8", 1)) == 14336 * 5120 + 2 * (5120 + 14336)
     assert launch_bytes(_info("gemv_nvfp4", "attn_qkv_n14336_k5120_m8", 1)) == 14336 * 5120 // 2 + 2 * (5120 + 14336)
     # The 35B-A3B's MoE at one row: the router, then 8 routed experts + the shared one.

@@ -10,7 +10,9 @@ picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
 (logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
 (logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
-after the split form's routing where they were compiled (`moe_prefill`).
+after the split form's routing where they were compiled (`moe_prefill`), and take their router
+logits from an FP32-out `gemm_sm90` variant where one was compiled for the router's shape
+(`moe_router_gemm`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class KernelChoice:
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
+        self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
@@ -107,6 +110,8 @@ class KernelChoice:
                 self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
                                            **shape)
             self.moe_prefill = MoePrefill.find(lib, _find, c)
+            # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
+            self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -200,7 +205,7 @@ class KernelChoice:
                 key = _find(lib, "gemv", N=n, K=k, MB=mb)
                 if key is not None:
                     return "gemv", key
-        key = _find(lib, "gemm_sm90", N=n, K=k)
+        key = _find(lib, "gemm_sm90", N=n, K=k, out="bf16")
         if key is not None:
             return "gemm_sm90", key
         raise KernelMissing(
@@ -242,7 +247,8 @@ class KernelChoice:
                   ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
-                  ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide)]
+                  ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
+                  ("gemm_sm90", self.moe_router_gemm)]
         if self.moe_prefill:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:
