@@ -102,3 +102,38 @@ def test_a_null_device_decode_plan_of_the_tiny_moe_model_splits_into_its_layers(
     assert collapsed == expected + ["norms", "lm_head"]
     # Projections and MoE kernels take the step's M (the GDN and conv kernels take B and T instead).
     assert {i.rows for i in infos if i.family in ("gemv", "moe")} == {1}
+
+
+def test_step_breakdown_sets_up_and_tables_every_step_kind_on_the_null_device(tiny_moe_path, monkeypatch):
+    """bench/step_breakdown.run on the tiny MoE model with its MTP head (2 rows, k = 3): each kind's
+    step is set up by the runner's own call and its bound launch list is the one timed (the null
+    device's events read 0 µs, so the tables' times are not checked here: a GPU's are)."""
+    import bench.step_breakdown as sb
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+
+    from null_cuda import built_or_skip
+
+    monkeypatch.setattr(sb, "HEAD_START_BYTES", 1 << 16)  # the null device backs small buffers only
+    batch, k = 2, 3
+    r = built_or_skip(lambda: CudaRunner.from_artifact(
+        tiny_moe_path, device=NullDevice(total_memory=2 << 30), mtp=True, num_pages=2 * 20,
+        num_slots=batch * (k + 2), max_batch=batch, max_context=1100, prefill_chunk=128))
+    try:
+        steps = sb.run(r, list(sb.KINDS), batch, k, 1000, 128, 1, 3e12)
+        assert list(steps) == ["decode, batch 2, context 1000", "verify 1+3, batch 2, context 1000",
+                               "MTP chain of drafts 2..3, batch 2", "MTP catch-up over 1+3 positions, batch 2",
+                               "prefill chunk of 128 tokens"]
+        decode = steps["decode, batch 2, context 1000"]
+        plan = r.steps.decode_plan(2)
+        assert [launch["key"] for launch in decode["launches"]] == [describe(launch).key for launch in plan]
+        assert decode["events"]["launches"] == decode["alone"]["launches"] == len(plan)
+        # The chain: two chained steps of the head, each ending in the greedy pick.
+        chain = steps["MTP chain of drafts 2..3, batch 2"]["launches"]
+        assert sum(launch["part"] == "sampling" for launch in chain) == 2 * 2  # candidates + pick a step
+        assert {launch["part"] for launch in chain} >= {"copies", "attention", "moe_mlp", "lm_head", "projection"}
+        prefill = steps["prefill chunk of 128 tokens"]["launches"]
+        assert {launch["rows"] for launch in prefill if launch["family"] == "moe"} == {128}  # route over the chunk
+        assert any(launch["family"] == "moe_grouped" for launch in prefill)
+    finally:
+        r.close()
