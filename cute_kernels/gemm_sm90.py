@@ -1,4 +1,5 @@
-"""Prefill GEMM for Hopper: `out[M, N] = x[M, K] @ W[N, K]^T`, BF16 in, FP32 accumulate, BF16 out.
+"""Prefill GEMM for Hopper: `out[M, N] = x[M, K] @ W[N, K]^T`, BF16 in, FP32 accumulate, BF16 out
+(or FP32 out: the `out_f32` shapes, the MoE router logits of a prefill chunk).
 
 A warp-specialised TMA + WGMMA kernel with a dynamic M (tokens) and static N, K (one variant per
 weight shape):
@@ -17,7 +18,8 @@ weight shape):
   weight tiles in L2;
 - the epilogue converts to bf16 and stores straight from registers, two adjacent columns per
   32-bit store, predicated on M and N (TMA clips the loads: rows past M and columns past N read
-  zeros).
+  zeros); an FP32-out variant stores the accumulator as it is, one value per store (its N is an
+  expert count: the stores are a small part of its time).
 
 The TMA descriptors are encoded by the runtime (`cuTensorMapEncodeTiled`) with the settings in the
 manifest, which come from the same constants this module compiles with.
@@ -93,9 +95,19 @@ STRIDED_SHAPES = [
     ("tiny_gdn_in_head", 384, 256, 392),
 ]
 
+# (name, N, K) with FP32 output: the MoE router logits x[M, H] @ Wr[E, H]^T of a prefill chunk, in
+# fp32 as the `moe` family's logits kernel writes them (its route kernel reads them; a bf16 logit
+# would tie its neighbours more often). N = E experts, K = H.
+SHAPES_F32 = [
+    ("a3b_router", 256, 2048),  # Qwen3.5/3.6-35B-A3B
+    ("next_router", 512, 2048),  # Qwen3-Next-80B-A3B
+    ("tiny_router", 8, 256),  # tools/make_tiny.py --moe
+    ("test_f32", 328, 192),  # small and ragged, for tests
+]
 
-def _variant(name: str, n: int, k: int, ld: int | None = None) -> Variant:
-    """ld: the output row stride in elements (default N; wider for a tail written beside other columns)."""
+def _variant(name: str, n: int, k: int, ld: int | None = None, out: str = "bf16") -> Variant:
+    """ld: the output row stride in elements (default N; wider for a tail written beside other
+    columns); out: the output dtype (bf16, or f32 for the router logits)."""
     ld = n if ld is None else ld
     if n % 2 or ld % 2 or ld < n:
         raise ValueError(f"gemm_sm90 shape {name}: N = {n} and the output stride {ld} must be even (the epilogue "
@@ -106,26 +118,29 @@ def _variant(name: str, n: int, k: int, ld: int | None = None) -> Variant:
     return Variant(
         family=FAMILY,
         key=f"{name}_n{n}_k{k}" + (f"_ld{ld}" if ld != n else ""),
-        config={"N": n, "K": k, "ld": ld, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M, "threads": THREADS,
-                "regs": [PRODUCER_REGS, CONSUMER_REGS], "persistent_ctas": SMS},
+        config={"N": n, "K": k, "ld": ld, "out": out, "tile": [BM, BN, BK], "stages": STAGES, "group_m": GROUP_M,
+                "threads": THREADS, "regs": [PRODUCER_REGS, CONSUMER_REGS], "persistent_ctas": SMS},
         # The TMA coordinate tensor of x carries its dynamic M as an int32 right after the descriptor.
         params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("out"), i32("M")],
-        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", ld, role="out")},
+        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor(out, "M", ld, role="out")},
         sizes=("M",),
         block=(THREADS, 1, 1),
         grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})", 1, 1),
         requires=("M >= 1", "M <= 2147483647 // 2"),
         arches=HOPPER,
-        note=f"prefill x[M,{k}] @ W[{n},{k}]^T, TMA + WGMMA, tile {BM}x{BN}x{BK}",
+        note=f"prefill x[M,{k}] @ W[{n},{k}]^T, TMA + WGMMA, tile {BM}x{BN}x{BK}, {out} out",
         example_sizes={"M": 8192},
     )
 
 
 def variants() -> list[Variant]:
-    return [_variant(*s) for s in SHAPES] + [_variant(*s) for s in STRIDED_SHAPES]
+    return ([_variant(*s) for s in SHAPES] + [_variant(*s) for s in STRIDED_SHAPES]
+            + [_variant(*s, out="f32") for s in SHAPES_F32])
 
 
 def reference(x: np.ndarray, w: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    """float64 products (exact), else the bf16 output: fp32 sums rounded to bf16. An FP32-out
+    variant's output is the exact products up to fp32 summation rounding."""
     if exact:
         return x.astype(np.float64) @ w.astype(np.float64).T
     return round_bf16((x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32))
@@ -155,6 +170,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
+    out_f32 = variant.config["out"] == "f32"
     num_n = -(-n // BN)
     k_tiles = -(-k // BK)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -248,8 +264,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # Accumulator slots 2j and 2j + 1 are columns c and c + 1 of one row: stored as one
             # 32-bit word (N is even, so a pair is either wholly inside N or wholly past it).
             packed = cute.recast_tensor(result, cutlass.Int32)
-            g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
-                                     cute.make_layout((m, n // 2), stride=(ld // 2, 1)))
+            if cutlass.const_expr(out_f32):
+                g_out = cute.make_tensor(cute.recast_ptr(out, dtype=f32), cute.make_layout((m, n), stride=(ld, 1)))
+            else:
+                g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
+                                         cute.make_layout((m, n // 2), stride=(ld // 2, 1)))
             k_blocks = cute.size(t_ca, mode=[2])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -281,18 +300,24 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 ring.consumer_release(release)
                 release.advance()
 
-                result.store(acc.load().to(bf16))
                 row0 = m_tile * BM
                 col0 = n_tile * BN
-                if row0 + BM <= m and col0 + BN <= n:
-                    for j in cutlass.range_constexpr(cute.size(packed)):
-                        r, c = coords[2 * j]
-                        g_out[row0 + r, (col0 + c) // 2] = packed[j]
-                else:
-                    for j in cutlass.range_constexpr(cute.size(packed)):
-                        r, c = coords[2 * j]
+                if cutlass.const_expr(out_f32):
+                    for j in cutlass.range_constexpr(cute.size(acc)):
+                        r, c = coords[j]
                         if row0 + r < m and col0 + c < n:
+                            g_out[row0 + r, col0 + c] = acc[j]
+                else:
+                    result.store(acc.load().to(bf16))
+                    if row0 + BM <= m and col0 + BN <= n:
+                        for j in cutlass.range_constexpr(cute.size(packed)):
+                            r, c = coords[2 * j]
                             g_out[row0 + r, (col0 + c) // 2] = packed[j]
+                    else:
+                        for j in cutlass.range_constexpr(cute.size(packed)):
+                            r, c = coords[2 * j]
+                            if row0 + r < m and col0 + c < n:
+                                g_out[row0 + r, (col0 + c) // 2] = packed[j]
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemm_{variant.key}")
 
@@ -312,4 +337,4 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     m_sym = cute.sym_int32(divisibility=1)
     x_fake = make_fake_compact_tensor(bf16, (m_sym, k), stride_order=(1, 0), assumed_align=16)
     w_fake = make_fake_compact_tensor(bf16, (n, k), stride_order=(1, 0), assumed_align=16)
-    return launch, [x_fake, w_fake, _dsl.fake_ptr("bf16"), cutlass.Int32(1), _dsl.stream()]
+    return launch, [x_fake, w_fake, _dsl.fake_ptr("f32" if out_f32 else "bf16"), cutlass.Int32(1), _dsl.stream()]

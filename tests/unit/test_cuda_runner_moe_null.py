@@ -76,15 +76,16 @@ def _kinds(launches):
 
 
 def test_a_moe_layer_is_four_launches_over_all_rows_above_the_decode_rows(runner):
-    """Prefill (40 rows, past MOE_DECODE_ROWS) without the grouped GEMMs (`moe_prefill` None, as
-    for a shape they were not compiled for; with them: test_moe_prefill_null.py): the split form,
+    """Prefill (40 rows, past MOE_DECODE_ROWS) without the grouped GEMMs and the router GEMM
+    (`moe_prefill`, `moe_router_gemm` None, as for a shape they were not compiled for; with them:
+    test_moe_prefill_null.py, test_moe_router_gemm_null.py): the split form,
     logits, route, up, down over all m rows, with grids (m, E / 8), (m,), (m * (k + 1), I / 16),
     (m, H / 32) and the layer's slots bound."""
     from runtime.model.gpu.kernels import MOE_DECODE_ROWS
 
     c, st, m = runner.config, runner.storage, 40
     assert m > MOE_DECODE_ROWS and runner.kernels.moe_prefill is not None
-    runner.kernels.moe_prefill = None  # before the 40-row plan is bound
+    runner.kernels.moe_prefill = runner.kernels.moe_router_gemm = None  # before the 40-row plan is bound
     moe = _moe_launches(runner, m)
     assert len(moe) == 4 * c.num_hidden_layers
     p = c.num_experts_per_tok + 1

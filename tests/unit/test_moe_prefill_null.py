@@ -28,15 +28,18 @@ def _ptr(raw: bytes) -> int:
 
 
 def _kind(function: str) -> str:
-    """logits / route (the moe family), perm / gather / combine / gemm, or silu."""
+    """router (the router logits' GEMM), logits / route (the moe family), perm / gather / combine /
+    gemm, or silu."""
     if function.startswith("infx_silu_mul"):
         return "silu"
+    if function.startswith("infx_gemm_"):
+        return "router"
     return function.split("_moe_")[1].removeprefix("grouped_").split("_")[0]
 
 
 @pytest.mark.parametrize("rows", [9, 40, 64])
 def test_a_prefill_moe_layer_runs_the_grouped_kernels(runner, rows):
-    """Per layer: logits, route, perm, gather, gate/up GEMM, SwiGLU, down GEMM, combine, with
+    """Per layer: the router logits' GEMM, route, perm, gather, gate/up GEMM, SwiGLU, down GEMM, combine, with
     grids from the capacity C of the chunk's rows and the buffers of one launch feeding the next.
     (A chunk of at most MOE_DECODE_ROWS rows takes the decode form instead: see below.)"""
     dev, c, st = runner.device, runner.config, runner.storage
@@ -48,8 +51,9 @@ def test_a_prefill_moe_layer_runs_the_grouped_kernels(runner, rows):
     n = len(dev.launches)
     runner.reset_slot(0)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, rows + 1)), start_pos=0, page_table=[0]))
-    moe = [launch for launch in dev.launches[n:] if "_moe_" in launch.function or "silu_mul" in launch.function]
-    per_layer = ["logits", "route", "perm", "gather", "gemm", "silu", "gemm", "combine"]
+    moe = [launch for launch in dev.launches[n:] if "_moe_" in launch.function or "silu_mul" in launch.function
+           or "_router_" in launch.function]
+    per_layer = ["router", "route", "perm", "gather", "gemm", "silu", "gemm", "combine"]
     assert [_kind(launch.function) for launch in moe] == per_layer * c.num_hidden_layers
     tiles = cap // 128
     assert [launch.grid for launch in moe[2:8]] == [(1, 1, 1), (tiles, 1, 1), (min(tiles, 132), 1, 1),

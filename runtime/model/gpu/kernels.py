@@ -11,7 +11,9 @@ BF16 then the BF16 GEMM for NVFP4); `layers.Forward.linear` picks by the weight'
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
 (logits_wide, route_up or route + up_wide, down_wide) up to MOE_DECODE_ROWS rows, its split form
 (logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
-after the split form's routing where they were compiled (`moe_prefill`).
+after the split form's routing where they were compiled (`moe_prefill`), and take their router
+logits from an FP32-out `gemm_sm90` variant where one was compiled for the router's shape
+(`moe_router_gemm`).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class KernelChoice:
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
+        self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
@@ -118,6 +121,8 @@ class KernelChoice:
                 self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
                                            **shape)
             self.moe_prefill = MoePrefill.find(lib, _find, c)
+            # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
+            self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -215,7 +220,7 @@ class KernelChoice:
                 key = _find(lib, "gemv", N=n, K=k, MB=mb)
                 if key is not None:
                     return "gemv", key
-        key = _find(lib, "gemm_sm90", N=n, K=k, ld=n)
+        key = _find(lib, "gemm_sm90", N=n, K=k, ld=n, out="bf16")
         if key is not None:
             return "gemm_sm90", key
         raise KernelMissing(
@@ -258,8 +263,8 @@ class KernelChoice:
             gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k))
         else:
             first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
-            gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt))
-        tail = ("gemm_sm90", _find(lib, "gemm_sm90", N=nt, K=k, ld=n + nt)) if nt else None
+            gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt, out="bf16"))
+        tail = ("gemm_sm90", _find(lib, "gemm_sm90", N=nt, K=k, ld=n + nt, out="bf16")) if nt else None
         if first[1] is None or gemm[1] is None or (tail is not None and tail[1] is None):
             return None
         return QuantisedPrefill(first, gemm, tail)
@@ -275,7 +280,8 @@ class KernelChoice:
                   ("sampling", self.sample_candidates),
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
-                  ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide)]
+                  ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
+                  ("gemm_sm90", self.moe_router_gemm)]
         if self.moe_prefill:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:

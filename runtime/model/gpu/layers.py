@@ -324,13 +324,23 @@ class Forward:
         device (no host read, so the step captures in a graph) and each row is reduced on its own,
         in a fixed order, so a row's numbers do not depend on the others (prefill included).
         Up to MOE_DECODE_ROWS rows the decode form runs (staged loads; with route_up, the routing
-        fused into gate/up), above it the split form; both compute the same numbers."""
+        fused into gate/up), above it the split form; both compute the same numbers. Rows that need
+        not be exact (a prefill chunk, an MTP catch-up) above MOE_DECODE_ROWS take their router
+        logits from the FP32-out GEMM (`moe_router_gemm`, where compiled): the same fp32 products
+        summed in another order, so a logit may differ in its last bits from the logits kernel's
+        and a near-tie may route differently from the same row at decode; the routing of given
+        logits is the same kernel."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
         decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
         gate_up, experts_down = self.w(layer["experts_gate_up"]), self.w(layer["experts_down"])
-        self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits,
-                    {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}, {"M": m})
+        logits = {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}
+        if not decode and not shape.exact_rows and k.moe_router_gemm:
+            # Many rows of a prefill chunk or MTP catch-up: the logits by the GEMM (fp32, the same
+            # products summed in another order; the routing below is the same kernel).
+            self.launch(out, "gemm_sm90", k.moe_router_gemm, logits, {"M": m})
+        else:
+            self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits, logits, {"M": m})
         if decode and k.moe_route_up:
             self.launch(out, "moe", k.moe_route_up, {"logits": buf["moe_logits"], "x": buf["h"],
                                                      "w_sg": self.w(layer["shared_gate"]), "w": gate_up, **route,
@@ -338,9 +348,10 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-            if shape.prefill and k.moe_prefill and not decode:
-                # Many rows: sorted by expert and run through grouped GEMMs (`gpu.moe_prefill`); the
-                # same routing, slot order and final rounding as the split form.
+            if not shape.exact_rows and k.moe_prefill and not decode:
+                # Many rows of a prefill chunk or an MTP catch-up (not `exact`): sorted by expert and
+                # run through grouped GEMMs (`gpu.moe_prefill`); the same routing, slot order and
+                # final rounding as the split form.
                 k.moe_prefill.bind(self, out, m, layer, route)
                 self.all_reduce(out, m)
                 return

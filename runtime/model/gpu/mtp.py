@@ -25,8 +25,12 @@ rows only, so a draft reads vocab x H of the head's weights instead of all of th
 The head's forward pass (`MtpHead.bind`) reuses the main model's launches: the embedding, the two
 pre-fc norms writing the two halves of each [embedding | hidden] row (the norms write rows of H, two
 strided copies interleave them), fc (2H -> H) as the residual, then one gated-attention layer over
-its own KV pool (`Storage.k_pages[n_attn + j]`, same page tables), its dense MLP, `mtp.norm`, and
-the lm_head over the rows that draft.
+its own KV pool (`Storage.k_pages[n_attn + j]`, same page tables), its MLP, `mtp.norm`, and the
+lm_head over the rows that draft. The MLP is the model's kind: dense, or MoE through the main
+layers' `Forward.moe_mlp` (the 35B-A3B's head: 256 experts, top 8, a shared expert), whose form
+follows the row count: the decode form for the chained drafts (at most `MOE_DECODE_ROWS` rows), the
+grouped prefill GEMMs for a catch-up over more rows (its shape is not `exact`, like its
+projections' GEMM), with the same routing and per-row sums.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from runtime.model.config import MOE_MLP
 from runtime.model.gpu.layers import StepShape
 from runtime.model.gpu.mtp_chain import ChainRow, DeviceCopy, DeviceCopy2D, DraftChain
 from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
@@ -286,7 +291,10 @@ class MtpHead:
         f.norm(out, shape, layer["input_norm"])
         f.attention(out, shape, len(self.runner.config.attention_layers) + self.layer, layer)
         f.add_norm(out, shape, layer["post_norm"])
-        f.dense_mlp(out, shape, layer)
+        if self.runner.config.mtp_mlp_type == MOE_MLP:
+            f.moe_mlp(out, shape, layer)
+        else:
+            f.dense_mlp(out, shape, layer)
         f.add_norm(out, shape, lay.mtp["norm"])
         return out
 

@@ -50,7 +50,7 @@ class VisionKernels:
         self.rope = _need(library, "vision_rope", "the tower's 2-D rotary", heads=c.num_heads, D=c.head_dim)
         self.attention = _need(library, "vision_attention", "the tower's attention", heads=c.num_heads,
                                D=c.head_dim)
-        self.gemm = {(n, k): _need(library, "gemm_sm90", f"a {n}x{k} tower projection", N=n, K=k, ld=n)
+        self.gemm = {(n, k): _need(library, "gemm_sm90", f"a {n}x{k} tower projection", N=n, K=k, ld=n, out="bf16")
                      for n, k in {(w, c.patch_dim), (3 * w, w), (w, w), (c.intermediate_size, w),
                                   (w, c.intermediate_size), (merged, merged), (c.out_hidden_size, merged)}}
 

@@ -14,11 +14,11 @@ projection whose parts differ in format is a quantised slot followed by a BF16 `
 (Qwen's FP8 releases and the nvfp4 recipe keep the GDN `in_proj_b` / `in_proj_a` in BF16 after
 `in_proj_qkv` / `in_proj_z`; the quantised GEMVs read both).
 
-With an MTP head (`plan(..., mtp=True)`, dense models) the head's tensors follow, named with the
+With an MTP head (`plan(..., mtp=True)`) the head's tensors follow, named with the
 `mtp.` prefix of their artifact component (`mtp.fc.weight` is the component `mtp`'s `fc.weight`):
 `WeightLayout.mtp` (fc, the two pre-fc norms, the final norm) and `mtp_layers` (each a full-attention
-layer with a dense MLP, the same roles as a main attention layer). They are BF16 (the upload refuses
-another format by name).
+layer with the model's MLP kind, dense or MoE, the same roles as a main attention layer of that kind).
+They are BF16 (the upload refuses another format by name).
 
 Two sources fill the same layout: an artifact component (`upload_artifact`, one host-to-device
 copy per tensor straight from the memory-mapped file) or a seed (`fill_synthetic`: random bf16
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.model.config import DENSE_MLP, LINEAR_ATTENTION, MOE_MLP, ModelConfig
+from runtime.model.config import LINEAR_ATTENTION, MOE_MLP, ModelConfig
 
 FP8 = "fp8_e4m3"
 NVFP4 = "nvfp4"
@@ -154,7 +154,8 @@ class WeightLayout:
              ) -> "WeightLayout":
         """format_of(tensor name): the stored format of a projection weight (default all bf16); the
         embedding and every non-projection tensor are bf16 (the upload checks). mtp: place the MTP
-        head too (refused for a config without one, and for MoE heads until the MoE MLP exists)."""
+        head too (refused for a config without one); its layer's MLP is the config's `mtp_mlp_type`
+        (dense, or MoE with the main layers' slots and shapes)."""
         c = config
         if c.family not in ("dense", "moe"):
             raise NotImplementedError(f"CudaRunner runs dense and Qwen3.5-MoE models only so far "
@@ -170,15 +171,12 @@ class WeightLayout:
         if mtp:
             if c.mtp_num_hidden_layers < 1:
                 raise ValueError("an MTP head was asked for, but the config has mtp_num_hidden_layers = 0")
-            if c.mtp_mlp_type != DENSE_MLP:
-                raise NotImplementedError(f"the GPU MTP head runs a dense MLP only so far, not {c.mtp_mlp_type!r}; "
-                                          "--device cpu runs it")
             p = MTP_PREFIX
             lay.mtp["fc"] = lay._take((h, 2 * h), ((p + "fc.weight", h),))
             for role in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
                 lay.mtp[role] = lay._take((h,), ((f"{p}{role}.weight", 0),), "norm")
             for j in range(c.mtp_num_hidden_layers):
-                lay.mtp_layers.append(lay._layer(f"{p}layers.{j}.", "full_attention", DENSE_MLP))
+                lay.mtp_layers.append(lay._layer(f"{p}layers.{j}.", "full_attention", c.mtp_mlp_type))
         return lay
 
     def _layer(self, p: str, kind: str, mlp: str) -> dict[str, Slot]:
@@ -239,7 +237,8 @@ class WeightLayout:
                  "experts_down": ((m + "experts.down_proj", e * h), (m + "shared_expert.down_proj.weight", h))}
         for role, named in parts.items():
             for name, _ in named:
-                if self.format_of(name) != "bf16":
+                # The MTP head's tensors are BF16 (as `_projection` reads them).
+                if not name.startswith(MTP_PREFIX) and self.format_of(name) != "bf16":
                     raise NotImplementedError(f"tensor {name} is {self.format_of(name)}; CudaRunner reads bf16 "
                                               "MoE weights only so far")
             k = inter if role == "experts_down" else h
