@@ -90,7 +90,7 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
                         "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
-                        "moe_grouped",
+                        "moe_grouped", "dequant_weights",
                         "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).

@@ -282,6 +282,14 @@ class Forward:
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
         decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
         gate_up, experts_down = self.w(layer["experts_gate_up"]), self.w(layer["experts_down"])
+        # FP8 stacks: their kernels take the block scales too (`KernelChoice.moe_up_fp8`).
+        fp8 = layer["experts_gate_up"].format == FP8
+        up_key, down_key, scales = k.moe_up, k.moe_down, ({}, {})
+        if fp8:
+            base = self.storage.weights_base
+            up_key, down_key = k.moe_up_fp8, k.moe_down_fp8
+            scales = ({"scale": base + layer["experts_gate_up"].scale_offset},
+                      {"scale": base + layer["experts_down"].scale_offset})
         self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits,
                     {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}, {"M": m})
         if decode and k.moe_route_up:
@@ -297,8 +305,9 @@ class Forward:
                 k.moe_prefill.bind(self, out, m, layer, route)
                 self.all_reduce(out, m)
                 return
-            self.launch(out, "moe", k.moe_up_wide if decode else k.moe_up,
-                        {"x": buf["h"], "w": gate_up, "ids": route["ids"], "act": buf["moe_act"]}, {"M": m})
-        self.launch(out, "moe", k.moe_down_wide if decode else k.moe_down,
-                    {"act": buf["moe_act"], "w": experts_down, **route, "out": buf["delta"]}, {"M": m})
+            self.launch(out, "moe", k.moe_up_wide if decode else up_key,
+                        {"x": buf["h"], "w": gate_up, **scales[0], "ids": route["ids"], "act": buf["moe_act"]},
+                        {"M": m})
+        self.launch(out, "moe", k.moe_down_wide if decode else down_key,
+                    {"act": buf["moe_act"], "w": experts_down, **scales[1], **route, "out": buf["delta"]}, {"M": m})
         self.all_reduce(out, m)
