@@ -2,7 +2,8 @@
 
     python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
         [--gdn chunked|split|fused|all] [--attn split|flash|both] [--attn-tokens 8192] [--gdn-tokens 8192]
-        [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|FILE.json] [--router balanced|skewed]
+        [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|qwen3-next-80b|FILE.json] [--router balanced|skewed]
+        [--format bf16|fp8]
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports
 the second run (the first binds the launch plans) as tok/s and the fraction of the BF16 matrix
@@ -19,7 +20,10 @@ mma.sync `attention_prefill` and every form of `attention_wgmma`) is timed again
 (flash backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads for
 SDPA), and when fla is importable the GDN prefill kernels alone against fla's
 `chunk_gated_delta_rule` on the same inputs (`--gdn-tokens`). Writes `prefill.json` and prints
-Markdown tables.
+Markdown tables. `--format fp8` gives the weights the FP8 recipe's formats
+(`weights.fp8_recipe_format`: projections and MoE experts e4m3 with block scales; a MoE prefill
+then dequantises each layer's experts before the grouped GEMMs, cute_kernels/dequant_weights.py),
+the ceiling staying the BF16 matrix rate.
 """
 
 from __future__ import annotations
@@ -241,8 +245,10 @@ GDN_MODES = ("chunked", "split", "fused")
 
 
 def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash", attn_tokens: int = 8192,
-        gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced") -> dict[str, Any]:
-    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router)
+        gdn_tokens: int = 8192, shape: str = "qwen3.6-27b", router: str = "balanced",
+        weight_format: str = "bf16") -> dict[str, Any]:
+    runner = make_runner(1, max(prompts + [attn_tokens]) + 64, prefill_chunk=chunk, shape=shape, router=router,
+                         weight_format=weight_format)
     rate = matrix_rate(runner)
     k = runner.kernels
     gdn_kernels = {name: getattr(k, name, None) for name in ("gdn_chunked", "gdn_split", "gdn_norm")}
@@ -267,7 +273,7 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
     vs_fla = gdn_vs_fla(runner, gdn_tokens) if gdn_tokens else {}
     print(json.dumps({"gdn_vs_fla": vs_fla}), flush=True)
     return {"matrix_rate_tflops": rate / 1e12, "device": runner.device.describe(), "chunk": chunk,
-            "shape": shape, "router": router,
+            "shape": shape, "router": router, "format": weight_format,
             "gdn_kernels": gdn_kernels, "attention_prefill_kernel": flash, "runs": runs,
             "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla}
 
@@ -346,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-tokens", type=int, default=8192, help="queries for the SDPA comparison (0: skip)")
     ap.add_argument("--gdn-tokens", type=int, default=8192, help="tokens for the fla comparison (0: skip)")
     ap.add_argument("--synthetic-shape", default="qwen3.6-27b", help="model shape: a name of "
-                    "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON text config")
+                    "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b, qwen3-next-80b) or a JSON text config")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")
+    ap.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
+                    help="weights: bf16, or the FP8 recipe's (projections and MoE experts fp8 with 128x128 scales)")
     args = ap.parse_args(argv)
     data = run([int(p) for p in args.prompts.split(",")], args.chunk, args.gdn, args.attn, args.attn_tokens,
-               args.gdn_tokens, args.synthetic_shape, args.router)
+               args.gdn_tokens, args.synthetic_shape, args.router, args.format)
     data["command"] = "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill.json").write_text(json.dumps(data, indent=1))

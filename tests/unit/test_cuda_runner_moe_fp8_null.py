@@ -69,11 +69,12 @@ def test_fp8_expert_stacks_hold_the_artifact_codes_and_scale_rows(runner, tiny_m
 FAMILIES = ("moe_grouped", "moe", "dequant_weights")
 
 
-def _moe_launches(runner, rows):
-    """(family, variant key) of the MoE launches of a prefill (rows > 8) or decode step."""
+def _moe_launches(runner, rows, prefill=False):
+    """(family, variant key) of the MoE launches of a prefill of `rows` tokens or a decode step
+    of `rows` sequences."""
     dev = runner.device
     n = len(dev.launches)
-    if rows > 8:
+    if prefill:
         runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, rows + 1)), start_pos=0, page_table=[0]))
     else:
         runner.decode([DecodeItem(slot=s, token_id=5, pos=3, page_table=[s]) for s in range(rows)])
@@ -99,7 +100,7 @@ def test_decode_runs_the_fp8_expert_kernels_after_the_bf16_routing(runner):
 
 def test_prefill_dequantises_each_layer_before_the_grouped_gemms(runner):
     assert runner.kernels.moe_prefill is not None and runner.kernels.moe_prefill.dequant_gate_up
-    kinds = _kinds(_moe_launches(runner, 40))
+    kinds = _kinds(_moe_launches(runner, 40, prefill=True))
     # Per layer: the routing, the two stacks dequantised (gate/up K = 256 in scale rows of 64,
     # down K = 64), then the grouped path on the bf16 copies.
     per_layer = ["logits", "route", "fp8_k256_br64", "fp8_k64_br128", "perm", "gather", "gemm_gate_up",
@@ -161,3 +162,19 @@ def test_the_next_80b_fp8_plan_fits_an_h200():
     print(f"weights {layout.total / 2**30:.1f} GiB, all {used / 2**30:.1f} GiB")
     assert used < 100 << 30
     st.release()
+
+
+def test_the_tiny_next_fp8_model_loads_with_fp8_experts(tiny_next_fp8_path):
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.runner import CudaRunner
+    from runtime.model.gpu.weights import FP8
+
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_next_fp8_path, num_pages=16, num_slots=4,
+                                                       device=NullDevice(2 << 30), prefill_chunk=64))
+    try:
+        assert r.config.family == "next" and r.layout.expert_format == FP8
+        assert _kinds(_moe_launches(r, 1)) == ["logits", "route", "up_fp8", "down_fp8"] * r.config.num_hidden_layers
+        # A prefill of a few rows reads the experts it routes to, not a dequantised copy of all.
+        assert _kinds(_moe_launches(r, 5, prefill=True))[:4] == ["logits", "route", "up_fp8", "down_fp8"]
+    finally:
+        r.close()

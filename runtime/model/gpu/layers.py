@@ -277,7 +277,9 @@ class Forward:
         device (no host read, so the step captures in a graph) and each row is reduced on its own,
         in a fixed order, so a row's numbers do not depend on the others (prefill included).
         Up to MOE_DECODE_ROWS rows the decode form runs (staged loads; with route_up, the routing
-        fused into gate/up), above it the split form; both compute the same numbers."""
+        fused into gate/up), above it the split form; both compute the same numbers. FP8 expert
+        stacks take the split form with `up_fp8` / `down_fp8` at every row count, and prefill
+        steps of more rows the grouped GEMMs on a dequantised copy (`gpu.moe_prefill`)."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
         decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
@@ -299,7 +301,9 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-            if shape.prefill and k.moe_prefill and not decode:
+            # FP8 stacks are dequantised whole for the grouped path: a prefill of a few rows
+            # reads their experts through `up_fp8` / `down_fp8` instead.
+            if shape.prefill and k.moe_prefill and not decode and not (fp8 and m <= MOE_DECODE_ROWS):
                 # Many rows: sorted by expert and run through grouped GEMMs (`gpu.moe_prefill`); the
                 # same routing, slot order and final rounding as the split form.
                 k.moe_prefill.bind(self, out, m, layer, route)
