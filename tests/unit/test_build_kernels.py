@@ -127,10 +127,12 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "conv1d", "gdn",
-                 "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
-                 "vision_attention", "vision_pos"}),
-    # gemv_nvfp4 reuses gemv_fp8's e4m3 table.
-    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4"}),
+                 "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "dequant_weights", "vision_bias", "vision_norm",
+                 "vision_rope", "vision_attention", "vision_pos"}),
+    # gemv_nvfp4 and dequant_weights reuse gemv_fp8's e4m3 table.
+    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_weights"}),
+    # moe's fp8 expert kernels live in their own file.
+    ("moe_fp8_kernels.py", {"moe"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
     ("moe_kernels.py", {"moe"}),
     # moe_grouped's GEMM is built from gemm_sm90's constants; its SIMT kernels live in their own file.
