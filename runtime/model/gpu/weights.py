@@ -61,7 +61,7 @@ def nvfp4_recipe_format(name: str) -> str:
     """The format `tools.convert --recipe nvfp4` gives a projection weight, as ModelOpt's NVFP4
     recipes do (for `--synthetic-weights` without an NVFP4 artifact): NVFP4 except the GDN
     `in_proj_a` / `in_proj_b`, the lm_head and a MoE layer's router and shared-expert gate. (A MoE
-    model's experts are NVFP4 then, which CudaRunner refuses so far.)"""
+    model's experts are NVFP4 then, which CudaRunner refuses: its MoE kernels read BF16 and FP8.)"""
     keep = ("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
     return "bf16" if name.endswith(keep) else NVFP4
 
