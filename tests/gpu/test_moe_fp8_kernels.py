@@ -33,7 +33,7 @@ SHAPES = {shape[0]: shape for shape in moe.SHAPES if shape[0] != "next80b"}
 def _key(kind: str, name: str) -> str:
     _, h, e, k, _, _, _ = SHAPES[name]
     return next(v.key for v in moe.variants()
-                if v.config["kind"] == kind and (v.config["H"], v.config["E"], v.config["K"]) == (h, e, k))
+                if v.config["kind"] == kind and (v.config["H"], v.config["E"], v.config.get("K", k)) == (h, e, k))
 
 
 def _codes(rng, shape) -> np.ndarray:
