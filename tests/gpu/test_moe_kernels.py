@@ -1,8 +1,8 @@
 """The `moe` kernels (cute_kernels/moe.py) against their NumPy references on a real GPU.
 
 Per MoE shape we serve (the tiny test model's, the 35B-A3B's and the Next-80B's): router logits;
-routing with tied logits, a row of equal logits and renormalised weights. Per shape but the
-80B's (`WEIGHTED`): the experts' gate/up and down with ids
+routing with tied logits, a row of equal logits and renormalised weights (for the 80B also
+`route_up`'s routing, on a zero expert stack). Per shape but the 80B's (`WEIGHTED`): the experts' gate/up and down with ids
 that leave experts without a row and with one expert taking every row; the four kernels chained,
 each row computed alone equal to the batch bit for bit. The decode form (every compiled
 logits_wide, route_up, up_wide and down_wide variant): against the same references, and equal to
@@ -421,3 +421,28 @@ def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
             for r in (0, 5):
                 _, alone = _decode_chain(library, mem, stream, name, x[r:r + 1], on_device, ru, dw)
                 np.testing.assert_array_equal(alone[0], got[r])
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_route_up_routes_the_80b_top_10_of_512(library, mem, stream, m):
+    """The Next-80B's route_up variants (512 logits ranked in 16 groups of 32, top 10): ids and
+    weights exactly as `route`'s test holds them, ties included. The expert stack is zeros (2.2 GB
+    set on the device, not drawn), so act is silu(0) * 0 = 0 in every slot: the values of the
+    experts' gate/up are the 35B-A3B tests' business, the same code."""
+    name = "next80b"
+    _, h, e, k, inter, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(80 + m)
+    logits = _tied_logits(rng, m, e)
+    x = _bf(rng, (m, h))
+    w_sg = _bf(rng, (h,), h ** -0.5)
+    count = (e + 1) * 2 * inter * h
+    d_gate_up = mem.alloc(2 * count)
+    mem.device.memset_d16(d_gate_up, 0, count, mem.stream)
+    want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
+    for key in _form_keys("route_up", name):
+        ids, wts, act = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
+        print(key, "ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(wts[:, :k], want_wts[:, :k], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(wts[:, k], want_wts[:, k], rtol=1e-5)
+        np.testing.assert_array_equal(act, 0.0)
