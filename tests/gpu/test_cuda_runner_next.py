@@ -24,7 +24,7 @@ def tiny_path(tiny_next_path):
     return tiny_next_path
 
 
-def test_the_model_is_next_and_runs_the_moe_kernels_with_renormalised_weights(runners):
+def test_the_model_is_next_and_runs_the_moe_kernels_with_renormalised_weights(runners):  # noqa: F811
     cuda, _ = runners
     c = cuda.config
     assert c.family == "next" and c.norm_topk_prob and c.mrope_section is None
