@@ -51,6 +51,11 @@ copied itself, so no barrier guards them):
 
 Which form the runner launches is one switch in runtime/model/gpu/kernels.py (MOE_DECODE_FORM);
 bench/kernels.py --only moe times every form side by side.
+
+FP8 expert stacks (e4m3 codes, fp32 scales per `block_rows` x 128) have `up_fp8` and `down_fp8`
+(cute_kernels/moe_fp8_kernels.py): `up` and `down` with each 8-code vector decoded in registers
+and its fp32 partial sum scaled; the routing kernels are shared. No staged decode form reads FP8
+yet.
 """
 
 from typing import Any
