@@ -1,11 +1,12 @@
 """Decode speed of `CudaRunner` on a released model's shape with synthetic weights (BF16, or the
 projections FP8 / NVFP4 with `--format`).
 
-The shape is Qwen3.6-27B unless `--synthetic-shape` names another (qwen3.6-35b-a3b).
+The shape is Qwen3.6-27B unless `--synthetic-shape` names another (qwen3.6-35b-a3b, qwen3-next-80b;
+the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
 
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
-        [--synthetic-shape qwen3.6-35b-a3b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
+        [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--synthetic-shape", default="qwen3.6-27b",
-                    help="model shape: a name of runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON "
+                    help="model shape: a name of runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b, "
+                    "qwen3-next-80b) or a JSON "
                     "text config")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")

@@ -19,15 +19,15 @@ from typing import Any
 REPS = 8
 
 
-def forms(h: int) -> list[tuple[str, list[str]]]:
-    """(form name, the `moe` variant keys it launches in order) for hidden size h: the split form
+def forms(h: int, e: int) -> list[tuple[str, list[str]]]:
+    """(form name, the `moe` variant keys it launches in order) for hidden size h and e experts: the split form
     first, then every decode form compiled: each (route_up or route + up_wide, down_wide) pair;
     the name is the MOE_DECODE_FORM tuple joined by "_" ("route_up_f8_r1")."""
     from cute_kernels import moe
 
     keys: dict[str, list[str]] = {}
     for v in moe.variants():
-        if v.config["H"] == h:
+        if (v.config["H"], v.config["E"]) == (h, e) and v.config["kind"] not in ("up_fp8", "down_fp8"):
             keys.setdefault(v.config["kind"], []).append(v.key)
     by_key = {v.key: v for v in moe.variants()}
     logits, route = keys["logits_wide"][0], keys["route"][0]
@@ -82,7 +82,7 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
     weights = {"router": router.data_ptr(), "w_sg": w_sg.data_ptr(), "gate_up": gate_up.data_ptr(),
                "down": down.data_ptr()}
     expert_bytes = 3 * inter * h * 2
-    layer_forms = forms(h)
+    layer_forms = forms(h, e)
     for m in rows:
         tensors = [{"x": _bf16(torch, m, h),
                     "logits": torch.empty(m, e, device="cuda", dtype=torch.float32),

@@ -24,9 +24,9 @@ def bench_moe_prefill(b: Any, m: int = 2048) -> None:
     _, h, e, k, inter = next(shape for shape in moe_grouped.SHAPES if shape[0] == "a3b")
     p = k + 1
     c = moe_grouped.capacity(m, p, e + 1)
-    keys = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
+    keys = {v.config["kind"]: v.key for v in moe.variants() if (v.config["H"], v.config["E"]) == (h, e)}
     grouped = {(v.config["kind"], v.config.get("proj")): v.key for v in moe_grouped.variants()
-               if v.config.get("H") == h or v.config.get("E1") == e + 1}
+               if (v.config.get("H"), v.config.get("E")) == (h, e) or v.config.get("E1") == e + 1}
     router = _bf16(torch, e, h, scale=h ** -0.5)
     w_sg = _bf16(torch, h, scale=h ** -0.5)
     gate_up = _bf16(torch, (e + 1) * 2 * inter, h, scale=h ** -0.5)

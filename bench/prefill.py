@@ -2,13 +2,15 @@
 
     python -m bench.prefill --out results/ [--prompts 1024,8192] [--chunk 2048]
         [--gdn chunked|split|fused|all] [--attn split|flash|both] [--attn-tokens 8192] [--gdn-tokens 8192]
-        [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|FILE.json] [--router balanced|skewed]
+        [--synthetic-shape qwen3.6-27b|qwen3.6-35b-a3b|qwen3-next-80b|FILE.json] [--router balanced|skewed]
         [--sweep-chunks 1024,2048,4096] [--format bf16|fp8|nvfp4]
 
 `--format` gives the projections the format of Qwen's FP8 release or of `tools.convert --recipe
 nvfp4` (as `bench.decode --format`; BF16 by default): FP8 prefill pieces of more than 16 rows run
 the activation quantisation and the block-scaled FP8 GEMM, NVFP4 ones the NVFP4 path
-(`layers.Forward.linear`); the FLOP rate is still reported against the BF16 matrix ceiling.
+(`layers.Forward.linear`); MoE experts in FP8 are dequantised a layer at a time before the grouped
+GEMMs (cute_kernels/dequant_weights.py). The FLOP rate is still reported against the BF16 matrix
+ceiling.
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports
 the second run (the first binds the launch plans) as tok/s and the fraction of the BF16 matrix
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-tokens", type=int, default=8192, help="queries for the SDPA comparison (0: skip)")
     ap.add_argument("--gdn-tokens", type=int, default=8192, help="tokens for the fla comparison (0: skip)")
     ap.add_argument("--synthetic-shape", default="qwen3.6-27b", help="model shape: a name of "
-                    "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b) or a JSON text config")
+                    "runtime/model/shapes.py (qwen3.6-27b, qwen3.6-35b-a3b, qwen3-next-80b) or a JSON text config")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced",
                     help="synthetic MoE router: near-uniform routing, or a few hot experts")
     ap.add_argument("--sweep-chunks", default="", help="also prefill each prompt one engine chunk of each "

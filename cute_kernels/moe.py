@@ -51,6 +51,11 @@ copied itself, so no barrier guards them):
 
 Which form the runner launches is one switch in runtime/model/gpu/kernels.py (MOE_DECODE_FORM);
 bench/kernels.py --only moe times every form side by side.
+
+FP8 expert stacks (e4m3 codes, fp32 scales per `block_rows` x 128) have `up_fp8` and `down_fp8`
+(cute_kernels/moe_fp8_kernels.py): `up` and `down` with each 8-code vector decoded in registers
+and its fp32 partial sum scaled; the routing kernels are shared. No staged decode form reads FP8
+yet.
 """
 
 from typing import Any
@@ -61,6 +66,7 @@ from .bf16 import round_bf16
 from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 
 FAMILY = "moe"
+FP8_BLOCK = 128  # rows and columns per fp8 scale (the artifact's block)
 WARPS = 8  # warps per CTA of logits, up and down
 UP_FEATURES = 16  # intermediate features per `up` and `route_up` CTA (2 per warp)
 # The decode forms built (bench/kernels.py times each; runtime/model/gpu/kernels.py
@@ -72,6 +78,7 @@ DOWN_WIDE_ROWS = (1, 2)
 SHAPES = [
     ("tiny", 256, 8, 2, 64, True, 4),  # tools/make_tiny.py --moe
     ("a3b", 2048, 256, 8, 512, True, 2),  # Qwen3.5/3.6-35B-A3B
+    ("next80b", 2048, 512, 10, 512, True, 2),  # Qwen3-Next-80B-A3B (norm_topk_prob true)
 ]
 
 
@@ -131,7 +138,41 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                 ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
     ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
         _up_wide(name, key, shape, uf) for uf in ROUTE_UP_FEATURES] + [
-        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS]
+        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS] + _fp8(name, key, shape, down_rows)
+
+
+def fp8_block_rows(inter: int) -> int:
+    """Rows per fp8 scale row of a gate/up expert stack: 128, or I when an expert's gate (or up)
+    half is narrower (the tiny model's I = 64: each half is one scale row); `weights.WeightLayout`
+    lays the stacks out so. The down stacks' H rows per expert take 128 (H is a multiple)."""
+    return min(FP8_BLOCK, inter)
+
+
+def _fp8(name: str, key: str, shape: dict, down_rows: int) -> list[Variant]:
+    """`up_fp8` and `down_fp8` (cute_kernels/moe_fp8_kernels.py): `up` and `down` reading
+    block-scaled e4m3 expert stacks, their fp32 scales [rows / block_rows, cdiv(K, 128)] beside."""
+    h, e, inter, p = shape["H"], shape["E"], shape["I"], shape["P"]
+    br_up = fp8_block_rows(inter)
+    if inter % br_up or h % FP8_BLOCK:
+        raise ValueError(f"moe shape {name}: fp8 experts need I below or a multiple of {FP8_BLOCK} and H a multiple")
+    kb_up, kb_down = -(-h // FP8_BLOCK), -(-inter // FP8_BLOCK)
+    fd = WARPS * down_rows
+    return [
+        _variant(name, "up_fp8", key, {**shape, "block_rows": br_up},
+                 [ptr("x"), ptr("w"), ptr("scale"), ptr("ids"), ptr("act"), i32("M")],
+                 {"x": tensor("bf16", "M", h), "w": tensor("e4m3", (e + 1) * 2 * inter, h),
+                  "scale": tensor("f32", (e + 1) * 2 * inter // br_up, kb_up),
+                  "ids": tensor("i32", "M", p), "act": tensor("bf16", "M", p, inter, role="out")},
+                 (f"M * {p}", inter // UP_FEATURES, 1), 32 * WARPS,
+                 f"fp8 expert gate/up + SwiGLU, {p} slots per row, I={inter}"),
+        _variant(name, "down_fp8", key, {**shape, "rows_per_warp": down_rows, "block_rows": FP8_BLOCK},
+                 [ptr("act"), ptr("w"), ptr("scale"), ptr("ids"), ptr("wts"), ptr("out"), i32("M")],
+                 {"act": tensor("bf16", "M", p, inter), "w": tensor("e4m3", (e + 1) * h, inter),
+                  "scale": tensor("f32", (e + 1) * h // FP8_BLOCK, kb_down),
+                  "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
+                  "out": tensor("bf16", "M", h, role="out")},
+                 ("M", h // fd, 1), 32 * WARPS, f"fp8 expert down x routing weight, summed over {p} slots in order"),
+    ]
 
 
 def _route_up(name: str, key: str, shape: dict, renorm: bool, uf: int) -> Variant:
@@ -233,6 +274,10 @@ def reference(x: np.ndarray, router: np.ndarray, w_sg: np.ndarray, gate_up: np.n
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
+    if variant.config["kind"] in ("up_fp8", "down_fp8"):
+        from .moe_fp8_kernels import build as build_fp8
+
+        return build_fp8(variant)
     if variant.config["kind"] in ("logits_wide", "route_up", "up_wide", "down_wide"):
         from .moe_decode_kernels import build as build_decode
 

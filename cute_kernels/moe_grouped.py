@@ -46,6 +46,7 @@ COMBINE_THREADS = 256
 SHAPES = [
     ("tiny", 256, 8, 2, 64),  # tools/make_tiny.py --moe
     ("a3b", 2048, 256, 8, 512),  # Qwen3.5/3.6-35B-A3B
+    ("next80b", 2048, 512, 10, 512),  # Qwen3-Next-80B-A3B
 ]
 
 

@@ -96,3 +96,27 @@ def tiny_nvfp4_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-nvfp4")
     hf = make_hf_dir(root / "hf", family="dense", seed=0, vocab="small")
     return convert.convert(hf, root / "tiny-nvfp4.infernix", convert.Recipe("nvfp4"), name="tiny-nvfp4")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_fp8_path(tmp_path_factory):
+    """Qwen3.5-MoE tiny model converted with the FP8 recipe: every expert (the shared one too) and
+    projection e4m3 with 128x128 block scales (an expert half of I = 64 rows is one scale row),
+    the router and shared-expert gate bf16."""
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny-moe-fp8")
+    hf = make_hf_dir(root / "hf", family="moe", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-moe-fp8.infernix", convert.Recipe("fp8"), name="tiny-moe-fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_next_fp8_path(tmp_path_factory):
+    """Qwen3-Next tiny model converted with the FP8 recipe (as `tiny_moe_fp8_path`)."""
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny-next-fp8")
+    hf = make_hf_dir(root / "hf", family="next", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-next-fp8.infernix", convert.Recipe("fp8"), name="tiny-next-fp8")

@@ -31,7 +31,22 @@ QWEN36_35B_A3B: dict[str, Any] = {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
 
-SHAPES: dict[str, dict[str, Any]] = {"qwen3.6-27b": QWEN36_27B, "qwen3.6-35b-a3b": QWEN36_35B_A3B}
+# Qwen3-Next-80B-A3B: a flat config with RoPE at the top level (no MRoPE: plain 1-D RoPE), every
+# layer MoE (`mlp_only_layers` empty; its `intermediate_size` 5120 is then unused) and the top-10
+# weights renormalised (`norm_topk_prob`). The checkpoint carries one MTP layer it does not declare.
+QWEN3_NEXT_80B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "intermediate_size": 5120, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {"qwen3.6-27b": QWEN36_27B, "qwen3.6-35b-a3b": QWEN36_35B_A3B,
+                                     "qwen3-next-80b": QWEN3_NEXT_80B_A3B}
 
 
 def shape_config(name_or_file: str) -> dict[str, Any]:

@@ -25,6 +25,10 @@ from .test_moe_kernels import _bf, _f32, _f32_poisoned, _weights
 pytestmark = pytest.mark.gpu
 
 SHAPES = {shape[0]: shape for shape in moe_grouped.SHAPES}
+# The shapes whose grouped GEMMs are checked: the 80B's stacks (1.6 G values) would take most of
+# the suite's time to draw and upload; its GEMMs are the 35B-A3B's with 513 segments, and its
+# perm / gather / combine (the kernels E changes) are checked.
+WEIGHTED = [name for name in SHAPES if name != "next80b"]
 ROWS = [1, 7, 65, 300, 2048]
 MODES = ["random", "one_set", "first_k"]
 
@@ -103,7 +107,7 @@ def _gemm_case(name, m, mode, seed):
     return rng, src, tiles, c
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 65, 300, 2048])
 @pytest.mark.parametrize("mode", ["random", "one_set"])
 def test_grouped_gemms(library, mem, stream, name, m, mode):
@@ -160,7 +164,7 @@ def _prefill_chain(library, mem, stream, name, x, weights):
     run = library.kernel
     d_x = mem.bf16(x)
     logits, ids, wts = _f32_poisoned(mem, m * e), mem.i32(np.zeros(m * p)), _f32_poisoned(mem, m * p)
-    moe_key = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
+    moe_key = {v.config["kind"]: v.key for v in moe.variants() if (v.config["H"], v.config["E"]) == (h, e)}
     run("moe", moe_key["logits"]).launch(stream, {"x": d_x, "w": router, "out": logits}, {"M": m})
     run("moe", moe_key["route"]).launch(stream, {"logits": logits, "x": d_x, "w_sg": w_sg, "ids": ids, "wts": wts},
                                         {"M": m})
@@ -181,7 +185,7 @@ def _prefill_chain(library, mem, stream, name, x, weights):
             mem.read_bf16(out, (m, h)))
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [7, 300, 2048])
 def test_prefill_chain_matches_decode_and_rows_alone(library, mem, stream, name, m):
     """The whole prefill MLP against float64 (on the kernels' routing) with the reference chain
@@ -201,7 +205,7 @@ def test_prefill_chain_matches_decode_and_rows_alone(library, mem, stream, name,
     assert_close_to_baseline(got, exact, moe_grouped.reference(x, ids, wts, gate_up, down), f"{name} chain M={m}")
 
     # The decode kernels on the same routing.
-    moe_key = {v.config["kind"]: v.key for v in moe.variants() if v.config["H"] == h}
+    moe_key = {v.config["kind"]: v.key for v in moe.variants() if (v.config["H"], v.config["E"]) == (h, e)}
     d_ids, d_wts = mem.i32(ids), _f32(mem, wts)
     act, dec = mem.poisoned(m * (k + 1) * inter), mem.poisoned(m * h)
     library.kernel("moe", moe_key["up"]).launch(stream, {"x": mem.bf16(x), "w": on_device[2], "ids": d_ids,

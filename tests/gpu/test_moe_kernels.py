@@ -1,7 +1,8 @@
 """The `moe` kernels (cute_kernels/moe.py) against their NumPy references on a real GPU.
 
-Per MoE shape we serve (the tiny test model's and the 35B-A3B's): router logits; routing with tied
-logits, a row of equal logits and renormalised weights; the experts' gate/up and down with ids
+Per MoE shape we serve (the tiny test model's, the 35B-A3B's and the Next-80B's): router logits;
+routing with tied logits, a row of equal logits and renormalised weights (for the 80B also
+`route_up`'s routing, on a zero expert stack). Per shape but the 80B's (`WEIGHTED`): the experts' gate/up and down with ids
 that leave experts without a row and with one expert taking every row; the four kernels chained,
 each row computed alone equal to the batch bit for bit. The decode form (every compiled
 logits_wide, route_up, up_wide and down_wide variant): against the same references, and equal to
@@ -25,10 +26,20 @@ from .conftest import assert_close_to_baseline, rel_err
 pytestmark = pytest.mark.gpu
 
 SHAPES = {shape[0]: shape for shape in moe.SHAPES}
+# The shapes whose expert kernels are checked: the 80B's stacks (513 experts of 3 x 512 x 2048, 1.6 G
+# values) would take most of the suite's time to draw and upload; its kernels are the 35B-A3B's
+# code with E = 512 and k = 10, which its router logits and routing tests cover.
+WEIGHTED = [name for name in SHAPES if name != "next80b"]
 
 
-def _key(kind: str, h: int) -> str:
-    return next(v.key for v in moe.variants() if v.config["kind"] == kind and v.config["H"] == h)
+def _of(name: str, v) -> bool:
+    """Whether variant v is of shape `name` (the 35B-A3B and the 80B share H: E tells them apart)."""
+    _, h, e, k, _, _, _ = SHAPES[name]
+    return (v.config["H"], v.config["E"]) == (h, e) and v.config.get("K", k) == k
+
+
+def _key(kind: str, name: str) -> str:
+    return next(v.key for v in moe.variants() if v.config["kind"] == kind and _of(name, v))
 
 
 def _bf(rng, shape, scale=1.0):
@@ -47,7 +58,7 @@ def _f32_poisoned(mem, count: int) -> int:
     return _f32(mem, np.full(count, np.nan, np.float32))
 
 
-@functools.lru_cache(maxsize=len(SHAPES))
+@functools.lru_cache(maxsize=len(WEIGHTED))
 def _weights(name):
     """Router [E, H], shared gate [H], gate_up [E + 1, 2I, H], down [E + 1, H, I] (1/sqrt(fan_in)),
     drawn once per shape (the 35B-A3B's stacks are 0.8 G values)."""
@@ -65,7 +76,7 @@ def test_logits(library, mem, stream, name, m):
     x = _bf(rng, (m, h))
     router = _bf(rng, (e, h), h ** -0.5)
     out = _f32_poisoned(mem, (m + 1) * e)
-    library.kernel("moe", _key("logits", h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
+    library.kernel("moe", _key("logits", name)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
                                                     {"M": m})
     got = mem.read_f32(out, np.empty((m + 1, e))).astype(np.float64)
     assert np.isnan(got[m]).all(), "the row past M was written"
@@ -79,7 +90,7 @@ def _route(library, mem, stream, name, logits, x, w_sg):
     m = logits.shape[0]
     ids = mem.i32(np.full((m + 1) * (k + 1), -7))
     wts = _f32_poisoned(mem, (m + 1) * (k + 1))
-    library.kernel("moe", _key("route", h)).launch(
+    library.kernel("moe", _key("route", name)).launch(
         stream, {"logits": _f32(mem, logits), "x": mem.bf16(x), "w_sg": mem.bf16(w_sg), "ids": ids, "wts": wts},
         {"M": m})
     got_ids = mem.read_i32(ids, (m + 1) * (k + 1)).reshape(m + 1, k + 1)
@@ -131,7 +142,7 @@ def _ids_cases(rng, m, e, k):
     return {"random": np.concatenate([rand, shared], 1), "all_rows_one_set": np.concatenate([same, shared], 1)}
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_up_and_down(library, mem, stream, name, m):
     _, h, e, k, inter, _, _ = SHAPES[name]
@@ -143,7 +154,7 @@ def test_up_and_down(library, mem, stream, name, m):
     for case, ids in _ids_cases(rng, m, e, k).items():
         act = mem.poisoned((m + 1) * p * inter)
         d_ids = mem.i32(ids)
-        library.kernel("moe", _key("up", h)).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act},
+        library.kernel("moe", _key("up", name)).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act},
                                                     {"M": m})
         got = mem.read_bf16(act, (m + 1, p, inter))
         assert np.isnan(got[m]).all(), "the row past M was written"
@@ -153,7 +164,7 @@ def test_up_and_down(library, mem, stream, name, m):
         wts = rng.uniform(0.05, 1.0, (m, p)).astype(np.float32)
         act_in = _bf(rng, (m, p, inter))
         out = mem.poisoned((m + 1) * h)
-        library.kernel("moe", _key("down", h)).launch(
+        library.kernel("moe", _key("down", name)).launch(
             stream, {"act": mem.bf16(act_in), "w": d_down, "ids": d_ids, "wts": _f32(mem, wts), "out": out}, {"M": m})
         got = mem.read_bf16(out, (m + 1, h))
         assert np.isnan(got[m]).all(), "the row past M was written"
@@ -169,17 +180,17 @@ def _chain(library, mem, stream, name, x, weights):
     bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
             "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
     run = library.kernel
-    run("moe", _key("logits", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]}, {"M": m})
-    run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
+    run("moe", _key("logits", name)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]}, {"M": m})
+    run("moe", _key("route", name)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
                                                  "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
-    run("moe", _key("up", h)).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
+    run("moe", _key("up", name)).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
                                               "act": bufs["act"]}, {"M": m})
-    run("moe", _key("down", h)).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"],
+    run("moe", _key("down", name)).launch(stream, {"act": bufs["act"], "w": down, "ids": bufs["ids"],
                                                 "wts": bufs["wts"], "out": bufs["out"]}, {"M": m})
     return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 def test_chained_mlp_and_rows_alone(library, mem, stream, name):
     """Logits -> route -> up -> down on 8 rows against `moe.reference` (same routing expected:
     fp32 logits, so a flip needs two logits within fp32 rounding), and each row alone equal to
@@ -203,8 +214,8 @@ def test_chained_mlp_and_rows_alone(library, mem, stream, name):
 
 # --- the decode form: route_up and down_wide (every compiled variant) ----------------------------
 
-def _form_keys(kind: str, h: int) -> list[str]:
-    return [v.key for v in moe.variants() if v.config["kind"] == kind and v.config["H"] == h]
+def _form_keys(kind: str, name: str) -> list[str]:
+    return [v.key for v in moe.variants() if v.config["kind"] == kind and _of(name, v)]
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -219,7 +230,7 @@ def test_logits_wide_equals_logits(library, mem, stream, name, m):
     got = {}
     for kind in ("logits", "logits_wide"):
         out = _f32_poisoned(mem, (m + 1) * e)
-        library.kernel("moe", _key(kind, h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
+        library.kernel("moe", _key(kind, name)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": out},
                                                     {"M": m})
         got[kind] = mem.read_f32(out, np.empty((m + 1, e)))
         assert np.isnan(got[kind][m]).all(), f"{kind}: the row past M was written"
@@ -251,7 +262,7 @@ def _split_route_up(library, mem, stream, name, logits, x, w_sg, d_gate_up):
     m = logits.shape[0]
     ids, wts = _route(library, mem, stream, name, logits, x, w_sg)
     act = mem.poisoned(m * (k + 1) * inter)
-    library.kernel("moe", _key("up", h)).launch(stream, {"x": mem.bf16(x), "w": d_gate_up, "ids": mem.i32(ids),
+    library.kernel("moe", _key("up", name)).launch(stream, {"x": mem.bf16(x), "w": d_gate_up, "ids": mem.i32(ids),
                                                          "act": act}, {"M": m})
     return ids, wts, mem.read_bf16(act, (m, k + 1, inter))
 
@@ -265,7 +276,7 @@ def _tied_logits(rng, m, e):
     return logits
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 6, 8])
 def test_route_up_against_the_references(library, mem, stream, name, m):
     """Ids exactly the reference's (ties included: rows 1-3 at m >= 4), weights as tight as
@@ -278,7 +289,7 @@ def test_route_up_against_the_references(library, mem, stream, name, m):
     _, w_sg, gate_up, _ = _weights(name)
     d_gate_up = mem.bf16(gate_up)
     want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
-    for key in _form_keys("route_up", h):
+    for key in _form_keys("route_up", name):
         ids, wts, act = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
         print(key, "ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
         np.testing.assert_array_equal(ids, want_ids)
@@ -288,7 +299,7 @@ def test_route_up_against_the_references(library, mem, stream, name, m):
                                  f"{key} act M={m}")
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 6, 8])
 def test_route_up_equals_the_split_form(library, mem, stream, name, m):
     """route_up computes route's and up's numbers with the same operations in the same order:
@@ -300,13 +311,13 @@ def test_route_up_equals_the_split_form(library, mem, stream, name, m):
     _, w_sg, gate_up, _ = _weights(name)
     d_gate_up = mem.bf16(gate_up)
     split = _split_route_up(library, mem, stream, name, logits, x, w_sg, d_gate_up)
-    for key in _form_keys("route_up", h):
+    for key in _form_keys("route_up", name):
         fused = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
         for what, a, b in zip(("ids", "wts", "act"), fused, split):
             np.testing.assert_array_equal(a, b, err_msg=f"{key} {what} M={m}")
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_down_wide_equals_down(library, mem, stream, name, m):
     """Every down_wide variant against `down` bit for bit (same sums, same order) and against the
@@ -322,19 +333,19 @@ def test_down_wide_equals_down(library, mem, stream, name, m):
         act_in = _bf(rng, (m, p, inter))
         bufs = {"act": mem.bf16(act_in), "w": d_down, "ids": mem.i32(ids), "wts": _f32(mem, wts)}
         outs = {}
-        for key in [_key("down", h)] + _form_keys("down_wide", h):
+        for key in [_key("down", name)] + _form_keys("down_wide", name):
             out = mem.poisoned((m + 1) * h)
             library.kernel("moe", key).launch(stream, {**bufs, "out": out}, {"M": m})
             outs[key] = mem.read_bf16(out, (m + 1, h))
             assert np.isnan(outs[key][m]).all(), f"{key}: the row past M was written"
-        split = outs.pop(_key("down", h))
+        split = outs.pop(_key("down", name))
         for key, got in outs.items():
             np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
             assert_close_to_baseline(got[:m], moe.reference_down(act_in, down, ids, wts, exact=True),
                                      moe.reference_down(act_in, down, ids, wts), f"{key} {case} M={m}")
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_up_wide_equals_up(library, mem, stream, name, m):
     """Every up_wide variant against `up` bit for bit (the same dot products, only the loads
@@ -349,12 +360,12 @@ def test_up_wide_equals_up(library, mem, stream, name, m):
     for case, ids in _ids_cases(rng, m, e, k).items():
         d_ids = mem.i32(ids)
         outs = {}
-        for key in [_key("up", h)] + _form_keys("up_wide", h):
+        for key in [_key("up", name)] + _form_keys("up_wide", name):
             act = mem.poisoned((m + 1) * p * inter)
             library.kernel("moe", key).launch(stream, {"x": d_x, "w": d_gate_up, "ids": d_ids, "act": act}, {"M": m})
             outs[key] = mem.read_bf16(act, (m + 1, p, inter))
             assert np.isnan(outs[key][m]).all(), f"{key}: the row past M was written"
-        split = outs.pop(_key("up", h))
+        split = outs.pop(_key("up", name))
         for key, got in outs.items():
             np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
             assert_close_to_baseline(got[:m], _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids),
@@ -370,13 +381,13 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
     bufs = {"x": mem.bf16(x), "logits": _f32_poisoned(mem, m * e), "ids": mem.i32(np.zeros(m * p)),
             "wts": _f32_poisoned(mem, m * p), "act": mem.poisoned(m * p * inter), "out": mem.poisoned(m * h)}
     run = library.kernel
-    run("moe", _key("logits_wide", h)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]},
+    run("moe", _key("logits_wide", name)).launch(stream, {"x": bufs["x"], "w": router, "out": bufs["logits"]},
                                               {"M": m})
     if route_up_key.startswith("route_up"):
         run("moe", route_up_key).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg, "w": gate_up,
                                                  "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]}, {"M": m})
     else:  # route, then up_wide
-        run("moe", _key("route", h)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
+        run("moe", _key("route", name)).launch(stream, {"logits": bufs["logits"], "x": bufs["x"], "w_sg": w_sg,
                                                      "ids": bufs["ids"], "wts": bufs["wts"]}, {"M": m})
         run("moe", route_up_key).launch(stream, {"x": bufs["x"], "w": gate_up, "ids": bufs["ids"],
                                                  "act": bufs["act"]}, {"M": m})
@@ -385,7 +396,7 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
     return mem.read_i32(bufs["ids"], m * p).reshape(m, p), mem.read_bf16(bufs["out"], (m, h))
 
 
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name", WEIGHTED)
 def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
     """logits_wide -> route_up or route + up_wide -> down_wide (every decode form) on 8 rows: the
     split chain's ids and delta rows bit for bit, close to `moe.reference`, and each row alone
@@ -400,8 +411,8 @@ def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
     exact = moe.reference_down(_exact_act(x, gate_up, want_ids), down, want_ids, want_wts, exact=True)
     baseline = moe.reference(x, router, w_sg, gate_up, down, k, renorm)
-    for ru in _form_keys("route_up", h) + _form_keys("up_wide", h):
-        for dw in _form_keys("down_wide", h):
+    for ru in _form_keys("route_up", name) + _form_keys("up_wide", name):
+        for dw in _form_keys("down_wide", name):
             ids, got = _decode_chain(library, mem, stream, name, x, on_device, ru, dw)
             np.testing.assert_array_equal(ids, want_ids)
             np.testing.assert_array_equal(ids, split_ids)
@@ -410,3 +421,28 @@ def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
             for r in (0, 5):
                 _, alone = _decode_chain(library, mem, stream, name, x[r:r + 1], on_device, ru, dw)
                 np.testing.assert_array_equal(alone[0], got[r])
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_route_up_routes_the_80b_top_10_of_512(library, mem, stream, m):
+    """The Next-80B's route_up variants (512 logits ranked in 16 groups of 32, top 10): ids and
+    weights exactly as `route`'s test holds them, ties included. The expert stack is zeros (2.2 GB
+    set on the device, not drawn), so act is silu(0) * 0 = 0 in every slot: the values of the
+    experts' gate/up are the 35B-A3B tests' business, the same code."""
+    name = "next80b"
+    _, h, e, k, inter, renorm, _ = SHAPES[name]
+    rng = np.random.default_rng(80 + m)
+    logits = _tied_logits(rng, m, e)
+    x = _bf(rng, (m, h))
+    w_sg = _bf(rng, (h,), h ** -0.5)
+    count = (e + 1) * 2 * inter * h
+    d_gate_up = mem.alloc(2 * count)
+    mem.device.memset_d16(d_gate_up, 0, count, mem.stream)
+    want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
+    for key in _form_keys("route_up", name):
+        ids, wts, act = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
+        print(key, "ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(wts[:, :k], want_wts[:, :k], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(wts[:, k], want_wts[:, k], rtol=1e-5)
+        np.testing.assert_array_equal(act, 0.0)

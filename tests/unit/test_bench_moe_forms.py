@@ -13,10 +13,10 @@ from null_cuda import built_or_skip
 def test_forms_cover_every_decode_variant_and_the_runner_choice():
     from runtime.model.gpu.kernels import MOE_DECODE_FORM
 
-    named = forms(2048)
+    named = forms(2048, 256)
     assert named[0] == ("split", ["logits_e256_h2048", "route_h2048_e256_k8_i512", "up_h2048_e256_k8_i512",
                                   "down_h2048_e256_k8_i512"])
-    a3b = [v for v in moe.variants() if v.config["H"] == 2048]
+    a3b = [v for v in moe.variants() if (v.config["H"], v.config["E"]) == (2048, 256)]
     kinds = {kind: {v.key for v in a3b if v.config["kind"] == kind} for kind in ("route_up", "up_wide", "down_wide")}
     assert len(kinds["route_up"]) == len(kinds["up_wide"]) == len(moe.ROUTE_UP_FEATURES)
     assert len(kinds["down_wide"]) == len(moe.DOWN_WIDE_ROWS)
@@ -38,10 +38,10 @@ def test_every_launch_passes_exactly_its_kernels_buffers():
     from runtime.cuda.null import NullDevice
 
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
-    built_or_skip(lambda: [lib.kernel("moe", key) for _, keys in forms(2048) for key in keys])  # none stale
+    built_or_skip(lambda: [lib.kernel("moe", key) for _, keys in forms(2048, 256) for key in keys])  # none stale
     bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out"))}
     weights = {name: 0x100000 * (i + 1) for i, name in enumerate(("router", "w_sg", "gate_up", "down"))}
-    for _, keys in forms(2048):
+    for _, keys in forms(2048, 256):
         for key in keys:
             args = launch_args(key, bufs, weights)
             assert set(args) == set(lib.manifest.kernels[("moe", key)].tensors), key

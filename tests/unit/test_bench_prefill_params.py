@@ -31,3 +31,11 @@ def test_an_moe_token_counts_the_router_and_only_its_k_experts_and_the_shared_on
     attn = (16 * 2 * 256 + 2 * 2 * 256) * h + 16 * 256 * h
     mlp = 256 * h + 1 * h + (8 + 1) * 3 * h * moe                           # router, shared gate, experts
     assert _params("qwen3.6-35b-a3b") == 30 * gdn + 10 * attn + 40 * mlp
+
+
+def test_a_next_80b_token_counts_its_ten_experts_and_the_shared_one():
+    h, moe = 2048, 512
+    gdn = (2 * 16 * 128 + 32 * 128 + 32 * 128 + 2 * 32) * h + 32 * 128 * h
+    attn = (16 * 2 * 256 + 2 * 2 * 256) * h + 16 * 256 * h
+    mlp = 512 * h + 1 * h + (10 + 1) * 3 * h * moe                          # router, shared gate, experts
+    assert _params("qwen3-next-80b") == 36 * gdn + 12 * attn + 48 * mlp

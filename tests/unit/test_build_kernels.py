@@ -90,7 +90,7 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
                         "quantize_act", "gemm_fp8_sm90", "dequant_nvfp4", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
-                        "moe_grouped",
+                        "moe_grouped", "dequant_weights",
                         "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
     # Blackwell targets only get the families that declare them (no Hopper-only GEMMs).
@@ -128,10 +128,12 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
     ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "gemm_fp8_sm90", "dequant_nvfp4",
-                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped", "vision_bias", "vision_norm", "vision_rope",
-                 "vision_attention", "vision_pos"}),
-    # gemv_nvfp4, dequant_nvfp4, quantize_act and gemm_fp8_sm90 reuse gemv_fp8's e4m3 table.
-    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4", "quantize_act", "gemm_fp8_sm90"}),
+                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped",
+                 "dequant_weights", "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}),
+    # gemv_nvfp4, dequant_nvfp4, quantize_act, gemm_fp8_sm90 and dequant_weights reuse gemv_fp8's e4m3 table.
+    ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4", "quantize_act", "gemm_fp8_sm90", "dequant_weights"}),
+    # moe's fp8 expert kernels live in their own file.
+    ("moe_fp8_kernels.py", {"moe"}),
     # The kernels of a family split over two files (moe's DSL code in moe_kernels.py).
     ("moe_kernels.py", {"moe"}),
     # moe_grouped's GEMM and the FP8 GEMM are built from gemm_sm90's constants (the FP8 GEMM also

@@ -42,7 +42,8 @@ def test_a_json_file_gives_its_config(tmp_path):
 
 @pytest.mark.parametrize("name, artifact, message", [
     ("qwen3.6-27b", {"vocab_size": 512}, "vocabulary of 248320 tokens, the model's tokenizer has 512"),
-    ("no-such-shape", REAL_VOCAB, "'no-such-shape' is neither a known shape (qwen3.6-27b, qwen3.6-35b-a3b) nor a file"),
+    ("no-such-shape", REAL_VOCAB, "'no-such-shape' is neither a known shape (qwen3.6-27b, qwen3.6-35b-a3b, qwen3-next-80b) nor "
+     "a file"),
 ])
 def test_what_cannot_run_is_a_config_error(name, artifact, message):
     with pytest.raises(ConfigError, match="--synthetic-shape") as err:

@@ -13,7 +13,9 @@ MoE layers run the `moe` family at every row count (its kernels take any M): its
 (logits, route, up, down) above; prefill steps of more rows run the grouped GEMMs of `moe_grouped`
 after the split form's routing where they were compiled (`moe_prefill`), and take their router
 logits from an FP32-out `gemm_sm90` variant where one was compiled for the router's shape
-(`moe_router_gemm`).
+(`moe_router_gemm`). FP8 experts (`expert_format`) run the split form with `up_fp8` /
+`down_fp8` at every row count, and prefill dequantises each layer's stacks before the grouped
+GEMMs.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class KernelChoice:
 
     library: Any
     config: ModelConfig
+    expert_format: str = "bf16"  # the MoE expert stacks' format (`WeightLayout.expert_format`)
 
     def __post_init__(self) -> None:
         c, lib = self.config, self.library
@@ -102,13 +105,21 @@ class KernelChoice:
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
+        # FP8 experts: `up_fp8` / `down_fp8` in place of `up` / `down` at every row count (no
+        # decode form reads fp8 yet), and the grouped GEMMs on a dequantised copy for prefill.
+        self.moe_up_fp8 = self.moe_down_fp8 = None
+        if self.expert_format not in ("bf16", FP8):
+            raise NotImplementedError(f"MoE experts in {self.expert_format}: CudaRunner reads bf16 and {FP8} experts")
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
             self.moe_route = _need(lib, "moe", "MoE top-k routing", kind="route", renorm=c.norm_topk_prob, **shape)
             self.moe_up = _need(lib, "moe", "the MoE experts' gate/up", kind="up", **shape)
             self.moe_down = _need(lib, "moe", "the MoE experts' down", kind="down", **shape)
-            if MOE_DECODE_FORM is not None:
+            if self.expert_format == FP8:
+                self.moe_up_fp8 = _need(lib, "moe", "the fp8 MoE experts' gate/up", kind="up_fp8", **shape)
+                self.moe_down_fp8 = _need(lib, "moe", "the fp8 MoE experts' down", kind="down_fp8", **shape)
+            elif MOE_DECODE_FORM is not None:
                 gate_up, features, form = MOE_DECODE_FORM
                 self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=h,
                                              E=c.num_experts)
@@ -120,7 +131,7 @@ class KernelChoice:
                                              features=features, **shape)
                 self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
                                            **shape)
-            self.moe_prefill = MoePrefill.find(lib, _find, c)
+            self.moe_prefill = MoePrefill.find(lib, _find, c, self.expert_format)
             # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
             self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
@@ -281,7 +292,7 @@ class KernelChoice:
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
-                  ("gemm_sm90", self.moe_router_gemm)]
+                  ("gemm_sm90", self.moe_router_gemm), ("moe", self.moe_up_fp8), ("moe", self.moe_down_fp8)]
         if self.moe_prefill:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:

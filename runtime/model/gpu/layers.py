@@ -329,11 +329,21 @@ class Forward:
         logits from the FP32-out GEMM (`moe_router_gemm`, where compiled): the same fp32 products
         summed in another order, so a logit may differ in its last bits from the logits kernel's
         and a near-tie may route differently from the same row at decode; the routing of given
-        logits is the same kernel."""
+        logits is the same kernel. FP8 expert stacks take the split form with `up_fp8` /
+        `down_fp8` at every row count, and such rows the grouped GEMMs on a dequantised copy
+        (`gpu.moe_prefill`)."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
         decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
         gate_up, experts_down = self.w(layer["experts_gate_up"]), self.w(layer["experts_down"])
+        # FP8 stacks: their kernels take the block scales too (`KernelChoice.moe_up_fp8`).
+        fp8 = layer["experts_gate_up"].format == FP8
+        up_key, down_key, scales = k.moe_up, k.moe_down, ({}, {})
+        if fp8:
+            base = self.storage.weights_base
+            up_key, down_key = k.moe_up_fp8, k.moe_down_fp8
+            scales = ({"scale": base + layer["experts_gate_up"].scale_offset},
+                      {"scale": base + layer["experts_down"].scale_offset})
         logits = {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}
         if not decode and not shape.exact_rows and k.moe_router_gemm:
             # Many rows of a prefill chunk or MTP catch-up: the logits by the GEMM (fp32, the same
@@ -348,15 +358,18 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-            if not shape.exact_rows and k.moe_prefill and not decode:
+            # FP8 stacks are dequantised whole for the grouped path: a step of a few rows reads
+            # their experts through `up_fp8` / `down_fp8` instead.
+            if not shape.exact_rows and k.moe_prefill and not decode and not (fp8 and m <= MOE_DECODE_ROWS):
                 # Many rows of a prefill chunk or an MTP catch-up (not `exact`): sorted by expert and
                 # run through grouped GEMMs (`gpu.moe_prefill`); the same routing, slot order and
                 # final rounding as the split form.
                 k.moe_prefill.bind(self, out, m, layer, route)
                 self.all_reduce(out, m)
                 return
-            self.launch(out, "moe", k.moe_up_wide if decode else k.moe_up,
-                        {"x": buf["h"], "w": gate_up, "ids": route["ids"], "act": buf["moe_act"]}, {"M": m})
-        self.launch(out, "moe", k.moe_down_wide if decode else k.moe_down,
-                    {"act": buf["moe_act"], "w": experts_down, **route, "out": buf["delta"]}, {"M": m})
+            self.launch(out, "moe", k.moe_up_wide if decode else up_key,
+                        {"x": buf["h"], "w": gate_up, **scales[0], "ids": route["ids"], "act": buf["moe_act"]},
+                        {"M": m})
+        self.launch(out, "moe", k.moe_down_wide if decode else down_key,
+                    {"act": buf["moe_act"], "w": experts_down, **scales[1], **route, "out": buf["delta"]}, {"M": m})
         self.all_reduce(out, m)

@@ -10,6 +10,10 @@ Buffers (`storage.Storage`, sized for `capacity(rows)`): `moe_pos` [rows, P] and
 `moe_tiles` (int32), `moe_gu` [C, 2I] and `moe_gact` [C, I] bf16, and `moe_rows`: the gathered
 rows xg [C, H] bf16, then (xg read by the gate/up GEMM is dead by then) the down GEMM's fp32
 rows [C, H].
+
+FP8 experts (`weights.FP8` stacks): the layer's two stacks are first dequantised into a BF16
+scratch (`moe_dequant`, one layer's experts: gate/up then down) by cute_kernels/dequant_weights.py,
+and the grouped GEMMs read that; the extra traffic and the rounding are in that module's docstring.
 """
 
 from __future__ import annotations
@@ -32,11 +36,17 @@ class MoePrefill:
     bm: int
     slots: int  # P: k routed slots + the shared one
     experts: int  # E + 1 segments
+    dequant_gate_up: str | None = None  # FP8 experts: the `dequant_weights` keys of the two stacks
+    dequant_down: str | None = None
 
     @classmethod
-    def find(cls, library: Any, find: Any, config: Any) -> MoePrefill | None:
+    def find(cls, library: Any, find: Any, config: Any, expert_format: str = "bf16") -> MoePrefill | None:
         """The variants for the model's MoE shape, or None (prefill then takes the decode
-        kernels) when any of them was not compiled."""
+        kernels) when any of them was not compiled. expert_format "fp8_e4m3": the dequantising
+        kernels of both stacks too (the stacks' rows per scale row as `WeightLayout._moe` lays
+        them out: min(128, I) for gate/up, 128 for down)."""
+        from runtime.model.gpu.weights import FP8_BLOCK
+
         h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
         inter = config.moe_intermediate_size
         shape = {"H": h, "E": e, "K": k, "I": inter}
@@ -44,14 +54,19 @@ class MoePrefill:
         keys["gate_up"] = find(library, "moe_grouped", kind="gemm", proj="gate_up", E1=e + 1, N=2 * inter, K=h)
         keys["down"] = find(library, "moe_grouped", kind="gemm", proj="down", E1=e + 1, N=h, K=inter)
         keys["silu"] = find(library, "silu_mul", I=inter)
+        if expert_format != "bf16":
+            keys["dequant_gate_up"] = find(library, "dequant_weights", format=expert_format, K=h,
+                                           BR=min(FP8_BLOCK, inter))
+            keys["dequant_down"] = find(library, "dequant_weights", format=expert_format, K=inter, BR=FP8_BLOCK)
         if not all(keys.values()):
             return None
         bm = library.manifest.kernels[("moe_grouped", keys["perm"])].config["BM"]
         return cls(**keys, bm=bm, slots=k + 1, experts=e + 1)
 
     def required(self) -> list[tuple[str, str]]:
+        dequant = [("dequant_weights", key) for key in (self.dequant_gate_up, self.dequant_down) if key]
         return [("moe_grouped", self.perm), ("moe_grouped", self.gather), ("moe_grouped", self.gate_up),
-                ("silu_mul", self.silu), ("moe_grouped", self.down), ("moe_grouped", self.combine)]
+                ("silu_mul", self.silu), ("moe_grouped", self.down), ("moe_grouped", self.combine), *dequant]
 
     def capacity(self, rows: int) -> int:
         """Rows of the permuted buffers for `rows` rows: every (row, slot) entry plus bm - 1
@@ -63,23 +78,36 @@ class MoePrefill:
     def buffer_sizes(self, rows: int, hidden: int, inter: int) -> dict[str, int]:
         """Bytes of each workspace buffer for steps of up to `rows` rows."""
         c = self.capacity(rows)
-        return {"moe_pos": rows * self.slots * 4, "moe_src": c * 4, "moe_tiles": (c // self.bm + 1) * 4,
-                "moe_rows": c * hidden * 4, "moe_gu": c * 2 * inter * 2, "moe_gact": c * inter * 2}
+        sizes = {"moe_pos": rows * self.slots * 4, "moe_src": c * 4, "moe_tiles": (c // self.bm + 1) * 4,
+                 "moe_rows": c * hidden * 4, "moe_gu": c * 2 * inter * 2, "moe_gact": c * inter * 2}
+        if self.dequant_gate_up:
+            sizes["moe_dequant"] = self.experts * 3 * inter * hidden * 2  # one layer's stacks in bf16
+        return sizes
 
     def bind(self, forward: Any, out: list, m: int, layer: dict, route: dict[str, int]) -> None:
         """The launches after routing, for m rows of `buf["h"]`, into `buf["delta"]`."""
         buf = forward.storage.buf
         c = self.capacity(m)
         rows = {"M": m, "C": c}
+        gate_up, down = forward.w(layer["experts_gate_up"]), forward.w(layer["experts_down"])
+        if self.dequant_gate_up:
+            base = forward.storage.weights_base
+            gate_up_slot, down_slot = layer["experts_gate_up"], layer["experts_down"]
+            gate_up, down = buf["moe_dequant"], buf["moe_dequant"] + gate_up_slot.shape[0] * gate_up_slot.shape[1] * 2
+            forward.launch(out, "dequant_weights", self.dequant_gate_up,
+                           {"w": forward.w(gate_up_slot), "scale": base + gate_up_slot.scale_offset, "out": gate_up},
+                           {"R": gate_up_slot.shape[0]})
+            forward.launch(out, "dequant_weights", self.dequant_down,
+                           {"w": forward.w(down_slot), "scale": base + down_slot.scale_offset, "out": down},
+                           {"R": down_slot.shape[0]})
         forward.launch(out, "moe_grouped", self.perm, {"ids": route["ids"], "pos": buf["moe_pos"],
                                                        "src": buf["moe_src"], "tiles": buf["moe_tiles"]}, rows)
         forward.launch(out, "moe_grouped", self.gather, {"x": buf["h"], "src": buf["moe_src"],
                                                          "tiles": buf["moe_tiles"], "xg": buf["moe_rows"]}, rows)
-        forward.launch(out, "moe_grouped", self.gate_up, {"x": buf["moe_rows"],
-                                                          "w": forward.w(layer["experts_gate_up"]),
+        forward.launch(out, "moe_grouped", self.gate_up, {"x": buf["moe_rows"], "w": gate_up,
                                                           "tiles": buf["moe_tiles"], "out": buf["moe_gu"]}, {"C": c})
         forward.launch(out, "silu_mul", self.silu, {"x": buf["moe_gu"], "out": buf["moe_gact"]}, {"M": c})
-        forward.launch(out, "moe_grouped", self.down, {"x": buf["moe_gact"], "w": forward.w(layer["experts_down"]),
+        forward.launch(out, "moe_grouped", self.down, {"x": buf["moe_gact"], "w": down,
                                                        "tiles": buf["moe_tiles"], "out": buf["moe_rows"]}, {"C": c})
         forward.launch(out, "moe_grouped", self.combine, {"dn": buf["moe_rows"], "pos": buf["moe_pos"],
                                                           "wts": route["wts"], "out": buf["delta"]}, rows)

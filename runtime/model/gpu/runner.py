@@ -106,7 +106,7 @@ class CudaRunner:
         # first: a model the runner cannot run yet is refused by name before its kernels are looked for.
         self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
                                         else weight_formats, mtp=mtp)
-        self.kernels = KernelChoice(self.library, c)
+        self.kernels = KernelChoice(self.library, c, self.layout.expert_format)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
         for fmt in (FP8, NVFP4):  # a missing shape is refused before the upload, naming it

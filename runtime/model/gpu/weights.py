@@ -9,7 +9,10 @@ kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3
 fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`) or NVFP4
 (`nvfp4`: packed e2m1 codes, the e4m3 scale per 16 columns, then one fp32 global scale per row,
 each part's global repeated over its rows, read by `cute_kernels/gemv_nvfp4.py`); an artifact
-tensor in any other format is refused by name, and so are quantised MoE experts. A fused
+tensor in any other format is refused by name. MoE expert stacks are BF16 or FP8 (every expert of
+every layer, the shared one included; its scale rows cover `Slot.block_rows` rows, 128 or an
+expert half narrower than that), read by the `moe` family's `up_fp8` / `down_fp8` and, for
+prefill, dequantised by `dequant_weights`; the router and shared-expert gate are BF16. A fused
 projection whose parts differ in format is a quantised slot followed by a BF16 `tail` slot
 (Qwen's FP8 releases and the nvfp4 recipe keep the GDN `in_proj_b` / `in_proj_a` in BF16 after
 `in_proj_qkv` / `in_proj_z`; the quantised GEMVs read both).
@@ -47,16 +50,18 @@ NVFP4_GROUP = 16  # columns per nvfp4 block scale
 
 def fp8_recipe_format(name: str) -> str:
     """The format Qwen's FP8 releases and `tools.convert --recipe fp8` give a projection weight
-    (for `--synthetic-weights` without an FP8 artifact): FP8 except the GDN `in_proj_a` / `in_proj_b`
-    and the lm_head."""
-    return "bf16" if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight")) else FP8
+    (for `--synthetic-weights` without an FP8 artifact): FP8 except the GDN `in_proj_a` / `in_proj_b`,
+    the lm_head and a MoE layer's router and shared-expert gate (its experts, the shared one
+    included, are FP8)."""
+    keep = ("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+    return "bf16" if name.endswith(keep) else FP8
 
 
 def nvfp4_recipe_format(name: str) -> str:
     """The format `tools.convert --recipe nvfp4` gives a projection weight, as ModelOpt's NVFP4
     recipes do (for `--synthetic-weights` without an NVFP4 artifact): NVFP4 except the GDN
     `in_proj_a` / `in_proj_b`, the lm_head and a MoE layer's router and shared-expert gate. (A MoE
-    model's experts are NVFP4 then, which CudaRunner refuses so far.)"""
+    model's experts are NVFP4 then, which CudaRunner refuses: its MoE kernels read BF16 and FP8.)"""
     keep = ("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
     return "bf16" if name.endswith(keep) else NVFP4
 
@@ -73,6 +78,7 @@ class Slot:
     scale_offset: int = 0  # fp8: byte offset of the fp32 block scales [cdiv(N, 128), cdiv(K, 128)];
     # nvfp4: of the e4m3 block scales [N, K / 16]
     gscale_offset: int = 0  # nvfp4: byte offset of the fp32 global scale of every row [N]
+    block_rows: int = FP8_BLOCK  # fp8: rows per scale row (an expert stack with I < 128: I, see `_moe`)
 
     @property
     def data_bytes(self) -> int:
@@ -84,7 +90,7 @@ class Slot:
         n, k = self.shape
         if self.format == NVFP4:
             return n, k // NVFP4_GROUP
-        return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        return -(-n // self.block_rows), -(-k // FP8_BLOCK)
 
     @property
     def scale_bytes(self) -> int:
@@ -114,13 +120,13 @@ class WeightLayout:
     format_of: Callable[[str], str] = field(default=lambda name: "bf16", repr=False)  # see `plan`
 
     def _take(self, shape: tuple[int, ...], parts: tuple[tuple[str, int], ...], kind: str = "linear",
-              fmt: str = "bf16") -> Slot:
+              fmt: str = "bf16", block_rows: int = FP8_BLOCK) -> Slot:
         start = (self.total + 255) // 256 * 256
-        slot = Slot(start, tuple(shape), parts, kind, fmt)
+        slot = Slot(start, tuple(shape), parts, kind, fmt, block_rows=block_rows)
         if fmt in QUANTIZED:
             scale_offset = (start + slot.data_bytes + 255) // 256 * 256
             gscale_offset = (scale_offset + slot.scale_bytes + 255) // 256 * 256 if fmt == NVFP4 else 0
-            slot = Slot(start, tuple(shape), parts, kind, fmt, scale_offset, gscale_offset)
+            slot = Slot(start, tuple(shape), parts, kind, fmt, scale_offset, gscale_offset, block_rows)
         self.total = start + slot.nbytes
         return slot
 
@@ -157,8 +163,8 @@ class WeightLayout:
         head too (refused for a config without one); its layer's MLP is the config's `mtp_mlp_type`
         (dense, or MoE with the main layers' slots and shapes)."""
         c = config
-        if c.family not in ("dense", "moe"):
-            raise NotImplementedError(f"CudaRunner runs dense and Qwen3.5-MoE models only so far "
+        if c.family not in ("dense", "moe", "next"):
+            raise NotImplementedError(f"CudaRunner runs Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next models only "
                                       f"(this is {c.family!r})")
         lay = cls(config, **({"format_of": format_of} if format_of else {}))
         h = c.hidden_size
@@ -168,6 +174,10 @@ class WeightLayout:
             lay._projection(lay.globals, "lm_head", h, (("lm_head.weight", c.vocab_size),))
         for i, kind in enumerate(c.layer_types):
             lay.layers.append(lay._layer(f"layers.{i}.", kind, c.mlp_types[i]))
+        expert_formats = {layer["experts_gate_up"].format for layer in lay.layers if "experts_gate_up" in layer}
+        if len(expert_formats) > 1:
+            raise NotImplementedError(f"MoE layers with experts in {sorted(expert_formats)}: CudaRunner runs one "
+                                      "expert format for every layer")
         if mtp:
             if c.mtp_num_hidden_layers < 1:
                 raise ValueError("an MTP head was asked for, but the config has mtp_num_hidden_layers = 0")
@@ -236,13 +246,30 @@ class WeightLayout:
                                      (m + "shared_expert.up_proj.weight", inter)),
                  "experts_down": ((m + "experts.down_proj", e * h), (m + "shared_expert.down_proj.weight", h))}
         for role, named in parts.items():
-            for name, _ in named:
-                # The MTP head's tensors are BF16 (as `_projection` reads them).
-                if not name.startswith(MTP_PREFIX) and self.format_of(name) != "bf16":
-                    raise NotImplementedError(f"tensor {name} is {self.format_of(name)}; CudaRunner reads bf16 "
-                                              "MoE weights only so far")
+            # The MTP head's tensors are BF16 (as `_projection` reads them).
+            formats = {"bf16" if name.startswith(MTP_PREFIX) else self.format_of(name) for name, _ in named}
+            allowed = ("bf16", FP8) if role.startswith("experts") else ("bf16",)
+            if len(formats) > 1 or not formats <= set(allowed):
+                raise NotImplementedError(
+                    f"MoE tensors {[name for name, _ in named]} are {[self.format_of(name) for name, _ in named]}; "
+                    f"CudaRunner reads the router and shared-expert gate in bf16 and the experts (the shared one "
+                    f"included) all in bf16 or all in {FP8}")
             k = inter if role == "experts_down" else h
-            into[role] = self._take((sum(rows for _, rows in named), k), named)
+            fmt = formats.pop()
+            # An fp8 scale row covers 128 rows of one row group (an expert's gate or up half, or
+            # its down rows): 128, or the whole group when it is narrower (the tiny model's I = 64).
+            group = inter if role == "experts_gate_up" else h
+            block_rows = min(FP8_BLOCK, group)
+            if fmt == FP8 and group % block_rows:
+                raise NotImplementedError(f"fp8 experts of {group} rows per half: neither below nor a multiple of "
+                                          f"{FP8_BLOCK}, so their scale rows do not stack")
+            into[role] = self._take((sum(rows for _, rows in named), k), named, fmt=fmt, block_rows=block_rows)
+
+    @property
+    def expert_format(self) -> str:
+        """The MoE expert stacks' format ("bf16" without MoE layers); one for every layer (`plan`
+        refuses a mix)."""
+        return next((layer["experts_gate_up"].format for layer in self.layers if "experts_gate_up" in layer), "bf16")
 
     def all_slots(self) -> list[Slot]:
         return [*self.globals.values(), *(s for layer in self.layers for s in layer.values()), *self.mtp.values(),
@@ -257,10 +284,11 @@ class WeightLayout:
         return self.quantized_shapes(NVFP4)
 
     def quantized_shapes(self, fmt: str) -> set[tuple[int, int, int]]:
+        """(N, NT, K) of every projection in `fmt` that a quantised GEMV reads (not the experts)."""
         shapes = set()
         for slots in [self.globals, *self.layers]:
             for role, slot in slots.items():
-                if slot.format == fmt:
+                if slot.format == fmt and not role.startswith("experts"):  # the MoE kernels read those
                     tail = slots.get(role + "_tail")
                     shapes.add((slot.shape[0], tail.shape[0] if tail else 0, slot.shape[1]))
         return shapes
@@ -288,13 +316,19 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
                 raise NotImplementedError(f"tensor {layout_name} is {entry.format}; CudaRunner reads "
                                           f"{slot.format} there")
             if slot.format == FP8:
-                if entry.row_groups != 1:
-                    raise NotImplementedError(f"fp8 tensor {name} has {entry.row_groups} row groups; CudaRunner "
-                                              "reads one scale grid per tensor")
+                # Scale rows of `block_rows` rows each, stacked: a stored grid matches when every
+                # row group of the tensor (per expert, gate and up apart) fills whole scale rows,
+                # or is one scale row (block_rows = the group).
+                group = entry.shape[-2] // entry.row_groups
+                if (entry.row_groups != 1 or len(entry.shape) > 2 or slot.block_rows != FP8_BLOCK) \
+                        and group % slot.block_rows:
+                    raise NotImplementedError(f"fp8 tensor {name} has row groups of {group} rows; CudaRunner reads "
+                                              f"its scales in rows of {slot.block_rows}")
                 scales = np.ascontiguousarray(source.raw(name, "scale"), dtype=np.float32)
-                if scales.shape != (-(-rows // FP8_BLOCK), slot.scale_shape[1]):
-                    raise ValueError(f"tensor {name} has scales {scales.shape}, {rows} x {slot.shape[1]} needs "
-                                     f"{(-(-rows // FP8_BLOCK), slot.scale_shape[1])}")
+                scales = scales.reshape(-1, scales.shape[-1])
+                want = (-(-rows // slot.block_rows), slot.scale_shape[1])
+                if scales.shape != want:
+                    raise ValueError(f"tensor {name} has scales {scales.shape}, {rows} x {slot.shape[1]} needs {want}")
                 device.memcpy_htod(scale_offset, scales, stream)
                 scale_offset += scales.nbytes
             if slot.format == NVFP4:
