@@ -250,10 +250,13 @@ class Forward:
                         {"q": buf["q"], **pages, **rows, "x": buf["proj"], "out": buf["attn_out"]},
                         {"M": m, "maxp": st.maxp, "R": st.max_batch, "NP": pad_pages})
         else:
-            self.launch(out, "attention", k.split, {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"],
-                                                    "lse": buf["lse"]},
+            family, split = k.decode_split(shape.t)
+            # The tensor-core form serves a sequence's t tokens (rows position-major) in one CTA.
+            tokens = {"T": shape.t} if family == "attention_decode_mma" else {}
+            self.launch(out, family, split, {"q": buf["q"], **pages, **rows, "o_part": buf["o_part"],
+                                             "lse": buf["lse"]},
                         {"M": m, "S": shape.splits, "min_split": shape.min_split, "maxp": st.maxp,
-                         "R": st.max_batch, "NP": pad_pages})
+                         "R": st.max_batch, "NP": pad_pages, **tokens})
             self.launch(out, "attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"],
                                                       "pos": st.meta_ptr("pos"), "x": buf["proj"],
                                                       "out": buf["attn_out"]},
