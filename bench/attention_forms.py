@@ -123,8 +123,8 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
 
 def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
     lines = [f"Copy bandwidth in the same run: **{copy_tb_s:.2f} TB/s** (read + write).", "",
-             "| shape | batch | context | T | splits | split us (+combine) | mma us (+combine) | SDPA us "
-             "| split of copy bw | mma of copy bw | SDPA of copy bw | mma split kernel alone us |",
+             ("| shape | batch | context | T | splits | split us (+combine) | mma us (+combine) | SDPA us "
+              "| split of copy bw | mma of copy bw | SDPA of copy bw | mma split kernel alone us |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         def share(key: str, r: dict[str, Any] = r) -> str:

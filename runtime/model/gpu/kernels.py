@@ -277,4 +277,5 @@ class KernelChoice:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:
             chosen.append(self.prefill_attn)
+        chosen += [("attention_decode_mma", key) for _, key in sorted(self.decode_mma.items())]
         return [(family, key) for family, key in chosen if key]
