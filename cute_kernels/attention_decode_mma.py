@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import attention
+from .bf16 import round_bf16
 from .variant import HOPPER, Variant, i32, ptr, tensor
 
 FAMILY = "attention_decode_mma"
@@ -95,7 +96,9 @@ def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, s
     """One query row's split partials: q [Hq, D] at position pos over its keys k_rows, v_rows
     [>= pos + 1, Hkv, D] (in sequence order). Returns (o_part [Hq, n, D], lse [Hq, n]) for the
     n splits that hold keys (`attention.split_length`), lse the log2-sum-exp of the scores
-    scaled by D^-0.5 * log2(e), as `split_*` writes them."""
+    scaled by D^-0.5 * log2(e), as `split_*` writes them. exact=False: the kernel's precision
+    model (fp32; the weights P rounded to bf16 for P V, the tensor-core operand, while their sum
+    stays fp32), the same-precision baseline of its tests."""
     ft = np.float64 if exact else np.float32
     hq, d = q.shape
     r = hq // k_rows.shape[1]
@@ -106,9 +109,10 @@ def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, s
     for s in range(n):
         lo, hi = s * split, min((s + 1) * split, pos + 1)
         for h in range(hq):
-            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * (d ** -0.5 * LOG2E)
+            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * ft(d ** -0.5 * LOG2E)
             p = np.exp2(sc - sc.max())
-            o[h, s] = (p @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
+            pv = p if exact else round_bf16(p)
+            o[h, s] = (pv @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
             lse[h, s] = sc.max() + np.log2(p.sum())
     return o, lse
 

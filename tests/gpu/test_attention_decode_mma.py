@@ -190,8 +190,10 @@ def test_a_sequence_does_not_depend_on_the_batch(library, mem, stream):
 
 def test_partials_match_the_split_contract(library, mem, stream):
     """The partials themselves (what `attention.combine` reads): o_part and lse of every used split
-    of a row against `attention_decode_mma.reference` (fp64), as closely as the CUDA-core split
-    kernel's partials are (bf16 P is the only extra rounding)."""
+    of a row against `attention_decode_mma.reference` (fp64) within 2x the error of its precision
+    model (`exact=False`: fp32 with P rounded to bf16 for P V, an error of about 1e-3 that the
+    CUDA-core kernel's fp32 P does not have); lse (fp32 sums in both forms) as close as the
+    CUDA-core split kernel's."""
     name = "q24_kv4_d256"
     rng = np.random.default_rng(21)
     lengths = [4097, 130]
@@ -216,15 +218,16 @@ def test_partials_match_the_split_contract(library, mem, stream):
     for i in range(m):
         n = int(pos[i]) + 1
         rows = case.table[i, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
-        want_o, want_lse = attention_decode_mma.reference(q[i], case.k[rows], case.v[rows], int(pos[i]), splits,
-                                                          min_split)
+        args = (q[i], case.k[rows], case.v[rows], int(pos[i]), splits, min_split)
+        want_o, want_lse = attention_decode_mma.reference(*args)
+        model_o, _ = attention_decode_mma.reference(*args, exact=False)
         used = want_o.shape[1]
+        assert used == (7 if i == 0 else 3)  # 4097 keys in splits of 640, 130 in splits of 64
         mo, ml = got["mma"][0][i, :, :used], got["mma"][1][i, :, :used]
-        so, sl = got["split"][0][i, :, :used], got["split"][1][i, :, :used]
+        sl = got["split"][1][i, :, :used]
         assert np.isfinite(mo).all() and np.isfinite(ml).all(), f"row {i}: a used split was not written"
-        assert rel_err(mo, want_o) <= 4.0 * rel_err(so, want_o) + 1e-6, \
-            f"row {i}: o_part error {rel_err(mo, want_o):.3e} vs split {rel_err(so, want_o):.3e}"
-        # lse: fp32 sums in both forms (P's bf16 rounding is not in the sum).
+        assert rel_err(mo, want_o) <= 2.0 * rel_err(model_o, want_o) + 1e-6, \
+            f"row {i}: o_part error {rel_err(mo, want_o):.3e} vs model {rel_err(model_o, want_o):.3e}"
         assert np.abs(ml - want_lse).max() <= 4.0 * np.abs(sl - want_lse).max() + 1e-5
 
 
