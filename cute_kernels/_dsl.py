@@ -18,7 +18,7 @@ from runtime.cuda.expr import evaluate
 from .variant import Variant
 
 __all__ = ["dtype", "fake_ptr", "example_args", "grid", "stream", "warp_sum", "silu_f32", "sum_warp_partials",
-           "gemv_lanes", "fill_k_slots", "acc_rows_cols", "acc_as_a_operand", "quad_reduce", "NAME_PREFIX"]
+           "gemv_lanes", "fill_k_slots", "NAME_PREFIX"]
 
 NAME_PREFIX = "infx"
 
@@ -79,30 +79,6 @@ def warp_sum(value: Any, width: int) -> Any:
         value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
         offset //= 2
     return value
-
-
-def acc_rows_cols(t: Any) -> Any:
-    """An mma.sync m16n8 accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread
-    (the attention kernels' row-wise softmax walks it so)."""
-    lay = cute.make_layout(t.layout.shape)
-    mn = cute.make_layout(((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-                          stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-def acc_as_a_operand(t: Any) -> Any:
-    """Accumulator-shaped bf16 P ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2)
-    of the next k16 product (two n8 accumulator tiles form one k16 A tile)."""
-    div = cute.logical_divide(t.layout, (None, None, 2))
-    lay = cute.make_layout(((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
-                           stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]))
-    return cute.make_tensor(t.iterator, lay)
-
-
-def quad_reduce(v: Any, op: Any) -> Any:
-    """op over the 4 lanes of an mma.sync accumulator row (lanes 4r..4r+3)."""
-    v = op(v, cute.arch.shuffle_sync_bfly(v, offset=2))
-    return op(v, cute.arch.shuffle_sync_bfly(v, offset=1))
 
 
 def silu_f32(x: Any) -> Any:

@@ -142,7 +142,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import warp
 
-    from . import _dsl, _kv_tiles
+    from . import _attention_tiles, _dsl
 
     cfg = variant.config
     hq, hkv, d, mtiles, ks_n, bn, stages = (cfg[k] for k in ("Hq", "Hkv", "D", "MT", "KS", "BN", "stages"))
@@ -199,7 +199,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             shape = (threads, hkv, d, bn, stages)
 
             for s in cutlass.range_constexpr(stages - 1):
-                _kv_tiles.load_kv_tile(*kv, s, s, *shape)
+                _attention_tiles.load_kv_tile(*kv, s, s, *shape)
                 cute.arch.cp_async_commit_group()
 
             # Q rows (token t = i // group, head kvh * group + i % group), zeros past the tokens.
@@ -233,8 +233,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             tSrKv, tOrVtv = thr_lb.retile(tSrK), thr_lv.retile(tOrVt)
             acc_o = cute.make_rmem_tensor(thr.partition_shape_C((16, d)), f32)
             acc_o.fill(0.0)
-            acc_o_mn = _dsl.acc_rows_cols(acc_o)
-            tScS = _dsl.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, 16))))
+            acc_o_mn = _attention_tiles.acc_rows_cols(acc_o)
+            tScS = _attention_tiles.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, 16))))
             nrows = cute.size(tScS.shape[0])
             ncols = cute.size(tScS.shape[1])
 
@@ -262,7 +262,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 stage = it % stages
                 cute.arch.cp_async_wait_group(stages - 2)
                 cute.arch.sync_threads()  # tile it landed for all; every warp is done with tile it - 1
-                _kv_tiles.load_kv_tile(*kv, it + stages - 1, (it + stages - 1) % stages, *shape)
+                _attention_tiles.load_kv_tile(*kv, it + stages - 1, (it + stages - 1) % stages, *shape)
                 cute.arch.cp_async_commit_group()
                 if busy:
                     acc_s = cute.make_rmem_tensor(thr.partition_shape_C((16, 16)), f32)
@@ -274,7 +274,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
                     # Scores in the exp2 domain, keys outside a row's range at -inf; a row with no
                     # key yet keeps max -inf and subtracts 0 (its weights are all 0).
-                    s_mn = _dsl.acc_rows_cols(acc_s)
+                    s_mn = _attention_tiles.acc_rows_cols(acc_s)
                     n0 = start + it * bn + ks * 16
                     for r in cutlass.range_constexpr(nrows):
                         for c in cutlass.range_constexpr(ncols):
@@ -285,7 +285,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                             s_mn[r, c] = sc
                     for r in cutlass.range_constexpr(nrows):
                         srow = s_mn[r, None].load()
-                        cur = _dsl.quad_reduce(srow.reduce(cute.ReductionOp.MAX, f32(ninf), 0), cute.arch.fmax)
+                        cur = _attention_tiles.quad_reduce(srow.reduce(cute.ReductionOp.MAX, f32(ninf), 0), cute.arch.fmax)
                         new_max = cute.arch.fmax(row_max[r], cur)
                         base = new_max
                         if new_max == f32(ninf):
@@ -298,7 +298,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
                     r_p = cute.make_rmem_tensor(acc_s.layout, bf16)
                     r_p.store(acc_s.load().to(bf16))
-                    t_p = _dsl.acc_as_a_operand(r_p)
+                    t_p = _attention_tiles.acc_as_a_operand(r_p)
                     tOsVt = thr_lv.partition_S(_vt_tile(sKV, stage, ks, d, bn, stages))
                     cute.copy(ld_v, tOsVt[None, None, 0], tOrVtv[None, None, 0])
                     cute.gemm(mma, acc_o, t_p[None, None, 0], tOrVt[None, None, 0], acc_o)
@@ -308,9 +308,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # ---- merge the key slices of each m-tile (slice order), write the rows of this split
             s_o = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32),
                                    cute.make_layout((ks_n - 1, rows_cta, d), stride=(rows_cta * d, d, 1)))
-            tOcO = _dsl.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, d))))
+            tOcO = _attention_tiles.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, d))))
             for r in cutlass.range_constexpr(nrows):
-                row_sum[r] = _dsl.quad_reduce(row_sum[r], lambda x, y: x + y)
+                row_sum[r] = _attention_tiles.quad_reduce(row_sum[r], lambda x, y: x + y)
                 row = mt * 16 + tScS[r, 0][0]
                 if ks > 0:
                     s_stat[0, ks, row] = row_max[r]

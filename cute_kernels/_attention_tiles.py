@@ -1,8 +1,11 @@
-"""Paged K/V tiles into shared memory with cp.async, for the attention kernels' `build()` (imports
-the CuTe DSL; only `build()` functions import this module).
+"""Building blocks of the mma.sync attention kernels (`attention_prefill`, `attention_decode_mma`):
+views of an m16n8 accumulator for a row-wise softmax, the quad reduction over a row's lanes, and
+paged K/V tiles into shared memory with cp.async. Imports the CuTe DSL: only `build()` functions
+import this module.
 
-A `@cute.jit` function at module level with every value an argument: the DSL does not stage a
-call of a closure inside a runtime loop or `if`, and a K/V stream is loaded in one."""
+`load_kv_tile` is a `@cute.jit` function at module level with every value an argument: the DSL
+does not stage a call of a closure inside a runtime loop or `if`, and a K/V stream is loaded in
+one."""
 
 from __future__ import annotations
 
@@ -13,6 +16,30 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 PAGE = 64  # keys per KV page (attention.PAGE)
+
+
+def acc_rows_cols(t: Any) -> Any:
+    """An mma.sync m16n8 accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread
+    (the row-wise softmax walks it so)."""
+    lay = cute.make_layout(t.layout.shape)
+    mn = cute.make_layout(((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+                          stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def acc_as_a_operand(t: Any) -> Any:
+    """Accumulator-shaped bf16 P ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2)
+    of the next k16 product (two n8 accumulator tiles form one k16 A tile)."""
+    div = cute.logical_divide(t.layout, (None, None, 2))
+    lay = cute.make_layout(((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+                           stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]))
+    return cute.make_tensor(t.iterator, lay)
+
+
+def quad_reduce(v: Any, op: Any) -> Any:
+    """op over the 4 lanes of an mma.sync accumulator row (lanes 4r..4r+3)."""
+    v = op(v, cute.arch.shuffle_sync_bfly(v, offset=2))
+    return op(v, cute.arch.shuffle_sync_bfly(v, offset=1))
 
 
 @cute.jit
