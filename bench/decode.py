@@ -225,8 +225,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = [f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write); decode "
-             f"attention form of the steps: {data.get('attention_form', 'split')}.", "",
+    lines = [(f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write); decode "
+              f"attention form of the steps: {data.get('attention_form', 'split')}."), "",
              "| batch | context | GPU ms/step (graph) | wall ms/step, host sampling | wall ms/step, device sampling "
              "| wall ms/step, device + look-ahead | tok/s | host ms/step | floor ms | of roofline (GPU) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -109,8 +109,8 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
 def render(rows: list[dict[str, Any]], copy_bw_tb_s: float) -> str:
     """One line per (batch, context): each split form (+ combine) and SDPA, time, TB/s, share of
     the copy bandwidth, and the relative difference from SDPA's output."""
-    lines = ["| batch | context | splits x min | split us | mma us | SDPA us | split of copy bw | mma of copy bw "
-             "| SDPA of copy bw | split rel diff | mma rel diff | SDPA mode |",
+    lines = [("| batch | context | splits x min | split us | mma us | SDPA us | split of copy bw | mma of copy bw "
+              "| SDPA of copy bw | split rel diff | mma rel diff | SDPA mode |"),
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
