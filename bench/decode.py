@@ -7,6 +7,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
     python -m bench.decode --out results/ [--batches 1,2,4,8] [--contexts 1024,32768] [--steps 20]
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
+        [--attention-form mma|split]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -148,7 +149,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
-        draft_vocabs: tuple[int, ...] = ()) -> dict[str, Any]:
+        draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None) -> dict[str, Any]:
     from bench import decode_attention, mtp_round, verify_step
     from runtime.model.runner import DecodeItem
 
@@ -165,6 +166,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                          shape=shape, router=router, pages=pages)
     if gdn_min_ctas is not None:  # before any step is bound: every plan takes the GDN kernels it picks
         runner.kernels.gdn_min_ctas = gdn_min_ctas
+    if attention_form is not None:  # likewise the decode attention split kernel
+        runner.kernels.use_decode_attention(attention_form)
     dev, s = runner.device, runner.stream
     bw = copy_bandwidth(dev, s)
     results = []
@@ -218,12 +221,13 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
             "gdn_min_ctas": runner.kernels.gdn_min_ctas,
             "verification": verification, "mtp_rounds": rounds,
             "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
-            "results": results, "attention_vs_sdpa": attention,
+            "attention_form": runner.kernels.decode_attention_form, "results": results, "attention_vs_sdpa": attention,
             "breakdown_us": breakdown}
 
 
 def render(data: dict[str, Any]) -> str:
-    lines = [f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write).", "",
+    lines = [(f"Copy bandwidth in the same run: **{data['copy_bandwidth_tb_s']:.2f} TB/s** (read + write); decode "
+              f"attention form of the steps: {data.get('attention_form', 'split')}."), "",
              "| batch | context | GPU ms/step (graph) | wall ms/step, host sampling | wall ms/step, device sampling "
              "| wall ms/step, device + look-ahead | tok/s | host ms/step | floor ms | of roofline (GPU) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -275,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-split", type=int, help="fewest keys per decode attention split (runner default if omitted)")
     ap.add_argument("--max-tokens", type=int, help="skip (batch, context) pairs with batch x context above this; the "
                     "KV pool is sized for the largest pair kept")
+    ap.add_argument("--attention-form", choices=("mma", "split"),
+                    help="decode attention split kernel of the timed steps: tensor cores (mma) or CUDA cores "
+                         "(split); runtime/model/gpu/kernels.py's DECODE_ATTENTION_FORM if omitted")
     ap.add_argument("--no-sdpa", action="store_true", help="skip decode attention alone against torch SDPA")
     ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
@@ -305,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
                tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
                args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
-               tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v))
+               tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form)
     data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(data, indent=1))

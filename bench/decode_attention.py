@@ -1,4 +1,6 @@
-"""Decode attention alone (split-KV + combine, one layer) against torch SDPA on the same K/V.
+"""Decode attention alone (split-KV + combine, one layer) against torch SDPA on the same K/V, in
+both split forms: `split` (CUDA cores, `attention.split`) and `mma` (tensor cores,
+`attention_decode_mma`, where compiled), each followed by the same combine.
 
 Called by `bench.decode` after it has timed a (batch, context) pair, with the items of that pair:
 their metadata (positions, page tables) is on the device from the last decode step. Random K/V
@@ -45,20 +47,28 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
     s.synchronize()
     rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
     pad_pages = st.num_pages + 1
-    split = runner.library.kernel("attention", k.split).bind(
-        {"q": q.data_ptr(), "k_pages": st.k_pages[0], "v_pages": st.v_pages[0], **rows, "o_part": st.buf["o_part"],
-         "lse": st.buf["lse"]},
-        {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split, "maxp": st.maxp, "R": st.max_batch,
-         "NP": pad_pages})
     combine = runner.library.kernel("attention", k.combine).bind(
         {"o_part": st.buf["o_part"], "lse": st.buf["lse"], "pos": st.meta_ptr("pos"), "x": x.data_ptr(),
          "out": out.data_ptr()}, {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split})
+    forms = {"split": ("attention", k.split, {})}
+    if 1 in k.decode_mma:
+        forms["mma"] = ("attention_decode_mma", k.decode_mma[1], {"T": 1})
+    timed: dict[str, Any] = {}
+    for form, (family, key, tokens) in forms.items():
+        split = runner.library.kernel(family, key).bind(
+            {"q": q.data_ptr(), "k_pages": st.k_pages[0], "v_pages": st.v_pages[0], **rows,
+             "o_part": st.buf["o_part"], "lse": st.buf["lse"]},
+            {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split, "maxp": st.maxp,
+             "R": st.max_batch, "NP": pad_pages, **tokens})
 
-    def ours(stream: Any) -> None:
-        split(stream)
-        combine(stream)
+        def ours(stream: Any, split: Any = split) -> None:
+            split(stream)
+            combine(stream)
 
-    ours_us = median_event_seconds(dev, s, ours, repeats=9) * 1e6
+        us = median_event_seconds(dev, s, ours, repeats=9) * 1e6
+        ours(s)  # this form's output in `out`, for the comparison with SDPA
+        s.synchronize()
+        timed[form] = (us, out[:batch].view(batch, hq, d).float().clone())
     qt = q[:batch].unsqueeze(2)                              # [B, Hq, 1, D]
     kt = kk.permute(0, 2, 1, 3).contiguous()                # [B, Hkv, n, D]
     vt = vv.permute(0, 2, 1, 3).contiguous()
@@ -84,25 +94,37 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
     sdpa_us = sorted(times)[4]
     torch.cuda.synchronize()
     gate = torch.sigmoid(x[:batch, :hq * 2 * d].view(batch, hq, 2 * d)[..., d:].float())
-    ours_o = out[:batch].view(batch, hq, d).float() / gate
     want = ref[:, :, 0].float()
-    rel = float((ours_o - want).norm() / want.norm())
     kv_bytes = batch * n * row_bytes * 2
-    return {"batch": batch, "context": context, "splits": st.decode_splits, "min_split": st.decode_min_split,
-            "ours_us": ours_us, "sdpa_us": sdpa_us, "sdpa_mode": mode, "kv_bytes": kv_bytes,
-            "ours_tb_s": kv_bytes / ours_us / 1e6, "sdpa_tb_s": kv_bytes / sdpa_us / 1e6,
-            "rel_diff_vs_sdpa": rel, "torch": torch.__version__}
+    row = {"batch": batch, "context": context, "splits": st.decode_splits, "min_split": st.decode_min_split,
+           "sdpa_us": sdpa_us, "sdpa_mode": mode, "kv_bytes": kv_bytes, "sdpa_tb_s": kv_bytes / sdpa_us / 1e6,
+           "torch": torch.__version__}
+    for form, (us, got) in timed.items():
+        row[f"{form}_us"] = us
+        row[f"{form}_tb_s"] = kv_bytes / us / 1e6
+        row[f"{form}_rel_diff_vs_sdpa"] = float((got / gate - want).norm() / want.norm())
+    return row
 
 
 def render(rows: list[dict[str, Any]], copy_bw_tb_s: float) -> str:
-    lines = ["| batch | context | splits x min | ours us (split + combine) | SDPA us | ours TB/s | SDPA TB/s "
-             "| ours of copy bw | rel diff vs SDPA | SDPA mode |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    """One line per (batch, context): each split form (+ combine) and SDPA, time, TB/s, share of
+    the copy bandwidth, and the relative difference from SDPA's output."""
+    lines = [("| batch | context | splits x min | split us | mma us | SDPA us | split of copy bw | mma of copy bw "
+              "| SDPA of copy bw | split rel diff | mma rel diff | SDPA mode |"),
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "-"
+
+    def share(r: dict[str, Any], form: str) -> str:
+        return f"{100 * r[f'{form}_tb_s'] / copy_bw_tb_s:.0f}%" if f"{form}_tb_s" in r else "-"
+
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['error']} |||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['error']} ||||||||||")
             continue
-        lines.append(f"| {r['batch']} | {r['context']} | {r['splits']} x {r['min_split']} | {r['ours_us']:.1f} | "
-                     f"{r['sdpa_us']:.1f} | {r['ours_tb_s']:.2f} | {r['sdpa_tb_s']:.2f} | "
-                     f"{100 * r['ours_tb_s'] / copy_bw_tb_s:.0f}% | {r['rel_diff_vs_sdpa']:.1e} | {r['sdpa_mode']} |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['splits']} x {r['min_split']} | {cell(r, 'split_us', '.1f')} "
+                     f"| {cell(r, 'mma_us', '.1f')} | {r['sdpa_us']:.1f} | {share(r, 'split')} | {share(r, 'mma')} "
+                     f"| {share(r, 'sdpa')} | {cell(r, 'split_rel_diff_vs_sdpa', '.1e')} "
+                     f"| {cell(r, 'mma_rel_diff_vs_sdpa', '.1e')} | {r['sdpa_mode']} |")
     return "\n".join(lines)

@@ -100,7 +100,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import cpasync, warp
 
-    from . import _dsl
+    from . import _attention_tiles, _dsl
 
     cfg = variant.config
     hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
@@ -108,25 +108,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     scale_log2 = d ** -0.5 * LOG2E
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
     ninf = -float("inf")
-
-    def mn_view(t: Any) -> Any:
-        """An mma.sync accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread."""
-        lay = cute.make_layout(t.layout.shape)
-        mn = cute.make_layout(((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-                              stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
-        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-    def as_a_operand(t: Any) -> Any:
-        """Accumulator-shaped bf16 P ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2)
-        of the next k16 product (two n8 accumulator tiles form one k16 A tile)."""
-        div = cute.logical_divide(t.layout, (None, None, 2))
-        lay = cute.make_layout(((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
-                               stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]))
-        return cute.make_tensor(t.iterator, lay)
-
-    def quad(v: Any, op: Any) -> Any:
-        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=2))
-        return op(v, cute.arch.shuffle_sync_bfly(v, offset=1))
 
     @cute.kernel
     def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
@@ -212,7 +193,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         nk_pv = BN // 16
 
         # Rows of the S tile this thread holds, and their positions.
-        tScS = mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
+        tScS = _attention_tiles.acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
         nrows = cute.size(tScS.shape[0])
         ncols = cute.size(tScS.shape[1])
         row_pos = cute.make_rmem_tensor((nrows,), cutlass.Int32)
@@ -222,7 +203,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             row_pos[r] = gpos[cutlass.min(m0 + tScS[r, 0][0], m - 1)]
             row_max[r] = f32(ninf)
             row_sum[r] = f32(0.0)
-        acc_o_mn = mn_view(acc_o)
+        acc_o_mn = _attention_tiles.acc_rows_cols(acc_o)
 
         for kb in cutlass.range(nkb, unroll=1):
             n0 = kb * BN
@@ -253,7 +234,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # Online softmax in registers (exp2 domain); causal mask on tiles that reach past the
             # first row's position. Key 0 is in every row's range, so after the first tile every
             # row max is finite and a fully masked row in a later tile adds exp2(-inf) = 0.
-            s_mn = mn_view(acc_s)
+            s_mn = _attention_tiles.acc_rows_cols(acc_s)
             if n0 + BN - 1 > first_pos:
                 for r in cutlass.range_constexpr(nrows):
                     for c in cutlass.range_constexpr(ncols):
@@ -261,7 +242,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                             s_mn[r, c] = f32(ninf)
             for r in cutlass.range_constexpr(nrows):
                 srow = s_mn[r, None].load()
-                cur = quad(srow.reduce(cute.ReductionOp.MAX, f32(ninf), 0), cute.arch.fmax)
+                cur = _attention_tiles.quad_reduce(srow.reduce(cute.ReductionOp.MAX, f32(ninf), 0), cute.arch.fmax)
                 new_max = cute.arch.fmax(row_max[r], cur)
                 corr = cute.math.exp2((row_max[r] - new_max) * f32(scale_log2), fastmath=True)
                 p = cute.math.exp2(srow * f32(scale_log2) - new_max * f32(scale_log2), fastmath=True)
@@ -271,7 +252,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
             r_p = cute.make_rmem_tensor(acc_s.layout, bf16)
             r_p.store(acc_s.load().to(bf16))
-            t_p = as_a_operand(r_p)
+            t_p = _attention_tiles.acc_as_a_operand(r_p)
 
             # O += P V once this V tile has landed (the next K tile may still be in flight).
             cute.arch.cp_async_wait_group(1)
@@ -294,7 +275,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
         # ---- epilogue: O / sum -> bf16 into shared memory (Q's buffer), then out = O * sigmoid(gate)
         for r in cutlass.range_constexpr(nrows):
-            total = quad(row_sum[r], lambda a, b: a + b)
+            total = _attention_tiles.quad_reduce(row_sum[r], lambda a, b: a + b)
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * (f32(1.0) / total)
         r_o = cute.make_rmem_tensor(acc_o.layout, bf16)
         r_o.store(acc_o.load().to(bf16))

@@ -89,7 +89,7 @@ def test_plan_covers_every_family_with_unique_fingerprints():
     assert len(names) == len(set(names))
     families = {j.family for j in jobs}
     assert families == {"rmsnorm", "embedding", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90",
-                        "quantize_act", "gemm_fp8_sm90", "dequant_nvfp4", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "sampling", "moe",
+                        "quantize_act", "gemm_fp8_sm90", "dequant_nvfp4", "conv1d", "gdn", "gdn_chunked", "attention", "attention_decode_mma", "attention_prefill", "attention_wgmma", "sampling", "moe",
                         "moe_grouped", "dequant_weights",
                         "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}
     assert len({j.fingerprint for j in jobs}) == len(jobs)
@@ -125,10 +125,10 @@ def _copy_of_the_sources(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("touched, affected", [
     # gdn_chunked takes its launch interface from gdn, rmsnorm's gated_x variants their layout.
     ("gdn.py", {"gdn", "gdn_chunked", "rmsnorm"}),
-    ("attention.py", {"attention", "attention_prefill", "attention_wgmma"}),
+    ("attention.py", {"attention", "attention_decode_mma", "attention_prefill", "attention_wgmma"}),
     # A reference helper most families import.
     ("bf16.py", {"rmsnorm", "rope", "silu_mul", "gemv", "gemv_fp8", "gemv_nvfp4", "gemm_sm90", "gemm_fp8_sm90", "dequant_nvfp4",
-                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_prefill", "attention_wgmma", "moe", "moe_grouped",
+                 "quantize_act", "conv1d", "gdn", "gdn_chunked", "attention", "attention_decode_mma", "attention_prefill", "attention_wgmma", "moe", "moe_grouped",
                  "dequant_weights", "vision_bias", "vision_norm", "vision_rope", "vision_attention", "vision_pos"}),
     # gemv_nvfp4, dequant_nvfp4, quantize_act, gemm_fp8_sm90 and dequant_weights reuse gemv_fp8's e4m3 table.
     ("gemv_fp8.py", {"gemv_fp8", "gemv_nvfp4", "dequant_nvfp4", "quantize_act", "gemm_fp8_sm90", "dequant_weights"}),

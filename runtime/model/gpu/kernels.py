@@ -49,6 +49,15 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # the forms side by side; switch here to the fastest (each form passes the same numerics tests).
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 
+# Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
+# (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
+# or "split", the CUDA-core `attention.split`. Both write the same partials for `attention.combine`
+# and follow the same split plan; `python -m bench.decode --attention-form` times either. A step
+# with more tokens per sequence than any mma variant serves (a split-KV prefill chunk) runs `split`.
+# The default stays "split" until the H200 has run the mma form's tests and timed both forms.
+DECODE_ATTENTION_FORMS = ("mma", "split")
+DECODE_ATTENTION_FORM = "split"
+
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
     for (fam, key), entry in sorted(library.manifest.kernels.items()):
@@ -178,6 +187,8 @@ class KernelChoice:
             self.conv_verify = _need(lib, "conv1d", "the GDN conv of verification steps", mode="verify", **conv)
             self.gdn_stride = stride
         self.prep = self.split = self.combine = self.prefill_attn = self.prefill_attn_split = None
+        self.decode_attention_form = "split"
+        self.decode_mma: dict[int, str] = {}
         self.attn_stride = 0
         if c.attention_layers:
             hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -186,6 +197,10 @@ class KernelChoice:
             self.split = _need(lib, "attention", "split-KV attention", kind="split", Hq=hq, Hkv=hkv, D=d)
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
+            self.decode_attention_form = DECODE_ATTENTION_FORM
+            self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
+                               if fam == "attention_decode_mma"
+                               and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
             # one; None (the split-KV path) when neither was. Both take the same buffers.
@@ -211,6 +226,22 @@ class KernelChoice:
         if not (self.sample_candidates and self.sample_pick):
             self.sample_candidates = self.sample_pick = None
             self.sample_ctas = 0
+
+    def use_decode_attention(self, form: str) -> None:
+        """Pick the decode attention form (`DECODE_ATTENTION_FORMS`) before any step is bound."""
+        if form not in DECODE_ATTENTION_FORMS:
+            raise ValueError(f"unknown decode attention form {form!r} (one of {', '.join(DECODE_ATTENTION_FORMS)})")
+        self.decode_attention_form = form
+
+    def decode_split(self, t: int) -> tuple[str, str]:
+        """(family, key) of the split-KV kernel for a step of t query tokens per sequence: the
+        tensor-core form of the fewest tokens >= t where it is the chosen form and compiled
+        (it takes T as a size), else `attention.split`."""
+        if self.decode_attention_form == "mma":
+            fits = sorted(n for n in self.decode_mma if n >= t)
+            if fits:
+                return "attention_decode_mma", self.decode_mma[fits[0]]
+        return "attention", self.split
 
     def gdn_recurrent(self, nseq: int, verify: bool) -> str:
         """The key of the recurrent GDN kernel (`verify` mode, or `fused`) for a step of nseq
@@ -298,4 +329,5 @@ class KernelChoice:
         if self.prefill_attn:
             chosen.append(self.prefill_attn)
         chosen.append(("attention_wgmma", self.prefill_attn_split))
+        chosen += [("attention_decode_mma", key) for _, key in sorted(self.decode_mma.items())]
         return [(family, key) for family, key in chosen if key]

@@ -298,9 +298,12 @@ class Forward:
                             {"M": m, "S": shape.splits, "split": shape.min_split, "maxp": st.maxp,
                              "R": st.max_batch, "NP": pad_pages})
             else:
-                self.launch(out, "attention", k.split, partials,
+                family, split = k.decode_split(shape.t)
+                # The tensor-core form serves a sequence's t tokens (rows position-major) in one CTA.
+                tokens = {"T": shape.t} if family == "attention_decode_mma" else {}
+                self.launch(out, family, split, partials,
                             {"M": m, "S": shape.splits, "min_split": shape.min_split, "maxp": st.maxp,
-                             "R": st.max_batch, "NP": pad_pages})
+                             "R": st.max_batch, "NP": pad_pages, **tokens})
             self.launch(out, "attention", k.combine, {"o_part": buf["o_part"], "lse": buf["lse"],
                                                       "pos": st.meta_ptr("pos"), "x": buf["proj"],
                                                       "out": buf["attn_out"]},

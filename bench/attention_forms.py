@@ -1,0 +1,171 @@
+"""Decode attention alone, without a model: the split kernel's two forms (`split`: CUDA cores,
+`attention.split`; `mma`: tensor cores, `attention_decode_mma`), each followed by the combine,
+against torch SDPA (flash, GQA) on the same number of K/V bytes, as a share of the device copy
+bandwidth measured in the same run.
+
+    python -m bench.attention_forms --out DIR [--shape q24_kv4_d256] [--batches 1,8]
+        [--contexts 1024,32768,131072,256000] [--splits 0] [--tokens 1]
+
+Each (batch, context): every sequence at position `context` (it sees context + 1 keys) over its own
+consecutive pages of one K/V pool, the split plan the runner would take for that context
+(`storage.default_decode_splits` with the device's SM count and `DECODE_MIN_SPLIT`; `--splits N`
+forces N), `--tokens T` query tokens per sequence (verification: the mma form serves them in one
+CTA; the split form takes them as rows). K/V hold a constant (decode time does not depend on the
+values). Bandwidth = K/V bytes read / kernel time. Writes `attention_forms.json` and prints a
+Markdown table. `bench.decode` runs the same comparison inside the model (`bench/decode_attention.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.timing import median_event_seconds
+
+PAGE = 64
+
+
+def _sdpa_us(batch: int, tokens: int, n: int, hq: int, hkv: int, d: int) -> float | None:
+    """Median microseconds of torch's flash SDPA over [batch, Hkv, n, D] bf16 K/V (None: no torch)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:  # noqa: BLE001 - torch is optional for the bench
+        return None
+    q = torch.randn(batch, hq, tokens, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+    times = []
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        for _ in range(9):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return sorted(times)[4]
+
+
+def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, context: int, tokens: int,
+            splits: int) -> dict[str, Any]:
+    from cute_kernels import attention, attention_decode_mma
+    from runtime.model.gpu.storage import DECODE_MIN_SPLIT, default_decode_splits
+
+    cfg = next(v for v in attention.variants() if v.key == f"prep_{shape}").config
+    hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
+    n = context + 1
+    maxp = -(-(n + tokens) // PAGE)
+    m = batch * tokens
+    splits = splits or default_decode_splits(hkv, context + 64, device.sm_count)
+    import numpy as np
+
+    row_bytes = hkv * d * 2
+    pool = batch * maxp * PAGE * row_bytes
+    bufs = []
+
+    def alloc(nbytes: int) -> int:
+        bufs.append(device.mem_alloc(max(nbytes, 4), "bench"))
+        return bufs[-1]
+
+    try:
+        kp, vp = alloc(pool), alloc(pool)
+        device.memset_d16(kp, 0x3C00, pool // 2, stream)  # 0.0078: finite and the same everywhere
+        device.memset_d16(vp, 0x3C00, pool // 2, stream)
+        q, x = alloc(m * hq * d * 2), alloc(m * stride * 2)
+        device.memset_d16(q, 0x3C00, m * hq * d, stream)
+        device.memset_d16(x, 0x3C00, m * stride, stream)
+        table = np.arange(batch * maxp, dtype=np.int32).reshape(batch, maxp)
+        pos = np.array([context + t for t in range(tokens) for _ in range(batch)], np.int32)  # position-major
+        qseq = np.array([b for _ in range(tokens) for b in range(batch)], np.int32)
+        tbuf, pbuf, sbuf = alloc(table.nbytes), alloc(pos.nbytes), alloc(qseq.nbytes)
+        for ptr, arr in ((tbuf, table), (pbuf, pos), (sbuf, qseq)):
+            device.memcpy_htod(ptr, arr, stream)
+        o_part, lse, out = alloc(m * hq * splits * d * 4), alloc(m * hq * splits * 4), alloc(m * hq * d * 2)
+        stream.synchronize()
+        rows = {"q": q, "k_pages": kp, "v_pages": vp, "table": tbuf, "qseq": sbuf, "pos": pbuf, "o_part": o_part,
+                "lse": lse}
+        sizes = {"M": m, "S": splits, "min_split": DECODE_MIN_SPLIT, "maxp": maxp, "R": batch,
+                 "NP": batch * maxp}
+        combine = library.kernel("attention", f"combine_{shape}").bind(
+            {"o_part": o_part, "lse": lse, "pos": pbuf, "x": x, "out": out},
+            {"M": m, "S": splits, "min_split": DECODE_MIN_SPLIT})
+        tmax = min(t for t in attention_decode_mma.TOKENS if t >= tokens)
+        forms = {"split": library.kernel("attention", f"split_{shape}").bind(rows, sizes),
+                 "mma": library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}").bind(
+                     rows, {**sizes, "T": tokens})}
+        kv_bytes = batch * (n + tokens - 1) * row_bytes * 2
+        row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context, "tokens": tokens,
+                               "splits": splits, "min_split": DECODE_MIN_SPLIT, "kv_bytes": kv_bytes}
+        for form, split in forms.items():
+            def work(st: Any, split: Any = split) -> None:
+                split(st)
+                combine(st)
+
+            row[f"{form}_us"] = median_event_seconds(device, stream, work, repeats=9) * 1e6
+            row[f"{form}_split_only_us"] = median_event_seconds(device, stream, split, repeats=9) * 1e6
+    finally:
+        stream.synchronize()
+        for ptr in bufs:
+            device.mem_free(ptr)
+    sdpa = _sdpa_us(batch, tokens, n + tokens - 1, hq, hkv, d)
+    if sdpa is not None:
+        row["sdpa_us"] = sdpa
+    return row
+
+
+def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
+    lines = [f"Copy bandwidth in the same run: **{copy_tb_s:.2f} TB/s** (read + write).", "",
+             ("| shape | batch | context | T | splits | split us (+combine) | mma us (+combine) | SDPA us "
+              "| split of copy bw | mma of copy bw | SDPA of copy bw | mma split kernel alone us |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        def share(key: str, r: dict[str, Any] = r) -> str:
+            return f"{100 * r['kv_bytes'] / r[key] / 1e6 / copy_tb_s:.0f}%" if key in r else "-"
+
+        sdpa = f"{r['sdpa_us']:.1f}" if "sdpa_us" in r else "-"
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {r['splits']} "
+                     f"| {r['split_us']:.1f} | {r['mma_us']:.1f} | {sdpa} | {share('split_us')} | {share('mma_us')} "
+                     f"| {share('sdpa_us')} | {r['mma_split_only_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--shape", default="q24_kv4_d256", help="attention shape key (cute_kernels/attention.py)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default="1024,32768,131072,256000")
+    ap.add_argument("--splits", type=int, default=0, help="splits per row (0: the runner's plan)")
+    ap.add_argument("--tokens", type=int, default=1, help="query tokens per sequence (verification)")
+    args = ap.parse_args(argv)
+    from bench.decode import copy_bandwidth
+    from runtime.cuda.device import CudaDevice
+    from runtime.cuda.kernels import KernelLibrary
+
+    device = CudaDevice(0)
+    library = KernelLibrary.open(device, required=[])
+    stream = device.create_stream()
+    bw = copy_bandwidth(device, stream) / 1e12
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            rows.append(measure(library, device, stream, args.shape, batch, context, args.tokens, args.splits))
+            print(json.dumps(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = {"copy_bandwidth_tb_s": bw, "device": device.describe(), "rows": rows,
+            "command": "python -m bench.attention_forms " + " ".join(argv if argv is not None else sys.argv[1:])}
+    (args.out / "attention_forms.json").write_text(json.dumps(data, indent=1))
+    print(render(rows, bw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Building blocks of the mma.sync attention kernels (`attention_prefill`, `attention_decode_mma`):
+views of an m16n8 accumulator for a row-wise softmax, the quad reduction over a row's lanes, and
+paged K/V tiles into shared memory with cp.async. Imports the CuTe DSL: only `build()` functions
+import this module.
+
+`load_kv_tile` is a `@cute.jit` function at module level with every value an argument: the DSL
+does not stage a call of a closure inside a runtime loop or `if`, and a K/V stream is loaded in
+one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+PAGE = 64  # keys per KV page (attention.PAGE)
+
+
+def acc_rows_cols(t: Any) -> Any:
+    """An mma.sync m16n8 accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread
+    (the row-wise softmax walks it so)."""
+    lay = cute.make_layout(t.layout.shape)
+    mn = cute.make_layout(((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+                          stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def acc_as_a_operand(t: Any) -> Any:
+    """Accumulator-shaped bf16 P ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2)
+    of the next k16 product (two n8 accumulator tiles form one k16 A tile)."""
+    div = cute.logical_divide(t.layout, (None, None, 2))
+    lay = cute.make_layout(((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+                           stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]))
+    return cute.make_tensor(t.iterator, lay)
+
+
+def quad_reduce(v: Any, op: Any) -> Any:
+    """op over the 4 lanes of an mma.sync accumulator row (lanes 4r..4r+3)."""
+    v = op(v, cute.arch.shuffle_sync_bfly(v, offset=2))
+    return op(v, cute.arch.shuffle_sync_bfly(v, offset=1))
+
+
+@cute.jit
+def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, start: Any, end: Any, kvh: Any,
+                 it: Any, stage: Any, threads: cutlass.Constexpr, hkv: cutlass.Constexpr, d: cutlass.Constexpr,
+                 bn: cutlass.Constexpr, stages: cutlass.Constexpr) -> None:
+    """Keys start + it * bn .. + bn - 1 of KV head kvh (pools [NP * 64, hkv, d], page j of the
+    sequence at trow[j]; bn divides the page) into `stage` of s_kv [bn, d, 2 * stages] (K at slot
+    stage, V at stages + stage), 16 bytes per cp.async, 8 threads per 64 columns. Rows at or past
+    `end` are written as zeros: the page may hold anything there, and 0 * NaN is not 0. A tile
+    wholly past `end` is all zeros (its page looked up at the last key, so the table is never
+    read past the sequence), which lets a pipeline issue its loads without a runtime `if`."""
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
+                              num_bits_per_copy=128)
+    gcopy = cute.make_tiled_copy_tv(g2s, cute.make_layout((threads // 8, 8), stride=(8, 1)),
+                                    cute.make_layout((1, 8)))
+    thr_g = gcopy.get_slice(tid)
+    tile_rows = thr_g.partition_S(cute.make_identity_tensor((bn, d)))
+    n0 = start + it * bn
+    page = trow[cutlass.min(n0, end - 1) // PAGE]
+    row0 = (cutlass.Int64(page) * PAGE + n0 % PAGE) * hkv + kvh
+    for pool_index in cutlass.range_constexpr(2):
+        pool = k_pages if pool_index == 0 else v_pages
+        src = cute.make_tensor(pool + cute.assume(row0 * d, divby=8), cute.make_layout((bn, d), stride=(hkv * d, 1)))
+        tsrc = thr_g.partition_S(src)
+        tdst = thr_g.partition_D(s_kv[None, None, pool_index * stages + stage])
+        for i in cutlass.range_constexpr(cute.size(tdst.shape[1])):
+            if n0 + tile_rows[0, i, 0][0] < end:
+                cute.copy(gcopy, tsrc[None, i, None], tdst[None, i, None])
+            else:
+                tdst[None, i, None].fill(0)

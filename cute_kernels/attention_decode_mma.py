@@ -1,0 +1,357 @@
+"""Split-KV decode attention on tensor cores: the `mma_*` drop-in for `attention.split_*`.
+
+Same inputs and outputs as `attention.split_*` (q `[M, Hq, D]` from `attention.prep`, the K/V page
+pools `[NP * 64, Hkv, D]`, the page table, `qseq`, `pos`; each row's normalised split partials
+`o_part [M, Hq, S, D]` fp32 and their log2-sum-exp `lse [M, Hq, S]`) and the same split plan (a
+fixed split count S per row, each row's split length from its own position:
+`attention.split_length`), so `attention.combine_*` merges them unchanged.
+
+One CTA per (sequence, KV head, split). Its M side is the Hq/Hkv query heads sharing the KV head
+times the sequence's T query tokens (T = 1 at decode; up to `tmax` for speculative verification,
+where rows are position-major: token t of sequence b is row `t * B + b`, B = M / T), padded to
+m16 tiles, so every K/V row is read once for all of them. Row (t, h) sees the keys of ITS split
+(`attention.split_length` of its own position: verification rows may split differently), the
+CTA reads the union of its rows' ranges and masks per row (causal inside the query block).
+
+K and V stream through shared memory in tiles of `BN` keys (half a page: a tile never straddles
+a page, and split starts are whole pages) with cp.async, `STAGES` tiles in flight (decode is a
+streaming read; the bytes in flight are what keeps HBM busy). Warps are (m-tile, key slice): warp
+(mt, ks) computes S = Q K^T for its m-tile and keys [16 ks, 16 ks + 16) of each tile with warp
+`mma.sync` m16n8k16 bf16 (fp32 accumulate; operands by ldmatrix from swizzled shared memory, V
+through the transposing ldmatrix), keeps its own online softmax in fp32 registers (exp2 domain,
+as `split_*`) and O += P V, P in bf16 registers as the A operand. After the last tile the key
+slices of an m-tile merge through shared memory in slice order (a fixed order: a sequence's
+numbers do not depend on the other sequences of the batch).
+
+`kv_format` (FP8/INT8 pages) is not implemented: bf16 pages only.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from . import attention
+from .bf16 import round_bf16
+from .variant import HOPPER, Variant, i32, ptr, tensor
+
+FAMILY = "attention_decode_mma"
+PAGE = attention.PAGE
+KS = 2  # warps over the keys of a tile, 16 keys each
+BN = 16 * KS  # keys per pipeline stage
+STAGES = 3  # tiles in flight per CTA
+LOG2E = attention.LOG2E
+TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
+
+_SHAPES = [(name, hq, hkv, d) for name, hq, hkv, d, _ in attention._SHAPES]
+
+
+def m_tiles(hq: int, hkv: int, tmax: int) -> int:
+    """m16 tiles of a CTA's M side (group heads x tokens), rounded up to a power of two so that
+    the thread count tiles the K/V copies (8 threads per 64 columns, BN rows)."""
+    tiles = -(-(hq // hkv * tmax) // 16)
+    return 1 << (tiles - 1).bit_length()
+
+
+def _mma(name: str, hq: int, hkv: int, d: int, tmax: int) -> Variant:
+    mt = m_tiles(hq, hkv, tmax)
+    threads = 32 * mt * KS
+    return Variant(
+        family=FAMILY,
+        key=f"mma_{name}_t{tmax}",
+        config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": KS, "BN": BN,
+                "stages": STAGES, "threads": threads},
+        params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
+                ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
+        tensors={
+            **attention.paged_query_tensors(hq, hkv, d),
+            "o_part": tensor("f32", "M", hq, "S", d, role="out"),
+            "lse": tensor("f32", "M", hq, "S", role="out"),
+        },
+        sizes=("M", "T", "S", "min_split", "maxp", "R", "NP"),
+        block=(threads, 1, 1),
+        grid=(f"M // T * {hkv}", "S", 1),
+        requires=("M >= 1", "T >= 1", f"T <= {tmax}", "M % T == 0", "S >= 1", "S <= 65535", "min_split >= 1",
+                  "maxp >= 1", "R >= 1", "NP >= 1"),
+        arches=HOPPER,
+        note=f"tensor-core split-KV decode attention (mma.sync, cp.async x{STAGES}), up to {tmax} tokens per "
+             f"sequence, GQA {hq}/{hkv}, D={d}",
+        example_sizes={"M": tmax, "T": tmax, "S": 32, "min_split": 128, "maxp": 128, "R": 1, "NP": 128},
+    )
+
+
+def variants() -> list[Variant]:
+    out = []
+    for name, hq, hkv, d in _SHAPES:
+        for tmax in TOKENS:
+            mt = m_tiles(hq, hkv, tmax)
+            # The key slices' merge reuses the K/V stages' shared memory.
+            if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * STAGES * BN * 2:
+                raise ValueError(f"attention_decode_mma {name} t{tmax}: shape does not tile")
+            out.append(_mma(name, hq, hkv, d, tmax))
+    return out
+
+
+def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, splits: int, min_split: int,
+              *, exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """One query row's split partials: q [Hq, D] at position pos over its keys k_rows, v_rows
+    [>= pos + 1, Hkv, D] (in sequence order). Returns (o_part [Hq, n, D], lse [Hq, n]) for the
+    n splits that hold keys (`attention.split_length`), lse the log2-sum-exp of the scores
+    scaled by D^-0.5 * log2(e), as `split_*` writes them. exact=False: the kernel's precision
+    model (fp32; the weights P rounded to bf16 for P V, the tensor-core operand, while their sum
+    stays fp32), the same-precision baseline of its tests."""
+    ft = np.float64 if exact else np.float32
+    hq, d = q.shape
+    r = hq // k_rows.shape[1]
+    split = int(attention.split_length(pos, splits, min_split))
+    n = (pos + split) // split
+    o = np.empty((hq, n, d), ft)
+    lse = np.empty((hq, n), ft)
+    for s in range(n):
+        lo, hi = s * split, min((s + 1) * split, pos + 1)
+        for h in range(hq):
+            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * ft(d ** -0.5 * LOG2E)
+            p = np.exp2(sc - sc.max())
+            pv = p if exact else round_bf16(p)
+            o[h, s] = (pv @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
+            lse[h, s] = sc.max() + np.log2(p.sum())
+    return o, lse
+
+
+# --------------------------------------------------------------------------- kernel
+# (Helpers at module level, arguments explicit: the DSL does not stage a call of a closure
+# inside a runtime loop or if.)
+
+
+def _k_tile(s_kv: Any, stage: Any, ks: Any, d: int) -> Any:
+    """Key slice ks (16 keys x d) of the K tile in `stage`."""
+    import cutlass.cute as cute
+
+    return cute.local_tile(s_kv[None, None, stage], (16, d), (ks, 0))
+
+
+def _vt_tile(s_kv: Any, stage: Any, ks: Any, d: int, bn: int, stages: int) -> Any:
+    """Key slice ks of the V tile in `stage`, transposed (d x 16 keys): the B operand of P V."""
+    import cutlass.cute as cute
+
+    vt = cute.composition(s_kv[None, None, stages + stage], cute.make_layout((d, bn), stride=(bn, 1)))
+    return cute.local_tile(vt, (d, 16), (0, ks))
+
+
+def build(variant: Variant) -> tuple[Any, list[Any]]:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warp
+
+    from . import _attention_tiles, _dsl
+
+    cfg = variant.config
+    hq, hkv, d, mtiles, ks_n, bn, stages = (cfg[k] for k in ("Hq", "Hkv", "D", "MT", "KS", "BN", "stages"))
+    threads = cfg["threads"]
+    group = hq // hkv
+    rows_cta = mtiles * 16
+    scale_log2 = d ** -0.5 * LOG2E
+    f32, bf16, i32t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
+    ninf = -float("inf")
+
+    @cute.kernel
+    def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
+               tq: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, maxp: cutlass.Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, sp, _ = cute.arch.block_idx()
+        nseq = m // tq
+        b = bx // hkv
+        kvh = bx % hkv
+        wid = tid // 32
+        lane = tid % 32
+        mt = wid // ks_n
+        ks = wid % ks_n
+        one = cute.make_layout(1)
+        gpos = cute.make_tensor(pos, cute.make_layout(m))
+        seq = cute.make_tensor(qseq, cute.make_layout(m))[b]  # row b: the sequence's first token
+        trow = cute.make_tensor(table + cutlass.Int64(seq) * maxp, cute.make_layout(maxp))
+
+        # The CTA's keys: the union of its tokens' ranges in split sp (each [lo, hi), empty when
+        # the split is past the token's keys).
+        start = i32t(2147483647)
+        end = i32t(0)
+        for t in cutlass.range(tq):
+            p = gpos[t * nseq + b]
+            split = attention.split_length(p, ns, min_split, cutlass.max)
+            lo = sp * split
+            hi = cutlass.min(lo + split, p + 1)
+            if lo < hi:
+                start = cutlass.min(start, lo)
+                end = cutlass.max(end, hi)
+
+        # ---- shared memory: Q, then K and V stages (one buffer: the merge reuses it), 128-byte
+        # rows swizzled for ldmatrix
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (rows_cta, d), (0, 1)), byte_alignment=1024)
+        sKV = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (bn, d, 2 * stages), (0, 1, 2)),
+                                   byte_alignment=1024)
+        s_stat = smem.allocate_tensor(f32, cute.make_layout((2, ks_n, rows_cta)), byte_alignment=16)
+
+        if start < end:
+            ntiles = (end - start + bn - 1) // bn
+            kv = (tid, sKV, k_pages, v_pages, trow, start, end, kvh)
+            shape = (threads, hkv, d, bn, stages)
+
+            for s in cutlass.range_constexpr(stages - 1):
+                _attention_tiles.load_kv_tile(*kv, s, s, *shape)
+                cute.arch.cp_async_commit_group()
+
+            # Q rows (token t = i // group, head kvh * group + i % group), zeros past the tokens.
+            v8 = cute.make_layout((8,))
+            qbuf = cute.make_rmem_tensor((8,), bf16)
+            for c in cutlass.range(tid, rows_cta * (d // 8), threads):
+                i = c // (d // 8)
+                col = c % (d // 8) * 8
+                t = i // group
+                qbuf.fill(0)
+                if t < tq:
+                    src = q + (cutlass.Int64(t * nseq + b) * hq + kvh * group + i % group) * d + col
+                    qbuf.store(cute.make_tensor(src, v8).load())
+                for e in cutlass.range_constexpr(8):
+                    sQ[i, col + e] = qbuf[e]
+
+            # ---- one warp's tensor-core tiles: S [16, 16] = Q_mt K_ks^T, O [16, d] += P V_ks
+            mma = cute.make_tiled_mma(warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)), (1, 1, 1),
+                                      permutation_mnk=(16, 16, 16))
+            thr = mma.get_slice(lane)
+            ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+            ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+            ld_v = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
+            thr_la, thr_lb, thr_lv = ld_a.get_slice(lane), ld_b.get_slice(lane), ld_v.get_slice(lane)
+
+            sQw = cute.local_tile(sQ, (16, d), (mt, 0))
+            tSrQ = thr.make_fragment_A(thr.partition_A(sQw))
+            tSrK = thr.make_fragment_B(thr.partition_B(_k_tile(sKV, 0, ks, d)))
+            tOrVt = thr.make_fragment_B(thr.partition_B(_vt_tile(sKV, 0, ks, d, bn, stages)))
+            tSsQ, tSrQv = thr_la.partition_S(sQw), thr_la.retile(tSrQ)
+            tSrKv, tOrVtv = thr_lb.retile(tSrK), thr_lv.retile(tOrVt)
+            acc_o = cute.make_rmem_tensor(thr.partition_shape_C((16, d)), f32)
+            acc_o.fill(0.0)
+            acc_o_mn = _attention_tiles.acc_rows_cols(acc_o)
+            tScS = _attention_tiles.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, 16))))
+            nrows = cute.size(tScS.shape[0])
+            ncols = cute.size(tScS.shape[1])
+
+            # This thread's rows: their key ranges in split sp ([0, 0) for padding rows).
+            row_lo = cute.make_rmem_tensor((nrows,), i32t)
+            row_hi = cute.make_rmem_tensor((nrows,), i32t)
+            row_max = cute.make_rmem_tensor((nrows,), f32)
+            row_sum = cute.make_rmem_tensor((nrows,), f32)
+            for r in cutlass.range_constexpr(nrows):
+                t = (mt * 16 + tScS[r, 0][0]) // group
+                lo = i32t(0)
+                hi = i32t(0)
+                if t < tq:
+                    p = gpos[t * nseq + b]
+                    split = attention.split_length(p, ns, min_split, cutlass.max)
+                    lo = sp * split
+                    hi = cutlass.min(lo + split, p + 1)
+                row_lo[r] = lo
+                row_hi[r] = hi
+                row_max[r] = f32(ninf)
+                row_sum[r] = f32(0.0)
+            busy = mt * 16 < group * tq  # a warp whose m-tile is all padding only copies
+
+            for it in cutlass.range(ntiles, unroll=1):
+                stage = it % stages
+                cute.arch.cp_async_wait_group(stages - 2)
+                cute.arch.sync_threads()  # tile it landed for all; every warp is done with tile it - 1
+                _attention_tiles.load_kv_tile(*kv, it + stages - 1, (it + stages - 1) % stages, *shape)
+                cute.arch.cp_async_commit_group()
+                if busy:
+                    acc_s = cute.make_rmem_tensor(thr.partition_shape_C((16, 16)), f32)
+                    acc_s.fill(0.0)
+                    tSsK = thr_lb.partition_S(_k_tile(sKV, stage, ks, d))
+                    for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
+                        cute.copy(ld_a, tSsQ[None, None, k], tSrQv[None, None, k])
+                        cute.copy(ld_b, tSsK[None, None, k], tSrKv[None, None, k])
+                        cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                    # Scores in the exp2 domain, keys outside a row's range at -inf; a row with no
+                    # key yet keeps max -inf and subtracts 0 (its weights are all 0).
+                    s_mn = _attention_tiles.acc_rows_cols(acc_s)
+                    n0 = start + it * bn + ks * 16
+                    for r in cutlass.range_constexpr(nrows):
+                        for c in cutlass.range_constexpr(ncols):
+                            key = n0 + tScS[0, c][1]
+                            sc = s_mn[r, c] * f32(scale_log2)
+                            if key < row_lo[r] or key >= row_hi[r]:
+                                sc = f32(ninf)
+                            s_mn[r, c] = sc
+                    for r in cutlass.range_constexpr(nrows):
+                        srow = s_mn[r, None].load()
+                        cur = _attention_tiles.quad_reduce(srow.reduce(cute.ReductionOp.MAX, f32(ninf), 0), cute.arch.fmax)
+                        new_max = cute.arch.fmax(row_max[r], cur)
+                        base = new_max
+                        if new_max == f32(ninf):
+                            base = f32(0.0)
+                        corr = cute.math.exp2(row_max[r] - base, fastmath=True)
+                        pr = cute.math.exp2(srow - base, fastmath=True)
+                        row_sum[r] = row_sum[r] * corr + pr.reduce(cute.ReductionOp.ADD, f32(0.0), 0)
+                        row_max[r] = new_max
+                        s_mn[r, None] = pr
+                        acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+                    r_p = cute.make_rmem_tensor(acc_s.layout, bf16)
+                    r_p.store(acc_s.load().to(bf16))
+                    t_p = _attention_tiles.acc_as_a_operand(r_p)
+                    tOsVt = thr_lv.partition_S(_vt_tile(sKV, stage, ks, d, bn, stages))
+                    cute.copy(ld_v, tOsVt[None, None, 0], tOrVtv[None, None, 0])
+                    cute.gemm(mma, acc_o, t_p[None, None, 0], tOrVt[None, None, 0], acc_o)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the stages are free: the merge reuses them
+
+            # ---- merge the key slices of each m-tile (slice order), write the rows of this split
+            s_o = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32),
+                                   cute.make_layout((ks_n - 1, rows_cta, d), stride=(rows_cta * d, d, 1)))
+            tOcO = _attention_tiles.acc_rows_cols(thr.partition_C(cute.make_identity_tensor((16, d))))
+            for r in cutlass.range_constexpr(nrows):
+                row_sum[r] = _attention_tiles.quad_reduce(row_sum[r], lambda x, y: x + y)
+                row = mt * 16 + tScS[r, 0][0]
+                if ks > 0:
+                    s_stat[0, ks, row] = row_max[r]
+                    s_stat[1, ks, row] = row_sum[r]
+                    for c in cutlass.range_constexpr(cute.size(tOcO.shape[1])):
+                        s_o[ks - 1, row, tOcO[0, c][1]] = acc_o_mn[r, c]
+            cute.arch.sync_threads()
+            if ks == 0:
+                for r in cutlass.range_constexpr(nrows):
+                    i = mt * 16 + tScS[r, 0][0]
+                    if row_lo[r] < row_hi[r]:
+                        best = row_max[r]
+                        for j in cutlass.range_constexpr(1, ks_n):
+                            best = cute.arch.fmax(best, s_stat[0, j, i])
+                        w0 = cute.math.exp2(row_max[r] - best, fastmath=True)
+                        total = row_sum[r] * w0
+                        wj = []
+                        for j in cutlass.range_constexpr(1, ks_n):
+                            wj.append(cute.math.exp2(s_stat[0, j, i] - best, fastmath=True))
+                            total = total + s_stat[1, j, i] * wj[j - 1]
+                        inv = f32(1.0) / total
+                        t = i // group
+                        head = kvh * group + i % group
+                        base = (cutlass.Int64(t * nseq + b) * hq + head) * ns + sp
+                        for c in cutlass.range_constexpr(cute.size(tOcO.shape[1])):
+                            col = tOcO[0, c][1]
+                            value = acc_o_mn[r, c] * w0
+                            for j in cutlass.range_constexpr(1, ks_n):
+                                value = value + s_o[j - 1, i, col] * wj[j - 1]
+                            cute.make_tensor(o_part + base * d + col, one)[0] = value * inv
+                        if lane % 4 == 0:
+                            cute.make_tensor(lse + base, one)[0] = best + cute.math.log2(total)
+
+    kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_decode_mma_{variant.key}")
+
+    @cute.jit
+    def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
+               tq: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, maxp: cutlass.Int32, stream: Any):
+        kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, tq, ns, min_split, maxp).launch(
+            grid=_dsl.grid(variant, {"M": m, "T": tq, "S": ns}), block=list(variant.block),
+            stream=stream)
+
+    return launch, _dsl.example_args(variant, aligns={"table": 4, "qseq": 4, "pos": 4, "lse": 4, "o_part": 4})
