@@ -6,9 +6,11 @@ holds 8 consecutive dims of one token-head (one 8-byte code load or store).
   (x / max(scale, TINY) + 0 in IEEE fp32, then `cvt.rn.satfinite.e4m3x2.f32` or `cvt.rni.s32.f32`
   clamped to +-127), and the scale amax / QMAX.
 - `write8`: quantise and store a lane's 8 values and the scale of their token-head;
-- `store8` / `load8`: the 8 code bytes at a byte address; `codes_f32`: them as fp32 values
-  (exact: every e4m3 and int8 value is an fp32 one).
-- `scale_at`: the fp32 scale at a byte address.
+- `store8` / `load8`: the 8 code bytes at a byte offset of a pool (offsets declared multiples of
+  8, so the access is one 8-byte load or store); `codes_f32`: them as fp32 values (exact: every
+  e4m3 and int8 value is an fp32 one).
+- `scale_at`: the fp32 scale at a byte offset; `page_offsets`: where a token-head's codes and
+  scale are.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from runtime.model.kv_format import QMAX, SCALE_BYTES, TINY, scale_offset
 
 f32, i32 = cutlass.Float32, cutlass.Int32
-__all__ = ["codes_f32", "load8", "page_address", "quantise8", "scale_at", "store8", "write8"]
+__all__ = ["codes_f32", "load8", "page_offsets", "quantise8", "scale_at", "store8", "write8"]
 
 
 def _asm(text: str, ret: Any, args: list[Any], cons: str) -> Any:
@@ -80,22 +82,23 @@ def write8(pages: Any, flat_row: Any, head: Any, lane: Any, vals: Any, amax: Any
            d: int) -> None:
     """Quantise a lane's 8 values (dims 8 * lane ..) of (flat_row, head) into the pool at u8
     pointer `pages`. Every lane of the token-head stores the (same) scale: no lane test needed."""
-    codes, scale_byte = page_address(pages, flat_row, head, hkv, d)
+    codes, scale_byte = page_offsets(flat_row, head, hkv, d)
     words, scale = quantise8(vals, amax, fmt)
-    store8(codes + 8 * lane, words)
-    cute.make_tensor(cute.recast_ptr(scale_byte, dtype=f32), cute.make_layout(1))[0] = scale
+    store8(pages, codes + 8 * lane, words)
+    cute.make_tensor(_scale_ptr(pages, scale_byte), cute.make_layout(1))[0] = scale
 
 
-def store8(at: Any, words: Any) -> None:
-    """The 2 code words at byte address `at` (a u8 pointer, 8-byte aligned)."""
+def store8(pages: Any, offset: Any, words: Any) -> None:
+    """The 2 code words at byte `offset` (a multiple of 8) of u8 pointer `pages`."""
     raw = cute.recast_tensor(words, cutlass.Uint8)
-    cute.make_tensor(at, cute.make_layout((8,))).store(raw.load())
+    cute.make_tensor(pages + cute.assume(offset, divby=8), cute.make_layout((8,))).store(raw.load())
 
 
-def load8(at: Any) -> Any:
-    """The 8 code bytes at `at` into registers (issue the load early, convert later)."""
+def load8(pages: Any, offset: Any) -> Any:
+    """The 8 code bytes at byte `offset` (a multiple of 8) of `pages` into registers (issue the
+    load early, convert later)."""
     raw = cute.make_rmem_tensor((8,), cutlass.Uint8)
-    raw.store(cute.make_tensor(at, cute.make_layout((8,))).load())
+    raw.store(cute.make_tensor(pages + cute.assume(offset, divby=8), cute.make_layout((8,))).load())
     return raw
 
 
@@ -106,16 +109,19 @@ def codes_f32(raw: Any, fmt: str) -> Any:
     return cute.recast_tensor(raw, cutlass.Int8).load().to(f32)
 
 
-def scale_at(at: Any) -> Any:
-    """The fp32 scale at byte address `at` (a u8 pointer, 4-byte aligned)."""
-    return cute.make_tensor(cute.recast_ptr(at, dtype=f32), cute.make_layout(1))[0]
+def _scale_ptr(pages: Any, offset: Any) -> Any:
+    return cute.recast_ptr(pages + cute.assume(offset, divby=SCALE_BYTES), dtype=f32)
 
 
-def page_address(pages: Any, flat_row: Any, head: Any, hkv: int, d: int) -> tuple[Any, Any]:
-    """(code byte address of dim 0, scale byte address) of (flat KV row, KV head) in a pool of
-    quantised pages at u8 pointer `pages`."""
+def scale_at(pages: Any, offset: Any) -> Any:
+    """The fp32 scale at byte `offset` of u8 pointer `pages`."""
+    return cute.make_tensor(_scale_ptr(pages, offset), cute.make_layout(1))[0]
+
+
+def page_offsets(flat_row: Any, head: Any, hkv: int, d: int) -> tuple[Any, Any]:
+    """(byte offset of dim 0's code, byte offset of the scale) of (flat KV row, KV head) in a pool
+    of quantised pages; Int64."""
     pb = 64 * hkv * (d + SCALE_BYTES)
     page = cutlass.Int64(flat_row) // 64
-    slot = (flat_row % 64) * hkv + head
-    base = pages + page * pb
-    return base + cutlass.Int64(slot) * d, base + scale_offset(hkv, d) + cutlass.Int64(slot) * SCALE_BYTES
+    slot = cutlass.Int64((flat_row % 64) * hkv + head)
+    return page * pb + slot * d, page * pb + scale_offset(hkv, d) + slot * SCALE_BYTES

@@ -444,13 +444,11 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                         # Codes (8 bytes a lane) and the token-head's scales; the K scale
                         # multiplies the score and the V scale the softmax weight, so the
                         # codes are only converted, never scaled one by one.
-                        flat_row = page * PAGE + key % PAGE
-                        k_codes, k_sc = _kv_quant.page_address(k_pages, flat_row, kvh, hkv, d)
-                        v_codes, v_sc = _kv_quant.page_address(v_pages, flat_row, kvh, hkv, d)
-                        ks.append(_kv_quant.load8(k_codes + 8 * lr))
-                        vs.append(_kv_quant.load8(v_codes + 8 * lr))
-                        k_scale[u] = _kv_quant.scale_at(k_sc)
-                        v_scale[u] = _kv_quant.scale_at(v_sc)
+                        codes, sc = _kv_quant.page_offsets(page * PAGE + key % PAGE, kvh, hkv, d)
+                        ks.append(_kv_quant.load8(k_pages, codes + 8 * lr))
+                        vs.append(_kv_quant.load8(v_pages, codes + 8 * lr))
+                        k_scale[u] = _kv_quant.scale_at(k_pages, sc)
+                        v_scale[u] = _kv_quant.scale_at(v_pages, sc)
                 if cutlass.const_expr(kv == "bf16"):
                     kf = [ks[u].to(f32) for u in range(UNROLL)]
                     vf = [vs[u].to(f32) for u in range(UNROLL)]

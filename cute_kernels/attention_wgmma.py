@@ -184,10 +184,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         for i in cutlass.range_constexpr(cute.size(tdst.shape[1])):
             row = tile_rows[0, i, 0][0]
             if row0 + row < end:
-                codes, scale_byte = _kv_quant.page_address(pages, page * BN + row, kvh, hkv, d)
-                scale = _kv_quant.scale_at(scale_byte)
+                codes, scale_byte = _kv_quant.page_offsets(page * BN + row, kvh, hkv, d)
+                scale = _kv_quant.scale_at(pages, scale_byte)
                 for j in cutlass.range_constexpr(cute.size(tdst.shape[2])):
-                    vals = _kv_quant.codes_f32(_kv_quant.load8(codes + tile_rows[0, i, j][1]), kv) * scale
+                    vals = _kv_quant.codes_f32(_kv_quant.load8(pages, codes + tile_rows[0, i, j][1]), kv) * scale
                     tdst[None, i, j].store(vals.to(bf16))
             else:
                 tdst[None, i, None].fill(0)
