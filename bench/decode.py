@@ -8,6 +8,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
+        [--kv-dtype bf16,fp8,int8]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -24,6 +25,9 @@ the host overhead per step are reported too, and (when torch is importable) deco
 alone against torch SDPA at each pair (`bench/decode_attention.py`). `--max-tokens` skips the
 pairs whose batch x context exceeds it and sizes the KV pool for the largest pair kept (batch 8 at
 250K does not fit next to the 27B's weights). Writes `decode.json` and prints Markdown tables.
+`--kv-dtype` takes a list of KV formats: each gets its own runner and run (`decode_<fmt>.json`
+when more than one) and a last table compares their GPU time per step at each pair
+(`kv_dtypes.json`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.timing import median_event_seconds, plan_breakdown_us
+from runtime.model.kv_format import FORMATS as KV_FORMATS
+from runtime.model.kv_format import token_head_bytes
 
 from runtime.model.shapes import QWEN36_27B  # noqa: F401 (the GPU tests take the shape from here)
 
@@ -55,13 +61,14 @@ def copy_bandwidth(device: Any, stream: Any, nbytes: int = 2 << 30) -> float:
 def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed: int = 0,
                 decode_splits: int | None = None, min_split: int | None = None, weight_format: str = "bf16",
                 spare_slots: int = 0, mtp: bool = False, shape: str = "qwen3.6-27b", router: str = "balanced",
-                pages: int | None = None) -> Any:
+                pages: int | None = None, kv_dtype: str = "bf16") -> Any:
     """weight_format "fp8": the projections as in Qwen's FP8 release (`weights.fp8_recipe_format`),
     "nvfp4": as `tools.convert --recipe nvfp4` writes them (`weights.nvfp4_recipe_format`);
     spare_slots: state slots past the lanes (verification snapshots); mtp: a (random) MTP head;
     shape: a name of `runtime.model.shapes.SHAPES` or a JSON text config; router: the synthetic
     MoE router (`weights.fill_synthetic`); decode_splits, min_split: the decode attention plan
-    (runner defaults if None); pages: the KV pool (default: every batch row at max_context)."""
+    (runner defaults if None); pages: the KV pool (default: every batch row at max_context); kv_dtype: the
+    KV pages' format (`runtime.model.kv_format`)."""
     from runtime.model.config import ModelConfig
     from runtime.model.gpu.runner import CudaRunner
     from runtime.model.gpu.weights import fp8_recipe_format, nvfp4_recipe_format
@@ -73,7 +80,7 @@ def make_runner(max_batch: int, max_context: int, prefill_chunk: int = 512, seed
                                 max_context=max_context + 64, prefill_chunk=prefill_chunk,
                                 weight_formats={"fp8": fp8_recipe_format,
                                                 "nvfp4": nvfp4_recipe_format}.get(weight_format),
-                                mtp=mtp, synthetic_router=router,
+                                mtp=mtp, synthetic_router=router, kv_dtype=kv_dtype,
                                 **({"decode_splits": decode_splits} if decode_splits else {}),
                                 **({"decode_min_split": min_split} if min_split else {}))
 
@@ -103,7 +110,8 @@ def step_bytes(runner: Any, batch: int, context: int, touched: int = 0) -> int:
         if "experts_gate_up" in layer:
             stacks = layer["experts_gate_up"].nbytes + layer["experts_down"].nbytes
             weights += stacks * (touched + 1) // (c.num_experts + 1) - stacks
-    kv = batch * context * len(c.attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    kv = batch * context * len(c.attention_layers) * c.num_key_value_heads * token_head_bytes(runner.kv_dtype,
+                                                                                              c.head_dim)
     state = batch * len(c.linear_layers) * 2 * runner.storage.state_slot_bytes
     return weights + kv + state
 
@@ -149,10 +157,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         weight_format: str = "bf16", drafts: tuple[int, ...] = (), mtp_drafts: tuple[int, ...] = (),
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
-        draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None) -> dict[str, Any]:
-    from bench import decode_attention, mtp_round, verify_step
-    from runtime.model.runner import DecodeItem
-
+        draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None,
+        kv_dtype: str = "bf16") -> dict[str, Any]:
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
     if not pairs:
         raise ValueError(f"no (batch, context) pair within --max-tokens {max_tokens}")
@@ -163,7 +169,20 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
     pages = max(b * (-(-(c + tail) // 64) + 1) for c, b in pairs)
     runner = make_runner(max(b for _, b in pairs), max(c for c, _ in pairs), decode_splits=decode_splits,
                          min_split=min_split, weight_format=weight_format, spare_slots=spare, mtp=bool(mtp_drafts),
-                         shape=shape, router=router, pages=pages)
+                         shape=shape, router=router, pages=pages, kv_dtype=kv_dtype)
+    try:
+        return _timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa, gdn_min_ctas,
+                      draft_vocabs, tail, attention_form)
+    finally:
+        runner.close()  # the next KV format's runner needs the memory
+
+
+def _timed(runner: Any, pairs: list, contexts: list[int], steps: int, drafts: tuple[int, ...],
+           mtp_drafts: tuple[int, ...], shape: str, router: str, sdpa: bool, gdn_min_ctas: int | None,
+           draft_vocabs: tuple[int, ...], tail: int, attention_form: str | None) -> dict[str, Any]:
+    from bench import decode_attention, mtp_round, verify_step
+    from runtime.model.runner import DecodeItem
+
     if gdn_min_ctas is not None:  # before any step is bound: every plan takes the GDN kernels it picks
         runner.kernels.gdn_min_ctas = gdn_min_ctas
     if attention_form is not None:  # likewise the decode attention split kernel
@@ -218,6 +237,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
     rounds = mtp_round.run(runner, kept, list(mtp_drafts), min(contexts), -(-(top + tail) // 64), steps,
                            [v or runner.vocab_size for v in draft_vocabs]) if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
+            "kv_dtype": runner.kv_dtype,
             "gdn_min_ctas": runner.kernels.gdn_min_ctas,
             "verification": verification, "mtp_rounds": rounds,
             "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
@@ -260,6 +280,21 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_kv_dtypes(runs: list[dict[str, Any]]) -> str:
+    """GPU ms per decode step of each KV format at each (batch, context), and the speed-up of each
+    over the first format given (bf16 when listed first)."""
+    base = runs[0]["kv_dtype"]
+    head = " | ".join(f"{r['kv_dtype']} ms" + ("" if r["kv_dtype"] == base else f" (x vs {base})") for r in runs)
+    lines = [f"| batch | context | {head} |", "|---:|---:|" + "---:|" * len(runs)]
+    for i, row in enumerate(runs[0]["results"]):
+        cells = []
+        for r in runs:
+            ms = r["results"][i]["graph_ms"]
+            cells.append(f"{ms:.2f}" if r is runs[0] else f"{ms:.2f} ({row['graph_ms'] / ms:.2f}x)")
+        lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -275,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16",
                     help="projection weights: bf16, fp8 with 128x128 block scales (Qwen's FP8 release), or nvfp4 "
                     "(e2m1 codes, e4m3 scale per 16, fp32 global; lm_head and in_proj_a/b bf16)")
+    ap.add_argument("--kv-dtype", default="bf16", help="KV formats to run, comma-separated (bf16,fp8,int8): "
+                    "one runner and run each, then a table of the GPU time per step side by side")
     ap.add_argument("--decode-splits", type=int, help="decode attention splits per row (runner default if omitted)")
     ap.add_argument("--min-split", type=int, help="fewest keys per decode attention split (runner default if omitted)")
     ap.add_argument("--max-tokens", type=int, help="skip (batch, context) pairs with batch x context above this; the "
@@ -308,15 +345,31 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"decode_spec_{args.spec}.json").write_text(json.dumps(data, indent=1))
         print(speculative.render(data))
         return 0
-    data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-               args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
-               tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
-               args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
-               tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form)
-    data["command"] = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    formats = args.kv_dtype.split(",")
+    bad = [f for f in formats if f not in KV_FORMATS]
+    if bad or not formats:
+        ap.error(f"--kv-dtype: {','.join(bad) or 'nothing'} is not a list of {', '.join(KV_FORMATS)}")
+    command = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.json").write_text(json.dumps(data, indent=1))
-    print(render(data))
+    runs = []
+    for fmt in formats:
+        data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
+                   args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
+                   tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
+                   args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
+                   tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form, kv_dtype=fmt)
+        data["command"] = command
+        name = "decode.json" if len(formats) == 1 else f"decode_{fmt}.json"
+        (args.out / name).write_text(json.dumps(data, indent=1))
+        print(f"\n## KV {fmt}\n\n" + render(data), flush=True)
+        runs.append(data)
+    if len(runs) > 1:
+        table = render_kv_dtypes(runs)
+        (args.out / "kv_dtypes.json").write_text(json.dumps(
+            {"command": command, "formats": formats,
+             "graph_ms": {r["kv_dtype"]: [(x["batch"], x["context"], x["graph_ms"]) for x in r["results"]]
+                          for r in runs}}, indent=1))
+        print("\n## GPU ms per decode step by KV format\n\n" + table)
     return 0
 
 

@@ -11,6 +11,9 @@ torch's SDPA runs on a contiguous copy `[B, Hkv, context, D]` of the same K/V wi
 row, GQA native (`enable_gqa`) on the flash backend when torch offers it, else the K/V heads
 repeated to Hq (then SDPA reads Hq/Hkv times more bytes; the row says which). Bandwidth is the
 K/V bytes over the kernel time. The outputs are compared after dividing our sigmoid gate out.
+With FP8 / INT8 KV (`runner.kv_dtype`) the random K/V are quantised on the GPU the way the prep
+kernel does (per token-head amax scales) into the pages, and SDPA reads the dequantised values as
+bf16; the bytes counted are the quantised pages' (codes and scales).
 """
 
 from __future__ import annotations
@@ -18,6 +21,36 @@ from __future__ import annotations
 from typing import Any
 
 from bench.timing import median_event_seconds
+from runtime.model.kv_format import QMAX, page_bytes
+
+
+def _write_pages(torch: Any, runner: Any, pool: int, first_page: int, rows: Any) -> Any:
+    """Write rows [n, Hkv, D] (bf16, torch) into `pool` from page `first_page` on, in the
+    runner's KV format; returns the values the pages hold (bf16, torch)."""
+    fmt, st, dev, s = runner.kv_dtype, runner.storage, runner.device, runner.stream
+    n, hkv, d = rows.shape
+    if fmt == "bf16":
+        dev.memcpy_dtod(pool + first_page * st.page_bytes, rows.data_ptr(), rows.numel() * 2, s)
+        s.synchronize()
+        return rows
+    pages = -(-n // 64)
+    x = torch.zeros(pages * 64, hkv, d, device="cuda", dtype=torch.float32)
+    x[:n] = rows.float()
+    scale = x.abs().amax(dim=-1) / QMAX[fmt]
+    y = x / scale.clamp_min(2.0 ** -149).unsqueeze(-1)
+    if fmt == "fp8":
+        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        values = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+    else:
+        codes = y.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        values = codes.view(torch.int8).float() * scale.unsqueeze(-1)
+    raw = torch.cat([codes.reshape(pages, -1), scale.contiguous().view(torch.uint8).reshape(pages, -1)], dim=1)
+    assert raw.shape[1] == page_bytes(fmt, hkv, d)
+    raw = raw.contiguous()
+    torch.cuda.synchronize()
+    dev.memcpy_dtod(pool + first_page * st.page_bytes, raw.data_ptr(), raw.numel(), s)
+    s.synchronize()
+    return values[:n].to(torch.bfloat16)
 
 
 def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[list[int]]) -> dict[str, Any]:
@@ -39,19 +72,17 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
     kk = torch.randn(batch, n, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
     vv = torch.randn(batch, n, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
     torch.cuda.synchronize()
-    row_bytes = hkv * d * 2
+    row_bytes = st.page_bytes // 64  # one token's K (or V) bytes over the KV heads, in the format
     for b in range(batch):  # the items' pages are consecutive (`bench.decode.run`)
-        first = page_tables[b][0] * 64 * row_bytes
-        dev.memcpy_dtod(st.k_pages[0] + first, kk[b].data_ptr(), n * row_bytes, s)
-        dev.memcpy_dtod(st.v_pages[0] + first, vv[b].data_ptr(), n * row_bytes, s)
-    s.synchronize()
+        kk[b] = _write_pages(torch, runner, st.k_pages[0], page_tables[b][0], kk[b])
+        vv[b] = _write_pages(torch, runner, st.v_pages[0], page_tables[b][0], vv[b])
     rows = {"table": st.meta_ptr("table"), "qseq": st.meta_ptr("qseq"), "pos": st.meta_ptr("pos")}
     pad_pages = st.num_pages + 1
     combine = runner.library.kernel("attention", k.combine).bind(
         {"o_part": st.buf["o_part"], "lse": st.buf["lse"], "pos": st.meta_ptr("pos"), "x": x.data_ptr(),
          "out": out.data_ptr()}, {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split})
     forms = {"split": ("attention", k.split, {})}
-    if 1 in k.decode_mma:
+    if 1 in k.decode_mma and runner.kv_dtype == "bf16":  # the mma form reads bf16 pages only
         forms["mma"] = ("attention_decode_mma", k.decode_mma[1], {"T": 1})
     timed: dict[str, Any] = {}
     for form, (family, key, tokens) in forms.items():
@@ -96,7 +127,7 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
     gate = torch.sigmoid(x[:batch, :hq * 2 * d].view(batch, hq, 2 * d)[..., d:].float())
     want = ref[:, :, 0].float()
     kv_bytes = batch * n * row_bytes * 2
-    row = {"batch": batch, "context": context, "splits": st.decode_splits, "min_split": st.decode_min_split,
+    row = {"batch": batch, "context": context, "kv_dtype": runner.kv_dtype, "splits": st.decode_splits, "min_split": st.decode_min_split,
            "sdpa_us": sdpa_us, "sdpa_mode": mode, "kv_bytes": kv_bytes, "sdpa_tb_s": kv_bytes / sdpa_us / 1e6,
            "torch": torch.__version__}
     for form, (us, got) in timed.items():
@@ -109,9 +140,9 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
 def render(rows: list[dict[str, Any]], copy_bw_tb_s: float) -> str:
     """One line per (batch, context): each split form (+ combine) and SDPA, time, TB/s, share of
     the copy bandwidth, and the relative difference from SDPA's output."""
-    lines = [("| batch | context | splits x min | split us | mma us | SDPA us | split of copy bw | mma of copy bw "
+    lines = [("| batch | context | KV | splits x min | split us | mma us | SDPA us | split of copy bw | mma of copy bw "
               "| SDPA of copy bw | split rel diff | mma rel diff | SDPA mode |"),
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
         return format(r[key], fmt) if key in r else "-"
@@ -121,9 +152,10 @@ def render(rows: list[dict[str, Any]], copy_bw_tb_s: float) -> str:
 
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['error']} ||||||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | | {r['error']} ||||||||||")
             continue
-        lines.append(f"| {r['batch']} | {r['context']} | {r['splits']} x {r['min_split']} | {cell(r, 'split_us', '.1f')} "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['kv_dtype']} | {r['splits']} x {r['min_split']} "
+                     f"| {cell(r, 'split_us', '.1f')} "
                      f"| {cell(r, 'mma_us', '.1f')} | {r['sdpa_us']:.1f} | {share(r, 'split')} | {share(r, 'mma')} "
                      f"| {share(r, 'sdpa')} | {cell(r, 'split_rel_diff_vs_sdpa', '.1e')} "
                      f"| {cell(r, 'mma_rel_diff_vs_sdpa', '.1e')} | {r['sdpa_mode']} |")

@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from runtime.model.kv_format import FORMATS as KV_FORMATS
+from runtime.model.kv_format import page_bytes
+
 from .bf16 import round_bf16
 from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 
@@ -53,14 +56,22 @@ COMBINE_THREADS = 256
 _SHAPES = [("q4_kv2_d64", 4, 2, 64, 16), ("q24_kv4_d256", 24, 4, 256, 64), ("q16_kv2_d256", 16, 2, 256, 64)]
 
 
-def paged_query_tensors(hq: int, hkv: int, d: int) -> dict[str, Any]:
+def page_pool(hkv: int, d: int, kv: str, role: str = "in") -> Any:
+    """One layer's K (or V) pool of NP pages in format kv: bf16 rows `[NP * 64, Hkv, D]`, or the
+    bytes of quantised pages (`runtime.model.kv_format`: codes then scales in each page)."""
+    if kv == "bf16":
+        return tensor("bf16", f"NP * {PAGE}", hkv, d, role=role)
+    return tensor("u8", f"NP * {page_bytes(kv, hkv, d)}", role=role)
+
+
+def paged_query_tensors(hq: int, hkv: int, d: int, kv: str = "bf16") -> dict[str, Any]:
     """The inputs every kernel reading queries against the paged KV takes (split-KV here,
     `attention_prefill`): q rows, the page pools, the page table, and each row's sequence and
     position. One description of the paging contract."""
     return {
         "q": tensor("bf16", "M", hq, d),
-        "k_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
-        "v_pages": tensor("bf16", f"NP * {PAGE}", hkv, d),
+        "k_pages": page_pool(hkv, d, kv),
+        "v_pages": page_pool(hkv, d, kv),
         "table": tensor("i32", "R", "maxp"),
         "qseq": tensor("i32", "M"),
         "pos": tensor("i32", "M"),
@@ -81,15 +92,20 @@ def split_length(pos: Any, splits: Any, min_split: Any, maximum: Any = np.maximu
     return maximum(min_split, (per + PAGE - 1) // PAGE * PAGE)
 
 
-def _prep(name: str, hq: int, hkv: int, d: int, rd: int) -> Variant:
+def _suffix(kv: str) -> str:
+    """The key suffix of a KV format's variants (none for bf16: its keys predate the formats)."""
+    return "" if kv == "bf16" else f"_{kv}"
+
+
+def _prep(name: str, hq: int, hkv: int, d: int, rd: int, kv: str) -> Variant:
     lanes = d // 8
     threads = -(-((hq + 2 * hkv) * lanes) // 32) * 32
     stride = x_stride(hq, hkv, d)
     return Variant(
         family=FAMILY,
-        key=f"prep_{name}",
+        key=f"prep_{name}{_suffix(kv)}",
         config={"kind": "prep", "Hq": hq, "Hkv": hkv, "D": d, "rd": rd, "x_stride": stride, "threads": threads,
-                "eps": NORM_EPS},
+                "eps": NORM_EPS, "kv": kv},
         params=[ptr("x"), ptr("qn_w"), ptr("kn_w"), ptr("cos"), ptr("sin"), ptr("pos"), ptr("wrow"), ptr("q_out"),
                 ptr("k_pages"), ptr("v_pages"), i32("M"), i32("P")],
         tensors={
@@ -101,28 +117,29 @@ def _prep(name: str, hq: int, hkv: int, d: int, rd: int) -> Variant:
             "pos": tensor("i32", "M"),
             "wrow": tensor("i32", "M"),
             "q_out": tensor("bf16", "M", hq, d, role="out"),
-            "k_pages": tensor("bf16", f"NP * {PAGE}", hkv, d, role="inout"),
-            "v_pages": tensor("bf16", f"NP * {PAGE}", hkv, d, role="inout"),
+            "k_pages": page_pool(hkv, d, kv, role="inout"),
+            "v_pages": page_pool(hkv, d, kv, role="inout"),
         },
         sizes=("M", "P", "NP"),
         block=(threads, 1, 1),
         grid=("M", 1, 1),
         requires=("M >= 1", "P >= 1", "NP >= 1"),
         arches=ALL_ARCHES,
-        note=f"q/k RMSNorm + RoPE({rd}) + paged K/V write, Hq={hq} Hkv={hkv} D={d}",
+        note=f"q/k RMSNorm + RoPE({rd}) + paged K/V write ({kv}), Hq={hq} Hkv={hkv} D={d}",
         example_sizes={"M": 1, "P": 32768, "NP": 16},
     )
 
 
-def _split(name: str, hq: int, hkv: int, d: int) -> Variant:
+def _split(name: str, hq: int, hkv: int, d: int, kv: str) -> Variant:
     return Variant(
         family=FAMILY,
-        key=f"split_{name}",
-        config={"kind": "split", "Hq": hq, "Hkv": hkv, "D": d, "threads": SPLIT_THREADS, "unroll": UNROLL},
+        key=f"split_{name}{_suffix(kv)}",
+        config={"kind": "split", "Hq": hq, "Hkv": hkv, "D": d, "threads": SPLIT_THREADS, "unroll": UNROLL,
+                "kv": kv},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
-            **paged_query_tensors(hq, hkv, d),
+            **paged_query_tensors(hq, hkv, d, kv),
             "o_part": tensor("f32", "M", hq, "S", d, role="out"),
             "lse": tensor("f32", "M", hq, "S", role="out"),
         },
@@ -131,7 +148,7 @@ def _split(name: str, hq: int, hkv: int, d: int) -> Variant:
         grid=(f"M * {hkv}", "S", 1),
         requires=("M >= 1", "S >= 1", "S <= 65535", "min_split >= 1", "maxp >= 1", "R >= 1", "NP >= 1"),
         arches=ALL_ARCHES,
-        note=f"split-KV paged attention, GQA {hq}/{hkv}, D={d}",
+        note=f"split-KV paged attention over {kv} KV, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": 1, "S": 32, "min_split": 64, "maxp": 128, "R": 1, "NP": 128},
     )
 
@@ -166,7 +183,10 @@ def variants() -> list[Variant]:
     for name, hq, hkv, d, rd in _SHAPES:
         if d % 8 or 32 % (d // 8) or hq % hkv or (rd // 2) % 8 or (rd // 16) & (rd // 16 - 1):
             raise ValueError(f"attention {name}: shape does not tile")
-        out += [_prep(name, hq, hkv, d, rd), _split(name, hq, hkv, d), _combine(name, hq, hkv, d)]
+        out += [_prep(name, hq, hkv, d, rd, "bf16"), _split(name, hq, hkv, d, "bf16"), _combine(name, hq, hkv, d)]
+        # The quantised KV formats: their own prep (writes codes + scales) and split (reads them).
+        for kv in KV_FORMATS[1:]:
+            out += [_prep(name, hq, hkv, d, rd, kv), _split(name, hq, hkv, d, kv)]
     return out
 
 
@@ -251,10 +271,10 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _kv_quant
 
     cfg = variant.config
-    hq, hkv, d, rd, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["rd"], cfg["x_stride"]
+    hq, hkv, d, rd, stride, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["rd"], cfg["x_stride"], cfg["kv"]
     lanes = d // 8
     half = rd // 2
     partner = half // 8  # lane offset between the two halves of the rotated dims
@@ -312,11 +332,24 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
             c = cute.make_tensor(cos + cutlass.Int64(position) * half + freq, v8).load().to(f32)
             s = cute.make_tensor(sin + cutlass.Int64(position) * half + freq, v8).load().to(f32)
             val.store(val.load() * c + other.load() * s * sign)
+        # A quantised pool: the bf16 values the bf16 pool would hold, and their token-head's amax
+        # (a max over the head's D/8 lanes; every lane takes part in the shuffles).
+        amax = f32(0.0)
+        if cutlass.const_expr(kv != "bf16"):
+            val.store(val.load().to(bf16).to(f32))
+            for e in cutlass.range_constexpr(8):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(val[e], -val[e]))
+            amax = _warp_max(amax, lanes)
         if hd < hq:
             cute.make_tensor(q_out + (cutlass.Int64(row) * hq + hd) * d + 8 * lr, v8).store(val.load().to(bf16))
         elif active:
             kv_row = cute.make_tensor(wrow, cute.make_layout(m))[row]
-            if hd < hq + hkv:
+            if cutlass.const_expr(kv != "bf16"):
+                if hd < hq + hkv:
+                    _kv_quant.write8(k_pages, kv_row, hd - hq, lr, val, amax, kv, hkv, d)
+                else:
+                    _kv_quant.write8(v_pages, kv_row, hd - hq - hkv, lr, val, amax, kv, hkv, d)
+            elif hd < hq + hkv:
                 kdst = cute.make_tensor(k_pages + (cutlass.Int64(kv_row) * hkv + (hd - hq)) * d + 8 * lr, v8)
                 kdst.store(val.load().to(bf16))
             else:
@@ -339,10 +372,10 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _kv_quant
 
     cfg = variant.config
-    hq, hkv, d, threads = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["threads"]
+    hq, hkv, d, threads, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["threads"], cfg["kv"]
     r = hq // hkv
     lanes = d // 8
     groups = threads // lanes
@@ -396,20 +429,38 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                 keys = []
                 ks = []
                 vs = []
+                k_scale = [f32(1.0)] * UNROLL
+                v_scale = [f32(1.0)] * UNROLL
                 for u in cutlass.range_constexpr(UNROLL):
                     key = base + u * groups + kg
                     keys.append(key)
                     key = cutlass.min(key, end - 1)
                     page = cute.make_tensor(trow + key // PAGE, one)[0]
-                    flat = (cutlass.Int64(page) * PAGE + key % PAGE) * hkv + kvh
-                    ks.append(cute.make_tensor(k_pages + flat * d + 8 * lr, v8).load())
-                    vs.append(cute.make_tensor(v_pages + flat * d + 8 * lr, v8).load())
-                kf = [ks[u].to(f32) for u in range(UNROLL)]
-                vf = [vs[u].to(f32) for u in range(UNROLL)]
+                    if cutlass.const_expr(kv == "bf16"):
+                        flat = (cutlass.Int64(page) * PAGE + key % PAGE) * hkv + kvh
+                        ks.append(cute.make_tensor(k_pages + flat * d + 8 * lr, v8).load())
+                        vs.append(cute.make_tensor(v_pages + flat * d + 8 * lr, v8).load())
+                    else:
+                        # Codes (8 bytes a lane) and the token-head's scales; the K scale
+                        # multiplies the score and the V scale the softmax weight, so the
+                        # codes are only converted, never scaled one by one.
+                        codes, sc = _kv_quant.page_offsets(page * PAGE + key % PAGE, kvh, hkv, d)
+                        ks.append(_kv_quant.load8(k_pages, codes + 8 * lr))
+                        vs.append(_kv_quant.load8(v_pages, codes + 8 * lr))
+                        k_scale[u] = _kv_quant.scale_at(k_pages, sc)
+                        v_scale[u] = _kv_quant.scale_at(v_pages, sc)
+                if cutlass.const_expr(kv == "bf16"):
+                    kf = [ks[u].to(f32) for u in range(UNROLL)]
+                    vf = [vs[u].to(f32) for u in range(UNROLL)]
+                else:
+                    kf = [_kv_quant.codes_f32(ks[u], kv) for u in range(UNROLL)]
+                    vf = [_kv_quant.codes_f32(vs[u], kv) for u in range(UNROLL)]
                 for h in cutlass.range_constexpr(r):
                     scores = []
                     for u in cutlass.range_constexpr(UNROLL):
                         sc = _dsl.warp_sum((qs[h] * kf[u]).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
+                        if cutlass.const_expr(kv != "bf16"):
+                            sc = sc * k_scale[u]
                         if keys[u] >= end:
                             sc = f32(neg)
                         scores.append(sc)
@@ -422,7 +473,10 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                     for u in cutlass.range_constexpr(UNROLL):
                         pr = cute.math.exp2(scores[u] - new_max, fastmath=True)
                         den_h = den_h + pr
-                        acc_h = acc_h + vf[u] * pr
+                        if cutlass.const_expr(kv != "bf16"):
+                            acc_h = acc_h + vf[u] * (pr * v_scale[u])
+                        else:
+                            acc_h = acc_h + vf[u] * pr
                     den[h] = den_h
                     mx[h] = new_max
                     accs[h].store(acc_h)

@@ -50,19 +50,19 @@ FORMS = {"wg2": 2, "wg1": 1}  # form -> consumer warpgroups
 _SHAPES = [(name, hq, hkv, d) for name, hq, hkv, d, _ in attention._SHAPES if d == 256]
 
 
-def _fwd(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
+def _fwd(name: str, hq: int, hkv: int, d: int, form: str, kv: str) -> Variant:
     stride = attention.x_stride(hq, hkv, d)
     wgs = FORMS[form]
     bm, threads = wgs * WG_ROWS, wgs * 128
     return Variant(
         family=FAMILY,
-        key=f"fwd_{name}_{form}",
+        key=f"fwd_{name}_{form}" + ("" if kv == "bf16" else f"_{kv}"),
         config={"kind": "fwd", "form": form, "Hq": hq, "Hkv": hkv, "D": d, "x_stride": stride, "BM": bm, "BN": BN,
-                "stages": STAGES, "threads": threads},
+                "stages": STAGES, "threads": threads, "kv": kv},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("x"),
                 ptr("out"), i32("M"), i32("maxp")],
         tensors={
-            **attention.paged_query_tensors(hq, hkv, d),
+            **attention.paged_query_tensors(hq, hkv, d, kv),
             "x": tensor("bf16", "M", stride),
             "out": tensor("bf16", "M", hq * d, role="out"),
         },
@@ -71,8 +71,8 @@ def _fwd(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
         grid=(hq, f"cdiv(M, {bm})", 1),
         requires=("M >= 1", "maxp >= 1", "R >= 1", "NP >= 1", f"cdiv(M, {bm}) <= 65535"),
         arches=HOPPER,
-        note=f"WGMMA causal prefill attention ({wgs} warpgroups, {bm}-row tiles, cp.async double-buffered K/V), "
-             f"paged K/V, gate fused, GQA {hq}/{hkv}, D={d}",
+        note=f"WGMMA causal prefill attention ({wgs} warpgroups, {bm}-row tiles, double-buffered K/V), "
+             f"paged {kv} K/V, gate fused, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": 8192, "maxp": 128, "R": 1, "NP": 128},
     )
 
@@ -90,11 +90,11 @@ def _fwd_kv_split(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
         family=FAMILY,
         key=f"fwd_{name}_{form}_kvsplit",
         config={"kind": "fwd", "form": form, "Hq": hq, "Hkv": hkv, "D": d, "x_stride": attention.x_stride(hq, hkv, d),
-                "BM": bm, "BN": BN, "stages": STAGES, "threads": threads, "kv_split": True},
+                "BM": bm, "BN": BN, "stages": STAGES, "threads": threads, "kv": "bf16", "kv_split": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("maxp"), i32("S"), i32("split")],
         tensors={
-            **attention.paged_query_tensors(hq, hkv, d),
+            **attention.paged_query_tensors(hq, hkv, d, "bf16"),
             "o_part": tensor("f32", "M", hq, "S", d, role="out"),
             "lse": tensor("f32", "M", hq, "S", role="out"),
         },
@@ -119,7 +119,9 @@ def variants() -> list[Variant]:
     for name, hq, hkv, d in _SHAPES:
         if d % 64 or hq % hkv:
             raise ValueError(f"attention_wgmma {name}: head dim must be a multiple of 64")
-        out += [_fwd(name, hq, hkv, d, form) for form in FORMS]
+        out += [_fwd(name, hq, hkv, d, form, "bf16") for form in FORMS]
+        # Quantised KV pages, dequantised into the bf16 tiles: the 128-row form only.
+        out += [_fwd(name, hq, hkv, d, "wg2", kv) for kv in attention.KV_FORMATS[1:]]
         out += [_fwd_kv_split(name, hq, hkv, d, form) for form in KV_SPLIT_FORMS]
     return out
 
@@ -169,10 +171,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.tensor_utils.layout import LayoutEnum
 
-    from . import _dsl
+    from . import _dsl, _kv_quant
 
     cfg = variant.config
-    hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
+    hq, hkv, d, stride, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"], cfg["kv"]
     bm, threads = cfg["BM"], cfg["threads"]
     kv_split = bool(cfg.get("kv_split"))
     wgs = threads // 128
@@ -210,6 +212,38 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 cute.copy(gcopy, tsrc[None, i, None], tdst[None, i, None])
             else:
                 tdst[None, i, None].fill(0)
+
+    @cute.jit
+    def load_quant_tile(thr_g: Any, pages: Any, page: Any, kvh: Any, dst: Any, tile_rows: Any, row0: Any,
+                        end: Any) -> None:
+        """`load_tile` for a quantised page: each thread's 8-column chunks are loaded as codes,
+        times the token-head's scale, rounded to bf16 into dst (plain loads and shared stores, no
+        cp.async); rows at or past `end` are zero-filled."""
+        tdst = thr_g.partition_D(dst)
+        for i in cutlass.range_constexpr(cute.size(tdst.shape[1])):
+            row = tile_rows[0, i, 0][0]
+            if row0 + row < end:
+                codes, scale_byte = _kv_quant.page_offsets(page * BN + row, kvh, hkv, d)
+                scale = _kv_quant.scale_at(pages, scale_byte)
+                for j in cutlass.range_constexpr(cute.size(tdst.shape[2])):
+                    vals = _kv_quant.codes_f32(_kv_quant.load8(pages, codes + tile_rows[0, i, j][1]), kv) * scale
+                    tdst[None, i, j].store(vals.to(bf16))
+            else:
+                tdst[None, i, None].fill(0)
+
+    def load_kv(gcopy: Any, thr_g: Any, kv_rows: Any, page: Any, kvh: Any, k_pages: Any, v_pages: Any,
+                k_dst: Any, v_dst: Any, row0: Any, end: Any) -> None:
+        """One K and one V tile (a page) into shared memory: cp.async of bf16 pages, or the
+        dequantised codes of quantised ones."""
+        if kv == "bf16":
+            kv_stride = hkv * d
+            for pool, dst in ((k_pages, k_dst), (v_pages, v_dst)):
+                src = cute.make_tensor(pool + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
+                                       cute.make_layout((BN, d), stride=(kv_stride, 1)))
+                load_tile(gcopy, thr_g, src, dst, kv_rows, row0, end)
+        else:
+            load_quant_tile(thr_g, k_pages, page, kvh, k_dst, kv_rows, row0, end)
+            load_quant_tile(thr_g, v_pages, page, kvh, v_dst, kv_rows, row0, end)
 
     @cute.jit
     def attend(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
@@ -258,18 +292,12 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         q_rows = thr_g.partition_S(cute.make_identity_tensor((bm, d)))
         kv_rows = thr_g.partition_S(cute.make_identity_tensor((BN, d)))
         key_by_d = cute.make_layout((BN, d), stride=(d, 1))
-        kv_stride = hkv * d
 
         gQ = cute.make_tensor(q + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
                               cute.make_layout((bm, d), stride=(hq * d, 1)))
         load_tile(gcopy, thr_g, gQ, sQ[None, None, 0], q_rows, m0, m)
-        page = trow[kb0]
-        gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
-                              cute.make_layout((BN, d), stride=(kv_stride, 1)))
-        gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
-                              cute.make_layout((BN, d), stride=(kv_stride, 1)))
-        load_tile(gcopy, thr_g, gK, sK[None, None, 0], kv_rows, k_lo, k_hi)
-        load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, 0], key_by_d), kv_rows, k_lo, k_hi)
+        load_kv(gcopy, thr_g, kv_rows, trow[kb0], kvh, k_pages, v_pages, sK[None, None, 0],
+                cute.composition(sV[None, None, 0], key_by_d), k_lo, k_hi)
         cute.arch.cp_async_commit_group()
 
         # ---- WGMMA partitions: warpgroup w owns query rows 64w..64w+63 of the tile.
@@ -312,13 +340,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # ended the previous iteration).
             if kb + 1 < nkb:
                 nxt = (kb - kb0 + 1) % STAGES
-                page = trow[kb + 1]
-                gK = cute.make_tensor(k_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
-                                      cute.make_layout((BN, d), stride=(kv_stride, 1)))
-                gV = cute.make_tensor(v_pages + cute.assume((cutlass.Int64(page) * BN * hkv + kvh) * d, divby=8),
-                                      cute.make_layout((BN, d), stride=(kv_stride, 1)))
-                load_tile(gcopy, thr_g, gK, sK[None, None, nxt], kv_rows, n0 + BN, k_hi)
-                load_tile(gcopy, thr_g, gV, cute.composition(sV[None, None, nxt], key_by_d), kv_rows, n0 + BN, k_hi)
+                load_kv(gcopy, thr_g, kv_rows, trow[kb + 1], kvh, k_pages, v_pages, sK[None, None, nxt],
+                        cute.composition(sV[None, None, nxt], key_by_d), n0 + BN, k_hi)
             cute.arch.cp_async_commit_group()
             # This tile (and Q) landed; cp.async and the zero fills write through the generic
             # proxy and WGMMA reads through the async one: fence, then make every thread's rows

@@ -117,8 +117,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv-capacity", int, None, "shared KV pool size in tokens (rounded up to 64-token "
            "pages) (default: --max-context, times --max-concurrency for the server)",
            group="capacity", minimum=64, maximum=1 << 24, auto=True),
-    Option("kv-dtype", str, "bf16", "KV-cache storage format", group="capacity",
-           choices=("bf16",)),
+    Option("kv-dtype", str, "bf16", "KV-cache storage format: bf16, or fp8 (e4m3) / int8 codes with "
+           "an fp32 scale per token and KV head (about half the bytes; CUDA backend only)",
+           group="capacity", choices=("bf16", "fp8", "int8")),
     Option("prefill-chunk", int, 1024, "prompt tokens computed per prefill step, a multiple of "
            "64", group="capacity", minimum=64, maximum=65536),
     Option("max-new", int, 128, "output-token limit per request (CLI) / default when a request "

@@ -111,7 +111,8 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
         shape = {"num_pages": num_pages, "num_slots": num_slots,
                  "max_batch": min(b for b in (1, 2, 4, 8) if b >= num_lanes),
                  "prefill_chunk": prefill_chunk, "max_context": settings.max_context,
-                 "cuda_graphs": not settings.no_cuda_graph, "mtp_draft_vocab": draft_vocab}
+                 "cuda_graphs": not settings.no_cuda_graph, "mtp_draft_vocab": draft_vocab,
+                 "kv_dtype": settings.kv_dtype}
         if vision and synthetic is not None:
             raise ConfigError("--vision loads the artifact's vision tower; --synthetic-weights has none")
         try:
@@ -135,7 +136,8 @@ def make_runner(device: str, artifact: Any, num_pages: int, num_lanes: int, num_
 
     if settings.kv_dtype != "bf16":
         raise ConfigError(f"--kv-dtype {settings.kv_dtype}: the CPU backend keeps KV in "
-                          "float32 and accepts only the default bf16")
+                          "float32 and accepts only the default bf16; fp8 and int8 KV run on "
+                          "the CUDA backend (--device cuda)")
     logger.debug("CPU backend: NumPy reference in float32 (KV kept in float32; "
                  "--no-cuda-graph has no effect)")
     return NumpyRunner.from_artifact(artifact, num_pages=num_pages, num_slots=num_slots,

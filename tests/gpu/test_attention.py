@@ -70,7 +70,7 @@ class _Rows:
     (rewritable in place, for graph replays), the partials (NaN at first) and the output (one
     poisoned row past M, which must stay untouched)."""
 
-    def __init__(self, library, mem, name, m, table_shape, splits, min_split, npages, kbuf, vbuf):
+    def __init__(self, library, mem, name, m, table_shape, splits, min_split, npages, kbuf, vbuf, kv_suffix=""):
         cfg = _cfg(name)
         self.hq, self.d, self.stride = cfg["Hq"], cfg["D"], cfg["x_stride"]
         self.mem, self.m = mem, m
@@ -82,7 +82,7 @@ class _Rows:
         lse = mem.poisoned(2 * m * self.hq * splits)
         self.out = mem.poisoned((m + 1) * self.hq * self.d)
         self.launches = [
-            library.kernel("attention", f"split_{name}").bind(
+            library.kernel("attention", f"split_{name}{kv_suffix}").bind(
                 {"q": self.q, "k_pages": kbuf, "v_pages": vbuf, "table": self.table, "qseq": self.qseq,
                  "pos": self.pos, "o_part": o_part, "lse": lse},
                 {"M": m, "S": splits, "min_split": min_split, "maxp": table_shape[1], "R": table_shape[0],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cute_kernels import attention_prefill, attention_wgmma
+from cute_kernels import attention, attention_prefill, attention_wgmma
 from cute_kernels.bf16 import round_bf16
 
 PAGE = 64
@@ -46,27 +46,38 @@ def test_blocked_reference_matches_the_row_by_row_one(start, t, block):
 
 def test_variants_cover_both_large_shapes_in_both_forms():
     got = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["form"], v.config["BM"], v.block[0],
-            bool(v.config.get("kv_split"))) for v in attention_wgmma.variants()}
-    assert got == {(24, 4, 256, "wg2", 128, 256, False), (24, 4, 256, "wg1", 64, 128, False),
-                   (16, 2, 256, "wg2", 128, 256, False), (16, 2, 256, "wg1", 64, 128, False),
-                   (24, 4, 256, "wg2", 128, 256, True), (16, 2, 256, "wg2", 128, 256, True)}
-    fused = [v for v in attention_wgmma.variants() if not v.config.get("kv_split")]
-    for v in fused:  # the runner swaps it for attention_prefill: same buffers
+            v.config["kv"], bool(v.config.get("kv_split"))) for v in attention_wgmma.variants()}
+    assert got == {(24, 4, 256, "wg2", 128, 256, "bf16", False), (24, 4, 256, "wg1", 64, 128, "bf16", False),
+                   (16, 2, 256, "wg2", 128, 256, "bf16", False), (16, 2, 256, "wg1", 64, 128, "bf16", False),
+                   (24, 4, 256, "wg2", 128, 256, "fp8", False), (24, 4, 256, "wg2", 128, 256, "int8", False),
+                   (16, 2, 256, "wg2", 128, 256, "fp8", False), (16, 2, 256, "wg2", 128, 256, "int8", False),
+                   (24, 4, 256, "wg2", 128, 256, "bf16", True), (16, 2, 256, "wg2", 128, 256, "bf16", True)}
+    for v in attention_wgmma.variants():  # the runner swaps it for attention_prefill: same buffers
+        if v.config.get("kv_split"):
+            continue  # its buffers: the next test
         twin = next(p for p in attention_prefill.variants()
                     if (p.config["Hq"], p.config["Hkv"], p.config["D"]) == (v.config["Hq"], v.config["Hkv"], v.config["D"]))
         assert [p.name for p in v.params] == [p.name for p in twin.params]
-        assert v.tensors == twin.tensors and v.config["x_stride"] == twin.config["x_stride"]
+        assert v.config["x_stride"] == twin.config["x_stride"]
+        if v.config["kv"] == "bf16":
+            assert v.tensors == twin.tensors
+        else:  # the split kernel of the same format reads the same pools
+            split = next(s for s in attention.variants()
+                         if s.config["kind"] == "split" and s.config["kv"] == v.config["kv"]
+                         and (s.config["Hq"], s.config["Hkv"], s.config["D"]) == (v.config["Hq"], v.config["Hkv"],
+                                                                                 v.config["D"]))
+            assert v.tensors["k_pages"] == split.tensors["k_pages"] == v.tensors["v_pages"]
+            pb = 64 * v.config["Hkv"] * (256 + 4)
+            assert v.tensors["k_pages"].shape == (f"NP * {pb}",) and v.tensors["k_pages"].dtype == "u8"
 
 
 def test_the_key_split_form_writes_the_split_kernels_partials():
     """Over key splits the kernel takes the split-KV kernel's partial buffers (the combine merges
     them), plus the split length, which must be whole pages."""
-    from cute_kernels import attention
-
     for v in attention_wgmma.variants():
         if not v.config.get("kv_split"):
             continue
-        twin = next(p for p in attention.variants() if p.config["kind"] == "split"
+        twin = next(p for p in attention.variants() if p.config["kind"] == "split" and p.config["kv"] == "bf16"
                     and (p.config["Hq"], p.config["Hkv"], p.config["D"]) == (v.config["Hq"], v.config["Hkv"], v.config["D"]))
         assert v.tensors["o_part"] == twin.tensors["o_part"] and v.tensors["lse"] == twin.tensors["lse"]
         assert [p.name for p in v.params] == ["q", "k_pages", "v_pages", "table", "qseq", "pos", "o_part", "lse",

@@ -152,7 +152,7 @@ def test_the_next_80b_fp8_plan_fits_an_h200():
     assert layout.expert_format == FP8
     assert experts < layout.total < experts + 4.2e9  # + scales, fp8 projections, bf16 embedding and head
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
-    kernels = built_or_skip(lambda: KernelChoice(lib, c, FP8))
+    kernels = built_or_skip(lambda: KernelChoice(lib, c, expert_format=FP8))
     assert kernels.moe_prefill is not None and kernels.moe_prefill.dequant_gate_up
     h200 = NullDevice(139 << 30)
     pages = 8 * (32768 // 64 + 1)

@@ -44,11 +44,14 @@ FORBIDDEN = {
 # describe their launches with the manifest schema the runtime reads (one definition, not two).
 # `--demo` generates its tiny model on first use with the same tool the tests use.
 # The sampling kernels share the host sampler's pure-data contract (draw hash, row settings).
+# The attention kernels share the KV page formats' contract (`runtime.model.kv_format`: page
+# layout, rounding rules) with the runner's storage.
 ALLOWED = {
     "runtime.engine": ("runtime.model.runner", "runtime.model.sampling"),
     "runtime.session": ("tools.make_tiny",),
     "runtime.media": ("runtime.model.runner",),
-    "cute_kernels": ("runtime.cuda.manifest", "runtime.cuda.expr", "runtime.model.sampling"),
+    "cute_kernels": ("runtime.cuda.manifest", "runtime.cuda.expr", "runtime.model.sampling",
+                     "runtime.model.kv_format"),
 }
 
 

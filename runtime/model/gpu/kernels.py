@@ -97,6 +97,7 @@ class KernelChoice:
     library: Any
     config: ModelConfig
     expert_format: str = "bf16"  # the MoE expert stacks' format (`WeightLayout.expert_format`)
+    kv_dtype: str = "bf16"  # the KV pages' format (`runtime.model.kv_format`)
 
     def __post_init__(self) -> None:
         c, lib = self.config, self.library
@@ -192,9 +193,11 @@ class KernelChoice:
         self.attn_stride = 0
         if c.attention_layers:
             hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            self.prep = _need(lib, "attention", "q/k norm + RoPE + KV write", kind="prep", Hq=hq, Hkv=hkv, D=d,
-                              rd=c.rotary_dim)
-            self.split = _need(lib, "attention", "split-KV attention", kind="split", Hq=hq, Hkv=hkv, D=d)
+            kv = self.kv_dtype
+            self.prep = _need(lib, "attention", f"q/k norm + RoPE + {kv} KV write", kind="prep", Hq=hq, Hkv=hkv,
+                              D=d, rd=c.rotary_dim, kv=kv)
+            self.split = _need(lib, "attention", f"split-KV attention over {kv} KV", kind="split", Hq=hq, Hkv=hkv,
+                               D=d, kv=kv)
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
             self.decode_attention_form = DECODE_ATTENTION_FORM
@@ -203,15 +206,16 @@ class KernelChoice:
                                and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
-            # one; None (the split-KV path) when neither was. Both take the same buffers.
+            # one; None (the split-KV path) when neither was. Both take the same buffers. Quantised
+            # KV: only the WGMMA kernel reads it (the mma.sync one is bf16 only).
             shape = {"kind": "fwd", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": self.attn_stride}
-            wgmma = _find(lib, "attention_wgmma", form="wg2", kv_split=None, **shape)
-            mma_sync = _find(lib, "attention_prefill", **shape)
+            wgmma = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=None, **shape)
+            mma_sync = _find(lib, "attention_prefill", **shape) if kv == "bf16" else None
             self.prefill_attn = ("attention_wgmma", wgmma) if wgmma else \
                 ("attention_prefill", mma_sync) if mma_sync else None
             # Chunks past the first key split take the WGMMA kernel over key splits + the combine
             # (`Storage.prefill_kv_split`), where compiled with the fused one.
-            self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv_split=True, **shape) \
+            self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=True, **shape) \
                 if wgmma else None
 
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from runtime.model.config import ModelConfig
+from runtime.model.kv_format import check_format
 from runtime.model.gpu.kernels import KernelChoice
 from runtime.model.gpu.host_copies import HostCopies
 from runtime.model.gpu.layers import Forward
@@ -60,7 +61,8 @@ class CudaRunner:
     mtp: load the MTP head (its weights from `mtp_component`, the artifact's `mtp` component, or
     random with the synthetic seed); without it `mtp_layers` is 0 and no hidden rows are kept.
     mtp_draft_vocab: drafts over the lm_head's first N rows only (`ModelRunner.mtp_draft_vocab`);
-    None: all of them.
+    None: all of them. kv_dtype: the KV pages' format, bf16 or fp8 / int8 codes with per token-head
+    scales (`runtime.model.kv_format`; `--kv-dtype`).
 
     Besides the protocol, tests and benchmarks read the parts: `config`, `device`, `stream`,
     `library`, `kernels` (`KernelChoice`), `layout` (`WeightLayout`), `storage`, `slots`, `steps`,
@@ -76,7 +78,7 @@ class CudaRunner:
                  progress: Callable[[int, int], None] | None = None,
                  weight_formats: Callable[[str], str] | None = None, mtp: bool = False,
                  mtp_component: Any = None, synthetic_router: str = "balanced", mtp_draft_vocab: int | None = None,
-                 vision_component: Any = None):
+                 vision_component: Any = None, kv_dtype: str = "bf16"):
         from runtime.cuda.kernels import KernelLibrary
 
         if (component is None) == (synthetic_seed is None):
@@ -106,7 +108,8 @@ class CudaRunner:
         # first: a model the runner cannot run yet is refused by name before its kernels are looked for.
         self.layout = WeightLayout.plan(c, (lambda name: component.entry(name).format) if component is not None
                                         else weight_formats, mtp=mtp)
-        self.kernels = KernelChoice(self.library, c, self.layout.expert_format)
+        self.kv_dtype = check_format(kv_dtype)
+        self.kernels = KernelChoice(self.library, c, expert_format=self.layout.expert_format, kv_dtype=self.kv_dtype)
         for fam, key in self.kernels.required():
             self.library.kernel(fam, key)
         for fmt in (FP8, NVFP4):  # a missing shape is refused before the upload, naming it
@@ -122,7 +125,7 @@ class CudaRunner:
         self.storage = Storage(c, device, self.kernels, weight_bytes=self.layout.total, num_pages=num_pages,
                                phys_slots=self.slots.phys_slots, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                max_context=self.max_context, decode_splits=decode_splits,
-                               decode_min_split=decode_min_split,
+                               decode_min_split=decode_min_split, kv_dtype=self.kv_dtype,
                                mtp_layers=len(self.layout.mtp_layers), media=vision_component is not None,
                                fp8_k=max((k for _, k in prefill[FP8]), default=0),
                                nvfp4_weights=max((n * k for n, k in prefill[NVFP4]), default=0))

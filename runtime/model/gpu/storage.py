@@ -4,8 +4,9 @@ Arenas (`runtime.cuda.memory.DeviceArenas`):
 - weights: `weights.WeightLayout.total` bytes, bf16 as stored in the artifact;
 - KV pages: per full-attention layer, then per MTP layer (its own pool, read through the same page
   tables), K and V `[(num_pages + 1) * 64, Hkv, D]` bf16, post-norm and post-RoPE (the paging
-  contract of `runtime/model/runner.py`); page `num_pages` is a pad page that padded decode rows
-  write into;
+  contract of `runtime/model/runner.py`), or with `--kv-dtype fp8|int8` the same pages as codes
+  and per token-head scales (`runtime.model.kv_format`, `page_bytes` each); page `num_pages` is a
+  pad page that padded decode rows write into;
 - state slots: per GDN layer the fp32 recurrent state `[phys_slots, Hv, dv, dk]` (v-major) and the
   conv window `[phys_slots, Kc - 1, conv_dim]` bf16, over the physical slots of `StateSlots`;
 - workspace: activations for `rows = max(prefill_chunk, max_batch)` rows, attention split
@@ -32,6 +33,7 @@ import numpy as np
 
 from runtime.cuda.memory import DeviceArenas
 from runtime.model.config import ModelConfig
+from runtime.model.kv_format import page_bytes
 from runtime.model.runner import MTP_MAX_DRAFTS, PAGE_SIZE
 from runtime.model.sampling import ROW_F32, ROW_I32, TOP_K_CAP
 
@@ -113,7 +115,7 @@ class Storage:
     def __init__(self, config: ModelConfig, device: Any, kernels: Any, *, weight_bytes: int, num_pages: int,
                  phys_slots: int, max_batch: int, prefill_chunk: int, max_context: int,
                  decode_splits: int | None = None, decode_min_split: int = DECODE_MIN_SPLIT, mtp_layers: int = 0,
-                 media: bool = False, fp8_k: int = 0, nvfp4_weights: int = 0):
+                 media: bool = False, fp8_k: int = 0, nvfp4_weights: int = 0, kv_dtype: str = "bf16"):
         c = self.config = config
         self.device = device
         self.num_pages = num_pages
@@ -128,7 +130,8 @@ class Storage:
         self.prefill_kv_splits = cdiv(max_context, self.prefill_kv_split)  # <= PREFILL_SPLITS
         h = c.hidden_size
         n_gdn, n_kv = len(c.linear_layers), len(c.attention_layers) + mtp_layers
-        self.page_bytes = PAGE_SIZE * c.num_key_value_heads * c.head_dim * 2  # one layer's K (or V) rows
+        self.kv_dtype = kv_dtype
+        self.page_bytes = page_bytes(kv_dtype, c.num_key_value_heads, c.head_dim)  # one layer's K (or V) page
         kv_bytes = (num_pages + 1) * self.page_bytes
         self.win_slot_bytes = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2
         self.state_slot_bytes = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4

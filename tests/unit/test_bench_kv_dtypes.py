@@ -1,0 +1,26 @@
+"""`bench.decode`'s KV-format comparison table and its `--kv-dtype` list check (CPU only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import decode
+
+
+def _run(fmt, ms):
+    return {"kv_dtype": fmt, "results": [{"batch": 1, "context": c, "graph_ms": t} for c, t in ms]}
+
+
+def test_table_gives_each_format_and_its_speedup_over_the_first():
+    runs = [_run("bf16", [(1024, 20.0), (250000, 33.0)]), _run("fp8", [(1024, 20.0), (250000, 27.5)]),
+            _run("int8", [(1024, 25.0), (250000, 30.0)])]
+    lines = decode.render_kv_dtypes(runs).splitlines()
+    assert lines[0] == "| batch | context | bf16 ms | fp8 ms (x vs bf16) | int8 ms (x vs bf16) |"
+    assert lines[2] == "| 1 | 1024 | 20.00 | 20.00 (1.00x) | 25.00 (0.80x) |"
+    assert lines[3] == "| 1 | 250000 | 33.00 | 27.50 (1.20x) | 30.00 (1.10x) |"
+
+
+def test_bad_format_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--kv-dtype", "bf16,fp4", "--out", "/nonexistent/never"])
+    assert "--kv-dtype: fp4 is not a list of bf16, fp8, int8" in capsys.readouterr().err
