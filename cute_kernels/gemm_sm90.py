@@ -57,6 +57,7 @@ SHAPES = [
     ("a3b_o_proj", 2048, 4096),  # GDN out_proj and attention o_proj
     ("a3b_attn_qkv", 9216, 2048),
     ("a3b_lm_head", 248320, 2048),
+    ("next80b_lm_head", 151936, 2048),  # Qwen3-Next-80B-A3B (its other projections are the a3b shapes)
     ("test", 328, 192),  # small and ragged (N not a multiple of the tile) for tests
     # The tiny dense test model (tools/make_tiny.py: hidden 256, GDN 2/4 heads of 32, attention
     # 4/2 heads of 64, MLP 512, vocabulary 512), prefill and decode alike.

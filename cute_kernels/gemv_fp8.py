@@ -53,6 +53,10 @@ SHAPES = [
     ("attn_qkv", 14336, 0, 5120),  # q (with gate) + k + v
     ("gate_up", 34816, 0, 5120),
     ("down", 5120, 0, 17408),
+    # Qwen3.6-35B-A3B and Qwen3-Next-80B-A3B (hidden 2048; same GDN and attention widths).
+    ("a3b_gdn_in", 12288, 64, 2048),
+    ("a3b_o_proj", 2048, 0, 4096),
+    ("a3b_attn_qkv", 9216, 0, 2048),
     ("tiny_gdn_in", 384, 8, 256),
     ("tiny_gdn_out", 256, 0, 128),
     ("tiny_attn_qkv", 768, 0, 256),
