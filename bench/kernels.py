@@ -213,6 +213,8 @@ def bench_gemv(b: Bench, quick: bool) -> None:
 
     torch = b.torch
     for name, n, k in gemv.SHAPES:
+        if name.startswith("test_"):  # a test shape, not a model's
+            continue
         wbytes = n * k * 2
         copies = max(1, min(8, -(-3 * L2_BYTES // wbytes)))
         ws = [_bf16(torch, n, k, scale=0.05) for _ in range(copies)]
@@ -225,8 +227,9 @@ def bench_gemv(b: Bench, quick: bool) -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             reps = max(copies, 8 // copies * copies)
             peer = [lambda i=i: torch.matmul(x, ws[i % copies].T) for i in range(reps)]
-            # Every variant compiled for the shape (a trial form added to gemv.variants() is
-            # timed next to the others in the same run).
+            # Every variant compiled for the shape and width, each row-group count (the `_rR` keys,
+            # runtime/model/gpu/kernels.py GEMV_ROW_GROUPS) and any trial form added to
+            # gemv.variants(), timed next to the others in the same run.
             for v in gemv.variants():
                 if (v.config["N"], v.config["K"], v.config["MB"]) != (n, k, mb):
                     continue

@@ -23,6 +23,17 @@ token sits in the same MMA column (token % 8) and the warps' partials are added 
 row t of an `m32` or `m64` launch equals row t % 8 of the `m8` launch over t's block of 8 bit for
 bit. The wide variants exist for verification steps (k + 1 tokens of up to 8 sequences): one launch
 reads each weight once for all their rows.
+
+Row-group forms (config `groups` = R and `unroll`, tag `rRuU` in the key, e.g. `..._m32_r2u2`): a
+CTA owns R x 16 rows and each warp holds R weight fragments per chunk, so one load of a token
+group's activation fragment feeds R row groups' MMAs. With 16 rows per CTA every CTA re-reads the
+whole x[M, K] from L2: M / 16 times the weight bytes (4x at M = 64), more than L2 delivers next to
+the weight stream; R row groups cut it to M / (16 R). Nothing else changes for a row: its row
+group's MMAs see the same fragments in the same order (chunks, then the 4 k16 steps; the same 8
+warps' K ranges), its row sits in the same MMA row (row % 16) and the epilogue adds the warps'
+partials of one row group at a time in warp order, so every form gives the m8 numbers bit for
+bit. `runtime/model/gpu/kernels.py` picks a form per width (`GEMV_ROW_FORMS`); `python -m
+bench.kernels --only gemv` times them all.
 """
 
 from typing import Any
@@ -52,6 +63,19 @@ MBS = (8, 16, 32, 64)  # the row counts of each shape's variants
 # SM), with 1 100 (two), none spilling. Unrolling changes only the schedule, not the order of each
 # accumulator's MMAs.
 WIDE_UNROLL = {64: 1}
+# The row-group forms built for each width besides the plain one (R = 1, the R = 1 unroll rule
+# above): (R, chunks in flight per warp). A warp holds R x MB / 2 fp32 accumulators and 16 R
+# weight registers per chunk in flight. ptxas on gdn_in, none spilling: m16 r2u2 116 registers
+# (two CTAs per SM), r4u1 160; m32 r2u1 126 (two CTAs per SM), r2u2 146, r4u1 180; m64 r2u1 170,
+# r3u1 218, r4u1 255 (the most a thread may hold). R = 4 with 4 chunks in flight spilled (m16 120
+# bytes, m32 240).
+ROW_FORMS = {16: ((2, 2), (4, 1)), 32: ((2, 2), (2, 1), (4, 1)), 64: ((2, 1), (3, 1), (4, 1))}
+PLAIN = "r1"  # the form tag of the 16-row variants (keys without a tag)
+
+
+def form_tag(groups: int, unroll: int) -> str:
+    return PLAIN if groups == 1 else f"r{groups}u{unroll}"
+
 
 # (name, N, K): every linear layer of the 27B (and of its MTP head) at decode (BF16 weights).
 SHAPES = [
@@ -70,21 +94,29 @@ SHAPES = [
     ("a3b_o_proj", 2048, 4096),  # GDN out_proj and attention o_proj
     ("a3b_attn_qkv", 9216, 2048),
     ("a3b_lm_head", 248320, 2048),
+    # Tests only (tests/gpu/test_gemv_wide.py): 65 row groups of 16, so the last CTA of every row
+    # group count (2, 3, 4) owns fewer groups than the others; one 64-column chunk per warp.
+    ("test_tail", 1040, 512),
 ]
 
 
-def _variant(name: str, n: int, k: int, mb: int) -> Variant:
+def _variant(name: str, n: int, k: int, mb: int, groups: int = 1, group_unroll: int = 1) -> Variant:
     spread = SPREAD.get((name, mb))
-    ctas = spread * SMS if spread else n // ROWS
-    unroll = UNROLL.get((name, mb), min(k // WARPS // CHUNK, WIDE_UNROLL.get(mb, 4)))
-    rows = -(-n // ctas)  # the most rows one CTA owns
+    if spread and groups > 1:
+        raise ValueError(f"gemv {name} m{mb}: a spread grid owns under 16 rows per CTA, it has no row groups")
+    chunks = k // WARPS // CHUNK
+    ctas = spread * SMS if spread else -(-n // (ROWS * groups))  # the last CTA may own fewer groups
+    unroll = UNROLL.get((name, mb), min(chunks, WIDE_UNROLL.get(mb, 4)))
+    if groups > 1:
+        unroll = min(chunks, group_unroll)  # the key keeps the form's U; fewer chunks unroll whole
+    rows = -(-n // ctas) if spread else ROWS * groups  # the most rows one CTA owns
     if spread and rows > ROWS // 2:
         raise ValueError(f"gemv {name} m{mb}: {ctas} CTAs give {rows} rows per CTA, more than {ROWS // 2}")
     return Variant(
         family=FAMILY,
-        key=f"{name}_n{n}_k{k}_m{mb}",
-        config={"N": n, "K": k, "MB": mb, "warps": WARPS, "rows": rows, "ctas": ctas, "chunk": CHUNK,
-                "unroll": unroll},
+        key=f"{name}_n{n}_k{k}_m{mb}" + (f"_{form_tag(groups, group_unroll)}" if groups > 1 else ""),
+        config={"N": n, "K": k, "MB": mb, "form": form_tag(groups, group_unroll), "groups": groups, "warps": WARPS,
+                "rows": rows, "ctas": ctas, "chunk": CHUNK, "unroll": unroll},
         params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
         sizes=("M",),
@@ -92,7 +124,8 @@ def _variant(name: str, n: int, k: int, mb: int) -> Variant:
         grid=(ctas, 1, 1),
         requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
-        note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once",
+        note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once"
+             + (f", {groups} row groups of 16 per CTA" if groups > 1 else ""),
         example_sizes={"M": 1 if mb == 8 else mb},
     )
 
@@ -104,6 +137,7 @@ def variants() -> list[Variant]:
             raise ValueError(f"gemv shape {name} {n}x{k} does not tile by {ROWS} rows and {CHUNK * WARPS} columns")
         for mb in MBS:
             out.append(_variant(name, n, k, mb))
+            out += [_variant(name, n, k, mb, groups, unroll) for groups, unroll in ROW_FORMS.get(mb, ())]
     return out
 
 
@@ -121,9 +155,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from . import _dsl
 
     n, k, mb = variant.config["N"], variant.config["K"], variant.config["MB"]
-    ctas = variant.config["ctas"]
-    half = ctas != n // ROWS  # spread: <= 8 rows per CTA, rows r + 8 of the MMA are zeros
-    rows = ROWS // 2 if half else ROWS
+    ctas, row_groups = variant.config["ctas"], variant.config["groups"]
+    half = ctas != n // ROWS and row_groups == 1  # spread: <= 8 rows per CTA, rows r + 8 of the MMA are zeros
+    rows = ROWS // 2 if half else ROWS  # rows of one row group (the MMA's M)
     groups = mb // 8  # 8-token MMA column groups
     per_warp = k // WARPS
     chunks = per_warp // CHUNK
@@ -133,21 +167,31 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     @cute.kernel
     def kernel(x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, m: cutlass.Int32):
         tid, bid, warp, r, q, mma, frag_a, frag_b = _dsl.gemv_lanes()
-        accs = []
-        for g in cutlass.range_constexpr(groups):
-            acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
-            acc.fill(0.0)
-            accs.append(acc)
-        row0 = bid * rows
-        count = rows
+        accs = []  # [row group][token group]
+        for h in cutlass.range_constexpr(row_groups):
+            for g in cutlass.range_constexpr(groups):
+                acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+                acc.fill(0.0)
+                accs.append(acc)
+        row0 = bid * (rows * row_groups)
+        count = rows * row_groups
         if cutlass.const_expr(half):
             row0 = (bid * n) // ctas
             count = ((bid + 1) * n) // ctas - row0
+        if cutlass.const_expr(row_groups > 1):
+            count = cutlass.min(n - row0, rows * row_groups)  # the last CTA may own fewer groups
         col0 = warp * per_warp + q * 16
         vec = cute.make_layout((16,))
-        # Lanes past the CTA's last row read that row again (same addresses, no extra traffic).
-        w_lo = w + cutlass.Int64(row0 + cutlass.min(r, count - 1)) * k + col0
-        w_hi = w + cutlass.Int64(row0 + r + 8) * k + col0
+        w_lo, w_hi = [], []
+        if cutlass.const_expr(row_groups == 1):
+            # Lanes past the CTA's last row read that row again (same addresses, no extra traffic).
+            w_lo.append(w + cutlass.Int64(row0 + cutlass.min(r, count - 1)) * k + col0)
+            w_hi.append(w + cutlass.Int64(row0 + r + 8) * k + col0)
+        else:
+            # A row group past N (N is a multiple of 16: whole groups) re-reads row N - 1.
+            for h in cutlass.range_constexpr(row_groups):
+                w_lo.append(w + cutlass.Int64(cutlass.min(row0 + h * ROWS + r, n - 1)) * k + col0)
+                w_hi.append(w + cutlass.Int64(cutlass.min(row0 + h * ROWS + r + 8, n - 1)) * k + col0)
         if cutlass.const_expr(half):
             frag_a[2] = bf16(0.0)
             frag_a[3] = bf16(0.0)
@@ -158,37 +202,48 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             token = cutlass.min(g * 8 + r, m - 1)
             x_rows.append(x + cutlass.Int64(token) * k + col0)
         for c in cutlass.range(chunks, unroll=unroll):
-            a_lo = cute.make_tensor(w_lo + c * CHUNK, vec).load()
-            a_hi = a_lo
-            if cutlass.const_expr(not half):
-                a_hi = cute.make_tensor(w_hi + c * CHUNK, vec).load()
+            a_lo, a_hi = [], []
+            for h in cutlass.range_constexpr(row_groups):
+                lo = cute.make_tensor(w_lo[h] + c * CHUNK, vec).load()
+                a_lo.append(lo)
+                a_hi.append(None if half else cute.make_tensor(w_hi[h] + c * CHUNK, vec).load())
             for g in cutlass.range_constexpr(groups):
                 b = cute.make_tensor(x_rows[g] + c * CHUNK, vec).load()
                 for j in cutlass.range_constexpr(4):
-                    _dsl.fill_k_slots(frag_a, frag_b, a_lo, None if half else a_hi, b, j)
-                    cute.gemm(mma, accs[g], frag_a, frag_b, accs[g])
+                    # Row groups innermost: each accumulator still sees k16 steps 0..3 in order,
+                    # and back-to-back MMAs write different accumulators.
+                    for h in cutlass.range_constexpr(row_groups):
+                        _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
+                        cute.gemm(mma, accs[h * groups + g], frag_a, frag_b, accs[h * groups + g])
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(
             f32, cute.make_layout((rows, mb, WARPS), stride=(1, rows, rows * mb)), byte_alignment=16
         )
-        for g in cutlass.range_constexpr(groups):
-            # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
-            partial[r, g * 8 + 2 * q, warp] = accs[g][0]
-            partial[r, g * 8 + 2 * q + 1, warp] = accs[g][1]
-            if cutlass.const_expr(not half):
-                partial[r + 8, g * 8 + 2 * q, warp] = accs[g][2]
-                partial[r + 8, g * 8 + 2 * q + 1, warp] = accs[g][3]
         # The epilogue adds one (row, token) per thread: MB = 32 and 64 take it in passes of
-        # `per` tokens (a pass is the m16 epilogue over a slice of the partials and the output).
+        # `per` tokens (a pass is the m16 epilogue over a slice of the partials and the output),
+        # row groups one after the other through the same partials.
         per = min(mb, 32 * WARPS // rows)
-        for p in cutlass.range_constexpr(mb // per):
-            if cutlass.const_expr(p == 0):
-                _dsl.sum_warp_partials(partial, tid, out, n, row0, m, count, rows, per, WARPS)
-            else:
-                part = cute.make_tensor(partial.iterator + p * per * rows,
-                                        cute.make_layout((rows, per, WARPS), stride=(1, rows, rows * mb)))
-                _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * n, n, row0, m - p * per, count,
-                                       rows, per, WARPS)
+        for h in cutlass.range_constexpr(row_groups):
+            group0, group_count = row0, count
+            if cutlass.const_expr(h > 0):
+                cute.arch.sync_threads()  # every thread has added the previous group's partials
+                group0, group_count = row0 + h * rows, count - h * rows
+            for g in cutlass.range_constexpr(groups):
+                acc = accs[h * groups + g]
+                # Accumulator slots: (row r, token 2q), (r, 2q+1), (r+8, 2q), (r+8, 2q+1).
+                partial[r, g * 8 + 2 * q, warp] = acc[0]
+                partial[r, g * 8 + 2 * q + 1, warp] = acc[1]
+                if cutlass.const_expr(not half):
+                    partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
+                    partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
+            for p in cutlass.range_constexpr(mb // per):
+                if cutlass.const_expr(p == 0):
+                    _dsl.sum_warp_partials(partial, tid, out, n, group0, m, group_count, rows, per, WARPS)
+                else:
+                    part = cute.make_tensor(partial.iterator + p * per * rows,
+                                            cute.make_layout((rows, per, WARPS), stride=(1, rows, rows * mb)))
+                    _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * n, n, group0, m - p * per,
+                                           group_count, rows, per, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_{variant.key}")
 

@@ -1,14 +1,18 @@
-"""The wide decode GEMV variants (`m16`, `m32`, `m64`) against the `m8` variant and the reference.
+"""The wide decode GEMV variants (`m16`, `m32`, `m64`, each in every row-group form: the plain key
+and its `_rRuU` forms) against the `m8` variant and the reference.
 
 Verification steps (k + 1 tokens of up to 8 sequences) and MTP rounds run their projections as
 one wide GEMV launch per weight (`KernelChoice.exact_block`) instead of one `m8` launch per 8
 rows, so every row must get exactly the numbers the `m8` launch over its block of 8 rows gives:
 the same weight fragments in the same K order for its MMA column group, the token in the same
 MMA column, the warps' partials added in the same order (cute_kernels/gemv.py). Checked bit for
-bit on every row at the Qwen3.6-27B shapes, its lm_head and MTP fc, and the 35B-A3B shapes, at
-full and partial widths (M = 9, 16; 17, 32; 33, 45, 64), with the row after M poisoned (it must
-stay NaN); and against the float64 reference on a sample of the output columns within 2x the
-error of the same-precision baseline, as tests/gpu/test_kernels_gemm.py checks the `m8` variant.
+bit on every row at the Qwen3.6-27B shapes, its lm_head and MTP fc, the 35B-A3B shapes and a test
+shape whose last CTA owns fewer row groups than the others at every count (1040 rows; the 27B's
+gdn_in, attn_qkv and lm_head have such a CTA at 3 or 4 row groups), at full and partial widths
+(M = 9, 16; 17, 32; 33, 45, 63, 64), with the row after M poisoned (it must stay NaN); and against
+the float64 reference on a sample of the output columns (the last 64 always: the short CTA's)
+within 2x the error of the same-precision baseline, as tests/gpu/test_kernels_gemm.py checks the
+`m8` variant.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from .conftest import assert_close_to_baseline
 
 pytestmark = pytest.mark.gpu
 
-CASES = {16: (9, 16), 32: (17, 32), 64: (33, 45, 64)}  # MB -> row counts M
+CASES = {16: (9, 16), 32: (17, 32), 64: (33, 45, 63, 64)}  # MB -> row counts M
 PERIOD = 4099  # distinct weight rows (then repeated): the 248320-row heads without 5 GB of draws
 
 
-def _key(n: int, k: int, mb: int) -> str:
-    return next(v.key for v in gemv.variants() if (v.config["N"], v.config["K"], v.config["MB"]) == (n, k, mb))
+def _keys(n: int, k: int, mb: int) -> list[str]:
+    """Every variant of the shape and width: one per row-group form, the plain one first."""
+    return [v.key for v in gemv.variants() if (v.config["N"], v.config["K"], v.config["MB"]) == (n, k, mb)]
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in gemv.SHAPES])
@@ -38,25 +43,27 @@ def test_wide_gemv_rows_equal_the_m8_rows_and_the_reference(library, mem, stream
     w = np.resize(round_bf16((rng.standard_normal((min(n, PERIOD), k)) * 0.05).astype(np.float32)), (n, k))
     x = round_bf16(rng.standard_normal((64, k)).astype(np.float32))
     w_buf, x_buf = mem.bf16(w), mem.bf16(x)
-    cols = np.unique(np.concatenate([np.arange(0, n, max(1, n // 1500)), np.arange(n - 16, n)]))
-    m8 = library.kernel("gemv", _key(n, k, 8))
+    cols = np.unique(np.concatenate([np.arange(0, n, max(1, n // 1500)), np.arange(n - 64, n)]))
+    (m8_key,) = _keys(n, k, 8)
+    m8 = library.kernel("gemv", m8_key)
     for mb, counts in CASES.items():
-        wide = library.kernel("gemv", _key(n, k, mb))
         for m in counts:
-            what = f"gemv {name} m{mb} M={m}"
             # The m8 launches over the rows' blocks of 8, as the runner ran them before.
             want = mem.poisoned((m + 1) * n)
             for r0 in range(0, m, 8):
                 m8.launch(stream, {"x": x_buf + r0 * k * 2, "w": w_buf, "out": want + r0 * n * 2},
                           {"M": min(8, m - r0)})
-            out = mem.poisoned((m + 1) * n)
-            wide.launch(stream, {"x": x_buf, "w": w_buf, "out": out}, {"M": m})
-            got, ref = mem.read_bf16(out, (m + 1, n)), mem.read_bf16(want, (m + 1, n))
-            assert np.isnan(got[m]).all(), f"{what}: wrote past row M"
-            assert not np.isnan(got[:m]).any(), f"{what}: a row not written"
-            diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
-            assert diff.size == 0, (f"{what}: {len(diff)} elements differ from the m8 rows, first at "
-                                    f"{tuple(diff[0])}: {got[tuple(diff[0])]!r} vs {ref[tuple(diff[0])]!r}")
+            ref = mem.read_bf16(want, (m + 1, n))
             exact = gemv.reference(x[:m], w[cols], exact=True)
             base = gemv.reference(x[:m], w[cols])
-            assert_close_to_baseline(got[:m, cols], exact, base, what)
+            for key in _keys(n, k, mb):
+                what = f"gemv {key} M={m}"
+                out = mem.poisoned((m + 1) * n)
+                library.kernel("gemv", key).launch(stream, {"x": x_buf, "w": w_buf, "out": out}, {"M": m})
+                got = mem.read_bf16(out, (m + 1, n))
+                assert np.isnan(got[m]).all(), f"{what}: wrote past row M"
+                assert not np.isnan(got[:m]).any(), f"{what}: a row not written"
+                diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
+                assert diff.size == 0, (f"{what}: {len(diff)} elements differ from the m8 rows, first at "
+                                        f"{tuple(diff[0])}: {got[tuple(diff[0])]!r} vs {ref[tuple(diff[0])]!r}")
+                assert_close_to_baseline(got[:m, cols], exact, base, what)

@@ -30,6 +30,12 @@ from runtime.model.gpu.weights import FP8, NVFP4
 
 GEMV_ROWS = (8, 16, 32, 64)  # the row counts (MB) of the BF16 decode GEMV's variants
 PREFILL_GEMV_ROWS = 16  # the most rows a non-exact launch runs through a GEMV (more: the GEMM)
+# The form each width of the BF16 decode GEMV runs in (cute_kernels/gemv.py: "r1", 16 weight rows per
+# CTA, or a row-group form "rRuU" of its ROW_FORMS[MB], R x 16 rows per CTA). A row's numbers are the
+# same bit for bit in every form; more row groups read the activations from L2 fewer times but hold
+# more registers. `python -m bench.kernels --only gemv` times every form (the key's `_rRuU` tag); set
+# the fastest here.
+GEMV_ROW_FORMS = {8: "r1", 16: "r1", 32: "r1", 64: "r1"}
 # The decode GEMV family of each quantised weight format, and the format's name in messages.
 QUANTISED = {FP8: ("gemv_fp8", "fp8"), NVFP4: ("gemv_nvfp4", "nvfp4")}
 # The recurrent GDN kernels (decode, verification, the prefill fallback) take the fewest column
@@ -257,13 +263,14 @@ class KernelChoice:
         return self.gdn_columns[cols][1 if verify else 0]
 
     def linear(self, n: int, k: int, m: int, exact: bool = False) -> tuple[str, str]:
-        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T: the decode GEMV of the
-        narrowest compiled row count >= m (up to 16; exact: up to 64, a row's numbers are the
-        same in every GEMV variant, cute_kernels/gemv.py), else the GEMM."""
+        """(family, key) of the BF16 kernel computing x[m, k] @ W[n, k]^T: the decode GEMV (in the
+        width's `GEMV_ROW_FORMS` form) of the narrowest compiled row count >= m (up to 16; exact:
+        up to 64, a row's numbers are the same in every GEMV variant, cute_kernels/gemv.py), else
+        the GEMM."""
         lib = self.library
         for mb in GEMV_ROWS:
             if m <= mb <= (GEMV_ROWS[-1] if exact else PREFILL_GEMV_ROWS):
-                key = _find(lib, "gemv", N=n, K=k, MB=mb)
+                key = _find(lib, "gemv", N=n, K=k, MB=mb, form=GEMV_ROW_FORMS[mb])
                 if key is not None:
                     return "gemv", key
         key = _find(lib, "gemm_sm90", N=n, K=k, ld=n, out="bf16")
@@ -276,9 +283,10 @@ class KernelChoice:
     def exact_block(self, n: int, k: int) -> int:
         """The most rows one launch takes for rows that must get a decode step's numbers
         whatever their count (`layers.Forward.linear` with exact_rows): the widest decode GEMV
-        compiled for a weight [n, k], else 8 (the GEMM then runs them 8 at a time: its numbers
+        compiled for a weight [n, k] in its width's `GEMV_ROW_FORMS` form, else 8 (the GEMM then runs them 8 at a time: its numbers
         depend on the row count beyond a tile)."""
-        widths = [mb for mb in GEMV_ROWS if _find(self.library, "gemv", N=n, K=k, MB=mb) is not None]
+        widths = [mb for mb in GEMV_ROWS
+                  if _find(self.library, "gemv", N=n, K=k, MB=mb, form=GEMV_ROW_FORMS[mb]) is not None]
         return max(widths, default=GEMV_ROWS[0])
 
     def linear_quantised(self, fmt: str, n: int, nt: int, k: int) -> tuple[str, str]:
