@@ -207,8 +207,9 @@ class KernelChoice:
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
             self.decode_attention_form = DECODE_ATTENTION_FORM
+            # The tensor-core form reads bf16 pages only: quantised KV keeps the split kernel.
             self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
-                               if fam == "attention_decode_mma"
+                               if fam == "attention_decode_mma" and self.kv_dtype == "bf16"
                                and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
