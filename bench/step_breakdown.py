@@ -176,7 +176,7 @@ class Steps:
         r.reset_slot(0)
         r.prefill(PrefillChunk(slot=0, token_ids=[(7 + i) % r.vocab_size for i in range(self.chunk)], start_pos=0,
                                page_table=self.table(0)))
-        plan = _cached(r, ("prefill", self.chunk))
+        plan = _cached(r, ("prefill", self.chunk, False))  # a chunk from position 0: no key splits
         return [(f"prefill chunk of {self.chunk} tokens", plan, r.steps.record(plan), True)]
 
 

@@ -17,7 +17,7 @@ def test_attention_forms_table_gives_each_form_its_share_of_the_copy_bandwidth()
 
 
 def test_decode_attention_table_leaves_a_form_not_compiled_blank():
-    row = {"batch": 8, "context": 1024, "splits": 9, "min_split": 128, "sdpa_us": 20.0, "sdpa_tb_s": 1.0,
-           "sdpa_mode": "flash, enable_gqa", "split_us": 25.0, "split_tb_s": 0.8, "split_rel_diff_vs_sdpa": 2e-3}
+    row = {"batch": 8, "context": 1024, "kv_dtype": "bf16", "splits": 9, "min_split": 128, "sdpa_us": 20.0,
+           "sdpa_tb_s": 1.0, "sdpa_mode": "flash, enable_gqa", "split_us": 25.0, "split_tb_s": 0.8, "split_rel_diff_vs_sdpa": 2e-3}
     text = decode_attention.render([row], copy_bw_tb_s=4.0)
-    assert "| 8 | 1024 | 9 x 128 | 25.0 | - | 20.0 | 20% | - | 25% | 2.0e-03 | - | flash, enable_gqa |" in text
+    assert "| 8 | 1024 | bf16 | 9 x 128 | 25.0 | - | 20.0 | 20% | - | 25% | 2.0e-03 | - | flash, enable_gqa |" in text

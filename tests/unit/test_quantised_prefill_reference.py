@@ -93,7 +93,9 @@ def test_dequant_nvfp4_reference_rounds_each_weight_once():
 
 
 def test_the_variants_cover_every_fp8_and_nvfp4_prefill_shape():
-    fp8 = {(n, nt, k) for _, n, nt, k in gemv_fp8.SHAPES}  # the quantised shapes the runner has GEMVs for
+    # The quantised shapes the runner has GEMVs for, but the hidden-2048 models' (a3b_*: their FP8
+    # projections prefill through the GEMV, 8 rows a launch, until their GEMMs are added).
+    fp8 = {(n, nt, k) for name, n, nt, k in gemv_fp8.SHAPES if not name.startswith("a3b")}
     gemm = {(v.config["N"], v.config["NT"], v.config["K"]) for v in gemm_fp8_sm90.variants()}
     assert fp8 <= gemm
     assert {k for _, _, k in fp8} <= {v.config["K"] for v in quantize_act.variants()}
