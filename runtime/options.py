@@ -120,7 +120,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv-dtype", str, "bf16", "KV-cache storage format: bf16, or fp8 (e4m3) / int8 codes with "
            "an fp32 scale per token and KV head (about half the bytes; CUDA backend only)",
            group="capacity", choices=("bf16", "fp8", "int8")),
-    Option("prefill-chunk", int, 1024, "prompt tokens computed per prefill step, a multiple of "
+    Option("prefill-chunk", int, 2048, "prompt tokens computed per prefill step, a multiple of "
            "64", group="capacity", minimum=64, maximum=65536),
     Option("max-new", int, 128, "output-token limit per request (CLI) / default when a request "
            "gives none (server)", group="capacity", minimum=1, maximum=262144, serve_default=4096),
