@@ -285,23 +285,32 @@ def run(prompts: list[int], chunk: int, gdn: str = "chunked", attn: str = "flash
             "attention_vs_sdpa": vs, "gdn_vs_fla": vs_fla, "chunk_sweep": sweep}
 
 
-def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
+def prefill_seconds(runner: Any, ids: list[int], call: int) -> float:
+    """Seconds to prefill `ids` from position 0 in runner calls of `call` tokens (each cut into the
+    runner's own pieces); the second of two runs (the first binds the launch plans of every piece
+    shape)."""
     from runtime.model.runner import PrefillChunk
 
+    pages = list(range(-(-len(ids) // 64)))
+    for _ in range(2):
+        runner.reset_slot(0)
+        runner.device.synchronize()
+        t0 = time.perf_counter()
+        for lo in range(0, len(ids), call):
+            runner.prefill(PrefillChunk(slot=0, token_ids=ids[lo:lo + call], start_pos=lo, page_table=pages))
+        runner.device.synchronize()
+        secs = time.perf_counter() - t0
+    return secs
+
+
+def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
     params = linear_params(runner)
     c = runner.config
     results = []
     rng = np.random.default_rng(0)
     for n in prompts:
         ids = rng.integers(0, c.vocab_size, n).tolist()
-        pages = list(range(-(-n // 64)))
-        for _ in range(2):  # the first run binds the launch plans of every piece shape; time the second
-            runner.reset_slot(0)
-            runner.device.synchronize()
-            t0 = time.perf_counter()
-            runner.prefill(PrefillChunk(slot=0, token_ids=ids, start_pos=0, page_table=pages))
-            runner.device.synchronize()
-            secs = time.perf_counter() - t0
+        secs = prefill_seconds(runner, ids, n)  # one call: the runner's pieces of `chunk`
         attn_flops = 4 * n * n / 2 * c.num_attention_heads * c.head_dim * len(c.attention_layers)
         flops = 2 * params * n + attn_flops
         row = {"tokens": n, "seconds": secs, "tok_s": n / secs, "tflops": flops / secs / 1e12}
@@ -313,24 +322,14 @@ def run_prompts(runner: Any, prompts: list[int], chunk: int) -> dict[str, Any]:
 def chunk_sweep(runner: Any, prompts: list[int], chunks: list[int]) -> list[dict[str, Any]]:
     """Seconds to prefill each prompt fed as the engine feeds it with `--prefill-chunk` c: one
     runner call per c tokens (c at most the runner's own chunk). Second of two runs, as run_prompts."""
-    from runtime.model.runner import PrefillChunk
-
     rows = []
     rng = np.random.default_rng(0)
     for n in prompts:
         ids = rng.integers(0, runner.config.vocab_size, n).tolist()
-        pages = list(range(-(-n // 64)))
         for c in chunks:
             if c > runner.prefill_chunk:
                 raise ValueError(f"--sweep-chunks {c} exceeds --chunk {runner.prefill_chunk}")
-            for _ in range(2):
-                runner.reset_slot(0)
-                runner.device.synchronize()
-                t0 = time.perf_counter()
-                for lo in range(0, n, c):
-                    runner.prefill(PrefillChunk(slot=0, token_ids=ids[lo:lo + c], start_pos=lo, page_table=pages))
-                runner.device.synchronize()
-                secs = time.perf_counter() - t0
+            secs = prefill_seconds(runner, ids, c)
             rows.append({"tokens": n, "chunk": c, "seconds": secs, "tok_s": n / secs})
             print(json.dumps(rows[-1]), flush=True)
     return rows
