@@ -13,7 +13,6 @@ projections quantise their inputs differs from the plain one by ~28% in the logi
 prefill is held to 2x the sum of the two baselines (bf16 torch, and that W8A8 NumpyRunner,
 `act_quant_reference`), and its exactness rule is checked bit for bit: a prompt chunked two ways
 gives the same logits. The FP8 GEMM's own accuracy is `test_kernels_gemm_fp8.py`'s.
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ rounded to bf16): its error must stay within 2x. Decode runs the NVFP4 GEMV. Pre
 more than 16 rows decode each weight to bf16 (code x block scale x global, rounded once: the
 torch forward's weights are rounded the same way) and run the BF16 GEMM, so the same bound holds;
 and a prompt chunked two ways gives the same logits bit for bit.
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ block scale (exact in bf16), times the row's fp32 global scale in fp32, rounded 
 every output must equal it. Inputs: every e2m1 code in both nibbles, e4m3 scale codes over the
 finite range (the NaN codes 0x7F / 0xFF replaced), globals of both signs and magnitudes from
 2^-20 to 2^4, an odd row count, and an output poisoned with NaN past the last row.
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ block, NaN-poisoned outputs with an extra row that must stay untouched, odd M, t
 shapes (K = 128 leaves 7 of 8 warps idle; tails of 8 rows, fewer than a CTA's 16) and the 27B's.
 Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`) runs each case against the
 same reference; a one-hot test checks every code's decode bit for bit in every form.
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ block, activation scales with a zero group, outputs poisoned with NaN and one ex
 stay untouched; odd M (1 row, partial tiles), the ragged test shape (N = 328, K = 320: partial
 scale blocks at both edges), the tiny model's gdn_in with its 8-row BF16 tail, and the 27B's
 shapes (their exact products checked on a few rows and three 128-column blocks, to stay fast).
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ with an extra row that must stay untouched, M = 1, 3, 8, the tiny model's shapes
 the decode bit for bit: one-hot activations read single weights back (each exact in bf16).
 Every form of the family (`gemv_nvfp4.FORMS`: `lut`, `shift`, `shift_u8`, `shift_x`) runs each
 case against the same references; the one-hot test also covers subnormal block scales.
-Written without a GPU at hand: not run yet.
 """
 
 from __future__ import annotations

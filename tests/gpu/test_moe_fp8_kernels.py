@@ -10,7 +10,7 @@ output rounded once). The fp8 kernels scale fp32 partial sums, so they round no 
 Cases: routed ids leaving experts without a row, one expert set taking every row, and the chained
 MLP with tied router logits (a row of zeros: every logit equal, the first k experts win), each
 row alone equal to its row in the batch bit for bit. Outputs are poisoned first, with one row
-past M that must stay untouched. Written without a GPU at hand: not run yet.
+past M that must stay untouched.
 """
 
 from __future__ import annotations

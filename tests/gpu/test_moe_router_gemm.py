@@ -74,7 +74,7 @@ def test_router_logits_match_the_logits_kernel_and_route_the_same(library, mem, 
     np.testing.assert_array_equal(got[:, 1], got[:, e - 1])
     np.testing.assert_array_equal(got[:, 3], got[:, e // 2])
     ref = _f32_poisoned(mem, (m + 1) * e)
-    library.kernel("moe", _key("logits", h)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": ref},
+    library.kernel("moe", _key("logits", name)).launch(stream, {"x": mem.bf16(x), "w": mem.bf16(router), "out": ref},
                                                     {"M": m})
     kernel_logits = mem.read_f32(ref, np.empty((m + 1, e)))[:m]
     assert rel_err(got, kernel_logits) < 2e-5

@@ -7,7 +7,8 @@ the head adds about a dozen of them (embedding and hidden norms, fc, norm, q/k/v
 norm, MLP, final norm, lm_head) on top of the hidden rows' own error, which the main model's logits
 at the same position measure in the same run. So the head's logits must agree to
 `REL_TOL` = 4 % of their largest magnitude (about 20 worst-case roundings), and never worse than
-3x the main model's own relative error there. Greedy ids are compared only where the reference's
+3x the main model's own relative error there (a MoE model's router can flip an expert under BF16
+rounding: its main logits then differ by 20-30 %). Greedy ids are compared only where the reference's
 top-2 margin exceeds twice that bound (closer ones may flip under BF16 rounding); at least one
 such draft must be checked over the prompts so the comparison is not vacuous.
 """
@@ -63,6 +64,13 @@ def _reference_chain(ref, slot: int, hidden: np.ndarray, tokens: list[int], page
     return drafts, rows
 
 
+def _reset(slot: int, *runners) -> None:
+    """Clear `slot` on every runner: a prefill from position 0 requires it (`PrefillChunk`), and
+    the module's runners carry earlier tests' recurrent states."""
+    for runner in runners:
+        runner.reset_slot(slot)
+
+
 def _margin(row: np.ndarray) -> float:
     top = np.sort(row)[-2:]
     return float(top[1] - top[0])
@@ -75,6 +83,7 @@ def test_catch_up_logits_and_chained_drafts_match_the_reference(runners):
     for n, slot in enumerate(range(8)):  # 8 prompts: a random head's top-2 gap is clear about half the time
         pages = [slot * 4, slot * 4 + 1]
         prompt = rng.integers(0, cuda.vocab_size, 40 + 9 * n).tolist()  # one prefill piece (kept rows <= 128)
+        _reset(slot, cuda, ref)
         gpu_main = cuda.prefill(PrefillChunk(slot, prompt, 0, pages))[0]
         ref_out = ref.prefill_with_hidden(PrefillChunk(slot, prompt, 0, pages))
         ref_main = ref_out.logits[-1]
@@ -88,7 +97,8 @@ def test_catch_up_logits_and_chained_drafts_match_the_reference(runners):
         ref_drafts, ref_rows = _reference_chain(ref, slot, ref_out.hidden, tokens, pages, DRAFTS)
         head_err = _rel_err(gpu_head, ref_rows[0])
         report.append(f"prompt {n}: main rel err {main_err:.4f}, head rel err {head_err:.4f}")
-        assert head_err <= max(REL_TOL, 3 * main_err), "\n".join(report)
+        tol = max(REL_TOL, 3 * main_err)
+        assert head_err <= tol, "\n".join(report)
         # The head's catch-up is rewritten, not accumulated: drafting again gives the same chain.
         gpu_drafts = cuda.mtp_draft([MtpRow(slot, tokens, 0, pages, DRAFTS)])[0]
         assert gpu_drafts[:1] == first
@@ -96,7 +106,7 @@ def test_catch_up_logits_and_chained_drafts_match_the_reference(runners):
         for j in range(DRAFTS):
             if gpu_drafts[:j] != ref_drafts[:j]:
                 break  # the chains read different drafts from here on
-            if _margin(ref_rows[j]) > 2 * REL_TOL * scale:
+            if _margin(ref_rows[j]) > 2 * tol * scale:
                 assert gpu_drafts[j] == ref_drafts[j], (
                     f"prompt {n} draft {j}: GPU {gpu_drafts} reference {ref_drafts}, margin "
                     f"{_margin(ref_rows[j]):.4f} of scale {scale:.4f}\n" + "\n".join(report))
@@ -109,6 +119,7 @@ def test_graphs_and_eager_launches_draft_the_same(runners):
     cuda, _ = runners
     slot, pages = 5, [30, 31]
     prompt = np.random.default_rng(5).integers(0, cuda.vocab_size, 50).tolist()
+    _reset(slot, cuda)
     cuda.prefill(PrefillChunk(slot, prompt, 0, pages))
     row = MtpRow(slot, prompt[1:] + [7], 0, pages, DRAFTS)
     graphed = cuda.mtp_draft([row])
@@ -129,6 +140,7 @@ def _prefilled_rows(cuda, seed: int, drafts: list[int]) -> list[MtpRow]:
     for slot, k in enumerate(drafts):
         pages = [slot * 4, slot * 4 + 1]
         prompt = rng.integers(0, cuda.vocab_size, 30 + 11 * slot).tolist()
+        _reset(slot, cuda)
         cuda.prefill(PrefillChunk(slot, prompt, 0, pages))
         rows.append(MtpRow(slot, prompt[1:] + [int(rng.integers(0, cuda.vocab_size))], 0, pages, k))
     return rows
@@ -186,6 +198,7 @@ def test_drafts_over_a_draft_vocabulary_match_the_reference(runners, vocab_runne
     for n, slot in enumerate(range(8)):
         pages = [slot * 4, slot * 4 + 1]
         prompt = rng.integers(0, cuda.vocab_size, 40 + 9 * n).tolist()
+        _reset(slot, cuda, full, ref)
         gpu_main = cuda.prefill(PrefillChunk(slot, prompt, 0, pages))[0]
         full.prefill(PrefillChunk(slot, prompt, 0, pages))
         ref_out = ref.prefill_with_hidden(PrefillChunk(slot, prompt, 0, pages))
@@ -207,7 +220,7 @@ def test_drafts_over_a_draft_vocabulary_match_the_reference(runners, vocab_runne
         for j in range(DRAFTS):
             if gpu_drafts[:j] != ref_drafts[:j]:
                 break
-            if _margin(rows[j]) > 2 * REL_TOL * scale:
+            if _margin(rows[j]) > 2 * max(REL_TOL, 3 * main_err) * scale:
                 assert gpu_drafts[j] == ref_drafts[j], f"prompt {n} draft {j}: GPU {gpu_drafts} reference {ref_drafts}"
                 checked += 1
     print("\n".join(report))

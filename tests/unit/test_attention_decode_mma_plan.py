@@ -76,9 +76,7 @@ def _choice(shape):
 @pytest.mark.parametrize("shape,name", [("qwen3.6-27b", "q24_kv4_d256"), ("qwen3.6-35b-a3b", "q16_kv2_d256")])
 def test_decode_split_picks_the_fewest_tokens_that_fit(shape, name):
     kernels = _choice(shape)
-    assert kernels.decode_attention_form == "split"       # until the H200 has run the mma form
-    assert kernels.decode_split(1) == ("attention", f"split_{name}")
-    kernels.use_decode_attention("mma")
+    assert kernels.decode_attention_form == "mma"  # the default (runtime/model/gpu/kernels.py)
     assert kernels.decode_split(1) == ("attention_decode_mma", f"mma_{name}_t1")
     assert kernels.decode_split(2) == ("attention_decode_mma", f"mma_{name}_t8")
     assert kernels.decode_split(8) == ("attention_decode_mma", f"mma_{name}_t8")

@@ -25,17 +25,6 @@ TINY_KEYS = {key + _TAG for key in ("tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out
                                     "tiny_attn_qkv_n768_k256_m8", "tiny_o_proj_n256_k256_m8",
                                     "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8")}
 
-@pytest.fixture(scope="module", autouse=True)
-def nvfp4_prefill_gemm_on():
-    """These tests check the wiring of NVFP4 prefill through dequant_nvfp4: on, as it will be once its GPU tests have run
-    (`kernels.NVFP4_PREFILL_GEMM`, off by default until then)."""
-    from runtime.model.gpu import kernels
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "NVFP4_PREFILL_GEMM", True)
-        yield
-
-
 @pytest.fixture(scope="module")
 def runner(tiny_nvfp4_path):
     r = null_runner(tiny_nvfp4_path)

@@ -17,17 +17,6 @@ from null_cuda import built_or_skip, family_launches
 
 SHAPE = dict(num_pages=16, num_slots=8, prefill_chunk=64)
 
-@pytest.fixture(scope="module", autouse=True)
-def moe_router_gemm_on():
-    """These tests check the wiring of the router GEMM: on, as it will be once its GPU tests have run
-    (`kernels.MOE_ROUTER_GEMM`, off by default until then)."""
-    from runtime.model.gpu import kernels
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels, "MOE_ROUTER_GEMM", True)
-        yield
-
-
 @pytest.fixture(scope="module")
 def runner(tiny_moe_path):
     from runtime.cuda.null import NullDevice

@@ -63,15 +63,9 @@ GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # or "split", the CUDA-core `attention.split`. Both write the same partials for `attention.combine`
 # and follow the same split plan; `python -m bench.decode --attention-form` times either. A step
 # with more tokens per sequence than any mma variant serves (a split-KV prefill chunk) runs `split`.
-# The default stays "split" until the H200 has run the mma form's tests (timed: 2.2-2.5x faster).
+# "mma" by default: 1.9-2.5x the CUDA-core form on the H200 (27B heads), its tests passed there.
 DECODE_ATTENTION_FORMS = ("mma", "split")
-# Paths taken by default only once their GPU tests have run on the H200 (both only compiled so
-# far): the router logits of a MoE prefill chunk by the FP32-out gemm_sm90 (else the logits
-# kernel; tests/gpu/test_moe_router_gemm.py), and NVFP4 prefill through dequant_nvfp4 + gemm_sm90
-# (else the NVFP4 GEMV, 8 rows a launch; tests/gpu/test_kernels_dequant_nvfp4.py).
-MOE_ROUTER_GEMM = False
-NVFP4_PREFILL_GEMM = False
-DECODE_ATTENTION_FORM = "split"
+DECODE_ATTENTION_FORM = "mma"
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -158,8 +152,7 @@ class KernelChoice:
                                            **shape)
             self.moe_prefill = MoePrefill.find(lib, _find, c, self.expert_format)
             # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
-            self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32") \
-                if MOE_ROUTER_GEMM else None
+            self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
         self.gdn = self.gdn_split = self.gdn_chunked = self.gdn_norm = self.conv = None
         self.gdn_verify = self.conv_verify = None
         self.gdn_stride = 0
@@ -323,8 +316,6 @@ class KernelChoice:
         the BF16 GEMM (W4A16); the tail by the BF16 GEMM. None when one of them was not compiled
         for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
         lib = self.library
-        if fmt == NVFP4 and not NVFP4_PREFILL_GEMM:
-            return None
         if fmt == FP8:
             first = ("quantize_act", _find(lib, "quantize_act", K=k))
             gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k))
