@@ -49,7 +49,8 @@ def test_a_verification_step_of_8_sequences_equals_each_decoded_alone(runner, k)
     # The two paths do run different kernel forms (else this test would prove nothing new).
     cols = {n: r.library.manifest.kernels[("gdn", kernels.gdn_recurrent(n, n > 1))].config["cols"] for n in (1, BATCH)}
     assert cols == {1: 8, BATCH: 1}
-    assert kernels.linear(r.vocab_size, hidden, BATCH * (k + 1), exact=True)[1].endswith(f"_m{8 * (k + 1)}")
+    wide = r.library.manifest.kernels[("gemv", kernels.linear(r.vocab_size, hidden, BATCH * (k + 1), exact=True)[1])]
+    assert wide.config["MB"] == 8 * (k + 1)  # the wide GEMV (in its row form), not 8-row blocks
     rng = np.random.default_rng(k)
     rows, alone = [], []
     for b in range(BATCH):
