@@ -89,7 +89,7 @@ class EngineCache:
                             len(removed), ", ".join(removed))
             started = time.perf_counter()
             restored, nbytes = load_cache_file(config.cache_file, config.cache_fingerprint,
-                                               scheduler.cache.cache, warn)
+                                               scheduler.cache.cache, warn, runner.host_buffer)
             seconds = time.perf_counter() - started
             self.file_numbers.update(prefix_cache_file_read_bytes=nbytes,
                                      prefix_cache_file_read_seconds=seconds)

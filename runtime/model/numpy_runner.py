@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -178,6 +178,9 @@ class NumpyRunner:
 
     def reserve_host_copies(self, nbytes: int) -> int:
         return nbytes  # host arrays are all there is: no copy ever waits
+
+    def host_buffer(self, nbytes: int) -> Optional[np.ndarray]:
+        return None  # any array will do: the file tier allocates its own
 
     def save_slot(self, slot: int) -> HostTransfer:
         check_slot(slot, self.num_slots)

@@ -27,7 +27,7 @@ same row gives alone (`prefill` and `decode` are the one-row and all-decode spec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -329,6 +329,12 @@ class ModelRunner(Protocol):
         """Set aside host memory for `nbytes` of copies that need no host wait (the CUDA runner
         pins it: `--host-context-mib`); the bytes it could set aside. Copies beyond it still
         work, waiting for the device. A later call keeps what the first set aside."""
+        ...
+
+    def host_buffer(self, nbytes: int) -> Optional[np.ndarray]:
+        """A uint8 array of `nbytes` in the memory `reserve_host_copies` set aside, or None when
+        none is free (or none was set aside): the file tier reads a cache file into it, so the
+        copies in from it need no host wait either. It is free again once no array views it."""
         ...
 
     def save_slot(self, slot: int) -> HostTransfer:

@@ -1,7 +1,8 @@
 """The prefix cache file with `CudaRunner` on the null device: the save reads device blocks in
 runs (one copy per layer part per run of consecutive pages, not one per block), and a resume
-from the file's host copies (views into the buffer it was read into) writes back exactly the
-bytes that were on the device, into a pool and slots wiped in between. Needs the built kernels.
+from the file's host copies (views into the buffer it was read into: the runner's pinned
+memory) writes back exactly the bytes that were on the device, into a pool and slots wiped in
+between. Needs the built kernels.
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ def test_a_cuda_runner_saves_in_runs_and_resumes_the_same_bytes_from_the_file(ti
         random_pool(runner, seed=2)                              # the restart's wiped device
         fresh = PrefixCache(config, BlockManager(runner.num_pages))
         warnings = []
-        assert load_cache_file(str(path), "fp", fresh, warnings.append)[0] == 2
+        assert load_cache_file(str(path), "fp", fresh, warnings.append, runner.host_buffer)[0] == 2
         assert warnings == []
         deepest = max(fresh.entries(), key=lambda e: e.position)
+        # The file was read into the runner's pinned memory: the copies in start from there.
+        assert all(runner.copies.pool.contains(a) for e in fresh.entries() for a in e.state.data.wait())
         table = fresh.resume(deepest, "b", lane=1)
         apply_ops(runner, fresh.take_ops(), Traffic())
         for digest, page in zip(digests, table):

@@ -28,7 +28,7 @@ rotated at its MRoPE position; a runner without one launches exactly what it did
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -222,6 +222,9 @@ class CudaRunner:
 
     def reserve_host_copies(self, nbytes: int) -> int:
         return self.copies.reserve(nbytes)
+
+    def host_buffer(self, nbytes: int) -> Optional[np.ndarray]:
+        return self.copies.pool.take(nbytes) if self.copies.pool is not None else None
 
     def save_slot(self, slot: int) -> HostTransfer:
         """The slot's GDN states and conv windows as raw bytes, one row per GDN layer, copied on
