@@ -276,7 +276,7 @@ class MtpHead:
     def bind(self, shape: StepShape, hidden: int) -> list:
         """The head's launches for `shape.m` rows: token ids from the metadata, hidden rows at
         `hidden`; its final-normed output in `buf["h"]` (the lm_head's input)."""
-        f, st, buf, lay = self.forward, self.storage, self.storage.buf, self.forward.layout
+        f, buf, lay = self.forward, self.storage.buf, self.forward.layout
         k, rb, m = f.kernels, self.row_bytes, shape.m
         out: list = []
         f.embedding(out, shape)

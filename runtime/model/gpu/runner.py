@@ -28,7 +28,7 @@ rotated at its MRoPE position; a runner without one launches exactly what it did
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,11 +39,12 @@ from runtime.model.gpu.host_copies import HostCopies
 from runtime.model.gpu.layers import Forward
 from runtime.model.gpu.mtp import MtpHead
 from runtime.model.gpu.sampling import DeviceSampler
-from runtime.model.gpu.step import Steps, consecutive_runs
+from runtime.model.gpu.slot_copies import SlotCopies
+from runtime.model.gpu.step import Steps
 from runtime.model.gpu.storage import BUCKETS, DECODE_MIN_SPLIT, Storage, StateSlots
 from runtime.model.gpu.weights import FP8, NVFP4, WeightLayout, fill_synthetic, rope_tables, upload_artifact
-from runtime.model.runner import (PAGE_SIZE, DecodeItem, HostTransfer, MtpRow, PrefillChunk, StepRow,
-                                  checked_draft_vocab, checked_page_table, checked_pages, checked_rows,
+from runtime.model.runner import (PAGE_SIZE, DecodeItem, MtpRow, PrefillChunk, StepRow,
+                                  checked_draft_vocab, checked_page_table, checked_rows,
                                   checked_tokens, speculative_round_cost)
 from runtime.model.sampling import RowSampling
 
@@ -55,7 +56,7 @@ from runtime.model.sampling import RowSampling
 VERIFY_TOKEN_COST = 0.05
 
 
-class CudaRunner:
+class CudaRunner(SlotCopies):
     """See the module docstring. Build with `from_artifact` or `synthetic`.
 
     mtp: load the MTP head (its weights from `mtp_component`, the artifact's `mtp` component, or
@@ -184,78 +185,6 @@ class CudaRunner:
         return cls(config, synthetic_seed=seed, **kwargs)
 
     # ------------------------------------------------------------------ ModelRunner protocol
-
-    def reset_slot(self, slot: int) -> None:
-        self.slots.check(slot)
-        self._ahead = None
-        st, phys = self.storage, self.slots.phys[slot]
-        for state, window in zip(st.states, st.windows):
-            self.device.memset_d8(state + phys * st.state_slot_bytes, 0, st.state_slot_bytes, self.stream)
-            self.device.memset_d8(window + phys * st.win_slot_bytes, 0, st.win_slot_bytes, self.stream)
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        self.slots.check(src)
-        self.slots.check(dst)
-        self._ahead = None
-        st = self.storage
-        src, dst = self.slots.phys[src], self.slots.phys[dst]
-        for state, window in zip(st.states, st.windows):
-            self.device.memcpy_dtod(state + dst * st.state_slot_bytes, state + src * st.state_slot_bytes,
-                                    st.state_slot_bytes, self.stream)
-            self.device.memcpy_dtod(window + dst * st.win_slot_bytes, window + src * st.win_slot_bytes,
-                                    st.win_slot_bytes, self.stream)
-
-    # ------------------------------------------------------------------ host copies
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(arena.capacity for arena in self.storage.arenas.arenas.values())
-
-    @property
-    def slot_nbytes(self) -> int:
-        st = self.storage
-        return len(st.states) * (st.state_slot_bytes + st.win_slot_bytes)
-
-    @property
-    def page_nbytes(self) -> int:
-        return 2 * len(self.storage.k_pages) * self.storage.page_bytes
-
-    def reserve_host_copies(self, nbytes: int) -> int:
-        return self.copies.reserve(nbytes)
-
-    def host_buffer(self, nbytes: int) -> Optional[np.ndarray]:
-        return self.copies.pool.take(nbytes) if self.copies.pool is not None else None
-
-    def save_slot(self, slot: int) -> HostTransfer:
-        """The slot's GDN states and conv windows as raw bytes, one row per GDN layer, copied on
-        the copy stream (`host_copies`)."""
-        self.slots.check(slot)
-        return self.copies.save_slot(self.slots.phys[slot])
-
-    def load_slot(self, slot: int, state: HostTransfer) -> None:
-        self.slots.check(slot)
-        self.copies.load_slot(self.slots.phys[slot], state)
-        self._ahead = None
-
-    def read_pages(self, pages: Sequence[int]) -> HostTransfer:
-        """K and V rows of `pages` as raw bytes [attention layers, pages, page bytes]; runs of
-        consecutive page ids go in one copy per layer."""
-        ids = checked_pages(pages, self.num_pages)
-        return self.copies.read_pages(self._page_runs(ids), len(ids))
-
-    def write_pages(self, pages: Sequence[int], data: HostTransfer) -> None:
-        ids = checked_pages(pages, self.num_pages)
-        self.copies.write_pages(self._page_runs(ids), len(ids), data)
-        self._ahead = None
-
-    def _page_runs(self, ids: np.ndarray) -> list[tuple[slice, int]]:
-        """(rows of the host copy, byte offset in each layer's K or V pool) of every run of
-        consecutive page ids, so each run is one copy per layer."""
-        runs, at = [], 0
-        for first, end in consecutive_runs(ids.tolist()):
-            runs.append((slice(at, at + end - first), first * self.storage.page_bytes))
-            at += end - first
-        return runs
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
         tokens, start, pages = self._checked_chunk(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)
@@ -506,19 +435,6 @@ class CudaRunner:
             self.stream.synchronize()
             self._host_embed = table
         return self._host_embed
-
-    def read_state(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(recurrent state [Hv, dk, dv] fp32, conv window [Kc-1, conv_dim] fp32) of the n-th GDN
-        layer, in `NumpyRunner`'s layout (tests)."""
-        c, st = self.config, self.storage
-        state = np.empty((c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim), np.float32)
-        win = np.empty((c.linear_conv_kernel_dim - 1, c.conv_dim), np.uint16)
-        self.stream.synchronize()
-        phys = self.slots.phys[slot]
-        self.device.memcpy_dtoh(state, st.states[layer] + phys * st.state_slot_bytes, self.stream)
-        self.device.memcpy_dtoh(win, st.windows[layer] + phys * st.win_slot_bytes, self.stream)
-        self.stream.synchronize()
-        return np.swapaxes(state, 1, 2).copy(), (win.astype(np.uint32) << 16).view(np.float32)
 
     def close(self) -> None:
         self.stream.synchronize()

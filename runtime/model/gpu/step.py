@@ -149,7 +149,6 @@ class Steps:
         sits at positions[b] + p; sequence b's state is read at slots_in[b] and the state after
         its p-th token written at slots_out[b][p] (each position continues from the state the
         one before wrote). Logits land position-major: row p * nseq + b (`layers.StepShape`)."""
-        st = self.storage
         nseq, t = tokens.shape
         shape = self._verify_shape(nseq, t)
         meta = self._meta_clear()

@@ -136,7 +136,7 @@ class GpuVisionTower:
     def launches(self, plan: VisionPlan) -> list:
         """The tower's bound launches for this plan's row count and groups, in order."""
         c, k, b, wt = self.config, self.kernels, self.buf, self.w
-        n, w, merge2 = plan.rows, c.hidden_size, c.spatial_merge_size ** 2
+        n, merge2 = plan.rows, c.spatial_merge_size ** 2
         shapes = vision_tensor_shapes(c)
         out: list = []
 
