@@ -359,7 +359,7 @@ class CudaRunner(SlotCopies):
         order."""
         phys = self.slots.phys
         wanted = [set(row.logit_offsets()) for row in rows]
-        logits: list[dict[int, np.ndarray]] = [{} for _ in rows]
+        logits: list[dict[int, tuple[np.ndarray, int]]] = [{} for _ in rows]  # position -> (block, row)
         by_length: dict[int, list[int]] = {}
         for r, row in enumerate(rows):
             by_length.setdefault(row.num_tokens, []).append(r)
@@ -381,11 +381,10 @@ class CudaRunner(SlotCopies):
                                    len(span), src_pitch=len(group) * self._row_bytes, append=p0 > 0)
                     need = [(b, r, p) for b, r in enumerate(group) for p in span if p in wanted[r]]
                     if need:
-                        block = self.steps.read_logits(len(span) * len(group))
+                        blocks = self.steps.read_verify_logits(len(span), len(group))
                         for b, r, p in need:
-                            logits[r][p] = block[(p - p0) * len(group) + b]
-        return [np.stack([by_pos[p] for p in sorted(by_pos)]) if by_pos else np.zeros((0, self.vocab_size), np.float32)
-                for by_pos in logits]
+                            logits[r][p] = (blocks[b], p - p0)
+        return [_in_order(by_pos, self.vocab_size) for by_pos in logits]
 
     # ------------------------------------------------------------------ the MTP head
 
@@ -445,3 +444,15 @@ class CudaRunner(SlotCopies):
         if self._media is not None:
             self._media.tower.close()
         self.storage.release()
+
+
+def _in_order(by_pos: dict[int, tuple[np.ndarray, int]], vocab: int) -> np.ndarray:
+    """One verification row's wanted logits in position order: a view of its block where they are
+    consecutive rows of one block (every position of one window: the usual case), else a copy."""
+    if not by_pos:
+        return np.zeros((0, vocab), np.float32)
+    picks = [by_pos[p] for p in sorted(by_pos)]
+    block, first = picks[0]
+    if all(b is block and i == first + n for n, (b, i) in enumerate(picks)):
+        return block[first:first + len(picks)]
+    return np.stack([b[i] for b, i in picks])

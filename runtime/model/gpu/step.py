@@ -345,12 +345,26 @@ class Steps:
     def read_logits(self, rows: int, width: int | None = None) -> np.ndarray:
         """Logits rows 0..rows-1 as float32 [rows, V] (waits for the stream); width: rows of
         that many ids instead (the MTP drafts' `mtp_draft_vocab`)."""
+        v = width or self.storage.config.vocab_size
+        return bf16_to_f32(self._logits_bits(rows * v).reshape(rows, v))
+
+    def read_verify_logits(self, positions: int, nseq: int) -> list[np.ndarray]:
+        """A verification step's logits rows (position-major: row p * nseq + b, `layers.StepShape`)
+        as float32 [positions, V] per sequence, each written once: 32 rows of the 27B's vocabulary
+        are 32 MB, and a conversion, a copy and a restack of them cost the host more than the
+        GPU's whole step at batch 8 (`bench.mtp_round`)."""
+        v = self.storage.config.vocab_size
+        grid = self._logits_bits(positions * nseq * v).reshape(positions, nseq, v)
+        return [bf16_to_f32(grid[:, b]) for b in range(nseq)]
+
+    def _logits_bits(self, count: int) -> np.ndarray:
+        """The first `count` bf16 logits as raw bits in the pinned staging buffer (waits for the
+        stream; valid until the next read)."""
         st = self.storage
-        v = width or st.config.vocab_size
-        host = st.logits_host.array(np.uint16, rows * v)
+        host = st.logits_host.array(np.uint16, count)
         self.device.memcpy_dtoh(host, st.buf["logits"], self.stream)
         self.stream.synchronize()
-        return (host.astype(np.uint32) << 16).view(np.float32).reshape(rows, v).copy()
+        return host
 
     def _next_meta_block(self) -> np.ndarray:
         """The other pinned metadata block, zeroed (the one the last upload read stays intact)."""
@@ -410,3 +424,10 @@ def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append([o, o + 1])
     return [(lo, hi) for lo, hi in runs]
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16, any strides) as float32 values in a fresh array, in one pass."""
+    out = np.empty(bits.shape, np.uint32)
+    np.left_shift(bits, 16, out=out, dtype=np.uint32)
+    return out.view(np.float32)
