@@ -291,11 +291,16 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run = pressure(server.base, count, length, args.max_new)
                 metrics = server.metrics()
+                # The same requests one after another: their outputs alone, and (without a cache,
+                # which would answer them from the run above) the FIFO time the issue compares with.
+                started = time.perf_counter()
                 alone = [chat(server.base, p, args.max_new, seed=7)["text"] for p in run["prompts"]]
+                alone_s = time.perf_counter() - started
             finally:
                 server.close()
             report["pressure"][arm] = {
                 "wall_s": run["wall_s"],
+                "one_by_one_s": alone_s,
                 "preemptions": metrics.get("infernix_engine_preemptions_total", 0),
                 "pauses_saved": metrics.get("infernix_prefix_cache_pauses_saved_total", 0),
                 "device_to_host_bytes": metrics.get(
@@ -313,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nWhere each turn's time to first token goes (server phases from its request log, ms):\n")
     print("\n".join(phase_table(report["turns"])))
     if report["pressure"]:
-        print("\n| arm | wall s | preemptions | pauses kept | device->host MiB | equal alone |")
-        print("|---|---:|---:|---:|---:|:---:|")
+        fifo = report["pressure"]["no-cache"]["one_by_one_s"]
+        print(f"\nFIFO, the requests one by one without a cache: {fifo:.2f} s\n")
+        print("| arm | wall s | of FIFO | preemptions | pauses kept | device->host MiB | equal alone |")
+        print("|---|---:|---:|---:|---:|---:|:---:|")
         for arm, row in report["pressure"].items():
-            print(f"| {arm} | {row['wall_s']:.2f} | {row['preemptions']:.0f} | "
+            print(f"| {arm} | {row['wall_s']:.2f} | {row['wall_s'] / fifo:.2f}x | {row['preemptions']:.0f} | "
                   f"{row['pauses_saved']:.0f} | {row['device_to_host_bytes'] / 2**20:.1f} | "
                   f"{'yes' if row['outputs_equal_alone'] else 'NO'} |")
     if report["restart"]:
