@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--server", default="infernix-serve --demo --device cpu")
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=6, help="turns of the growing conversation, cache on "
+                    "and off (0: skip it, run only --pressure / --restart)")
     ap.add_argument("--grow", type=int, default=400, help="new user tokens per turn")
     ap.add_argument("--history", type=int, default=0, help="tokens of earlier session text in the "
                     "first turn (e.g. 100000: a turn adding --grow to a 100K-token conversation)")
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"server": args.server, "turns": {}, "pressure": {}, "restart": {}}
-    for arm, flags in ARMS.items():
+    for arm, flags in ARMS.items() if args.turns else ():
         log = args.out / f"requests-{arm}.jsonl"
         log.unlink(missing_ok=True)                  # the server appends to it
         server = Server(args.server, ["--max-context", str(args.max_context),
@@ -310,13 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         report["restart"] = restart(args.server, ["--max-context", str(args.max_context)], args.out,
                                     args.grow, args.max_new, args.history)
     (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=2))
-    print("| turn | prompt tokens | cached (cache) | TTFT cache s | TTFT no-cache s | same text |")
-    print("|---:|---:|---:|---:|---:|:---:|")
-    for n, (on, off) in enumerate(zip(report["turns"]["cache"], report["turns"]["no-cache"])):
-        print(f"| {n + 1} | {on['prompt_tokens']} | {on['cached_tokens']} | {on['ttft_s']:.3f} "
-              f"| {off['ttft_s']:.3f} | {'yes' if on['text'] == off['text'] else 'NO'} |")
-    print("\nWhere each turn's time to first token goes (server phases from its request log, ms):\n")
-    print("\n".join(phase_table(report["turns"])))
+    if report["turns"]:
+        print("| turn | prompt tokens | cached (cache) | TTFT cache s | TTFT no-cache s | same text |")
+        print("|---:|---:|---:|---:|---:|:---:|")
+        for n, (on, off) in enumerate(zip(report["turns"]["cache"], report["turns"]["no-cache"])):
+            print(f"| {n + 1} | {on['prompt_tokens']} | {on['cached_tokens']} | {on['ttft_s']:.3f} "
+                  f"| {off['ttft_s']:.3f} | {'yes' if on['text'] == off['text'] else 'NO'} |")
+        print("\nWhere each turn's time to first token goes (server phases from its request log, ms):\n")
+        print("\n".join(phase_table(report["turns"])))
     if report["pressure"]:
         fifo = report["pressure"]["no-cache"]["one_by_one_s"]
         print(f"\nFIFO, the requests one by one without a cache: {fifo:.2f} s\n")
