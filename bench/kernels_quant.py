@@ -3,7 +3,9 @@
 one run; `--only gemm_fp8`, the FP8 prefill GEMM against torch._scaled_mm (`bench_gemm_fp8`).
 
 gemv_q:
-For each of the 27B's five shapes and M = 1 and 8, every form runs on the same weights (random
+For each of the 27B's five shapes and M = 1, 8 and 32 (verification steps: 8 sequences of 1 + 3
+tokens), every form with room for M rows (`gemv_fp8`'s wide m16 / m32 variants in each row-group
+form: `rform`, `kernels.GEMV_FP8_ROW_FORMS`) runs on the same weights (random
 codes without the NaN ones, e4m3 or fp32 scales, fp32 globals, the BF16 tail of gdn_in) and the
 same activations, rotating over enough weight copies that L2 cannot serve them. A row reports the
 time per launch, the rate over the bytes the kernel must move (codes, scales, globals, tail,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MS = (1, 8)
+MS = (1, 8, 32)
 
 
 def _weights(torch: Any, family: Any, n: int, nt: int, k: int) -> dict[str, Any]:
@@ -58,6 +60,8 @@ def bench_gemv_q(b: Any) -> None:
                 out = torch.empty(m, n + nt, device="cuda", dtype=torch.bfloat16)
                 want = None
                 for v in forms:
+                    if v.config["MB"] < m:
+                        continue
                     if (family.FAMILY, v.key) not in b.lib:
                         print(f"gemv_q: {family.FAMILY}/{v.key} not built, skipped", flush=True)
                         continue
@@ -75,7 +79,8 @@ def bench_gemv_q(b: Any) -> None:
                     scale = want.abs().max().item() or 1.0
                     agrees = (got - want).abs().max().item() / scale
                     us, _ = b.compare(b.ours(bound), None)
-                    b.record(family.FAMILY, v.key, f"M={m} N={n}+{nt} K={k} form={v.config['form']} "
+                    form = v.config["form"] + (f"/{v.config['rform']}" if "rform" in v.config else "")
+                    b.record(family.FAMILY, v.key, f"M={m} N={n}+{nt} K={k} form={form} "
                              f"unroll={v.config['unroll']} agrees={agrees:.1e}", us, None, "",
                              wbytes + m * (k + n + nt) * 2)
             del ws, first

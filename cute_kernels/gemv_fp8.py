@@ -1,4 +1,5 @@
-"""Decode GEMV for block-scaled FP8 weights (W8A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8.
+"""Decode GEMV for block-scaled FP8 weights (W8A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8
+(the wide variants: up to 16 or 32).
 
 W is stored as the artifact keeps it (`fp8_e4m3`, docs/artifact.md): e4m3 codes `w[N, K]` and one
 fp32 multiplier per 128 x 128 block, `scale[cdiv(N, 128), K / 128]`, so `W[n, k] =
@@ -28,6 +29,20 @@ Qwen's FP8 checkpoints keep the GDN `in_proj_b` / `in_proj_a` in BF16 while `in_
 tail's CTAs (a CTA-uniform branch) load bf16 rows and add their partials unscaled. Output rows
 are `N + NT` wide (`out[M, N + NT]`). Tokens past M read token M - 1 again (valid memory); their
 MMA columns are never stored. Rows past a tail CTA's last row read that row again.
+
+Wide variants (`MB` 16 or 32, key `..._m16_r1u2`, `..._m32_r2u1`; `WIDE`) serve verification
+steps (k + 1 tokens of up to 8 sequences), which otherwise ran their rows 8 at a time, each launch
+re-reading every weight. They keep `gemv.py`'s wide design: one 8-token MMA column group per 8
+tokens, each decoded weight fragment fed to every group, and row-group forms (`rRuU`: a CTA owns
+R x 16 rows, each warp decodes R row groups' codes per block, so one activation fragment load
+feeds R row groups' MMAs; with 1-byte weights the bf16 activation re-read from L2 costs twice as
+much, relative to the weight stream, as in the BF16 GEMV). A row's numbers do not depend on MB or
+R: its accumulator sees the same fragments in the same order (blocks in the warp's range, then
+the block's 8 k16 steps, the partial times the same scale added once per block; the same 8
+warps' K ranges), the token sits in the same MMA column (token % 8) and the epilogue adds the
+warps' partials of one row group at a time in warp order. So row t of an m16 / m32 launch equals
+row t % 8 of the m8 launch over t's block of 8, bit for bit. They are built in the `cvt` decode
+only (the runner's GEMV_FORMS choice) and for the 27B's and the tiny model's shapes.
 """
 
 from typing import Any
@@ -41,7 +56,7 @@ FAMILY = "gemv_fp8"
 WARPS = 8  # warps per CTA, splitting K
 ROWS = 16  # weight rows per CTA (the MMA's M)
 BLOCK = 128  # scale block (rows and columns); one warp step covers one block of columns
-MB = 8  # the largest M (one 8-token MMA column group)
+MB = 8  # the largest M of the decode variants (one 8-token MMA column group)
 
 # (name, N, NT, K): the FP8 linear layers of Qwen3.6-27B at decode (lm_head stays BF16 in Qwen's
 # FP8 release), then the tiny test model's (tools/make_tiny.py: H 256, GDN 2/4 heads of 32,
@@ -74,52 +89,86 @@ SHAPES = [
 FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS)}
 
 
-def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
-    if n % ROWS or k % BLOCK:
-        raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {BLOCK}")
+# Wide variants: MB -> the row-group forms (R row groups of 16 per CTA, blocks each warp's loop
+# keeps in flight) built for each shape of WIDE_SHAPES in the first form's decode. Per block a
+# warp holds R x 32 registers of decoded weights, 16 per token group's activations and 8 fp32
+# per (row group, token group) for the running sum and the block's partial, so the R = 2 forms
+# keep one block in flight. ptxas (gdn_in, none spilling): m16 r1u2 80 registers, r2u1 155; m32
+# r1u1 104, r2u1 178 (one CTA of 8 warps per SM). Untimed on a GPU so far:
+# `runtime/model/gpu/kernels.py` GEMV_FP8_ROW_FORMS names the form the runner takes per width.
+WIDE = {16: ((1, 2), (2, 1)), 32: ((1, 1), (2, 1))}
+WIDE_SHAPES = ("gdn_in", "o_proj", "attn_qkv", "gate_up", "down", "tiny_gdn_in", "tiny_gdn_out", "tiny_attn_qkv",
+               "tiny_o_proj", "tiny_gate_up", "tiny_down")
+
+
+def row_form(groups: int, unroll: int) -> str:
+    """The tag of a wide variant's row-group form (config `rform`, the key's last part)."""
+    return f"r{groups}u{unroll}"
+
+
+def _variant(name: str, n: int, nt: int, k: int, form: str, mb: int = MB, groups: int = 1,
+             group_unroll: int = 0) -> Variant:
+    if n % (ROWS * groups) or k % BLOCK or BLOCK % (ROWS * groups):
+        raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS * groups} (rows per CTA, "
+                         f"which must divide {BLOCK}) and K = {k} of {BLOCK}")
     blocks = k // BLOCK
     return weight_only_variant(FAMILY, name, n, nt, k, blocks,
                                {"w": tensor("e4m3", n, k), "scale": tensor("f32", -(-n // BLOCK), blocks)},
-                               {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)", FORMS, form)
+                               {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)", FORMS, form,
+                               mb, groups, group_unroll)
 
 
 def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: int, weights: dict[str, Any],
                         config: dict[str, Any], what: str, forms: dict[str, tuple[str, int, int]],
-                        form: str) -> Variant:
+                        form: str, mb: int = MB, groups: int = 1, group_unroll: int = 0) -> Variant:
     """A decode GEMV variant for weights of a quantised format (this family and `gemv_nvfp4`):
     parameters x, the format's `weights` (name -> tensor, in order), the BF16 tail when nt > 0,
     out, M; 16 rows a CTA (8 where the form says so and there is no tail: the MMA's rows 8..15
     are zeros), 8 warps over the K `steps`, M <= 8; `config` adds the format's keys, `form` (a
-    tag of `forms`) the decode, unroll and rows."""
+    tag of `forms`) the decode, unroll and rows. A wide variant (mb > 8: M <= mb) owns `groups`
+    row groups of 16 per CTA (the tail's CTAs as many) and keeps `group_unroll` steps in flight;
+    its config adds `groups` and `rform`, its key `_m{mb}_rRuU`."""
     decode, most, rows = forms[form]
     rows = rows if nt == 0 else ROWS
+    wide = mb > MB
+    if wide:
+        rows, most = ROWS * groups, group_unroll
     # Steps each warp's loop keeps in flight (unroll); every warp has steps // WARPS or one more.
     unroll = max(1, min(steps // WARPS, most))
-    ctas = n // rows + -(-nt // ROWS)
+    ctas = n // rows + -(-nt // (rows if wide else ROWS))
     params = [ptr("x")] + [ptr(w) for w in weights] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
     tensors = {"x": tensor("bf16", "M", k), **weights, "out": tensor("bf16", "M", n + nt, role="out")}
     if nt:
         tensors["tail"] = tensor("bf16", nt, k)
     tag = "" if form == next(iter(forms)) else f"_{form}"
+    if wide:
+        tag = f"_{row_form(groups, group_unroll)}{tag}"
+        config = {**config, "groups": groups, "rform": row_form(groups, group_unroll)}
     return Variant(
         family=family,
-        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{MB}{tag}",
-        config={"N": n, "NT": nt, "K": k, "MB": MB, "warps": WARPS, **config, "unroll": unroll, "form": form,
+        key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{mb}{tag}",
+        config={"N": n, "NT": nt, "K": k, "MB": mb, "warps": WARPS, **config, "unroll": unroll, "form": form,
                 "decode": decode, "rows": rows},
         params=params,
         tensors=tensors,
         sizes=("M",),
         block=(32 * WARPS, 1, 1),
         grid=(ctas, 1, 1),
-        requires=("M >= 1", f"M <= {MB}"),
+        requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
-        note=f"decode x[M<={MB},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else "") + f", {form}",
-        example_sizes={"M": 1},
+        note=f"decode x[M<={mb},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else "") + f", {form}"
+             + (f", {groups} row groups of 16 per CTA" if groups > 1 else ""),
+        example_sizes={"M": mb if wide else 1},
     )
 
 
 def variants() -> list[Variant]:
-    return [_variant(*shape, form) for shape in SHAPES for form in FORMS]
+    out = [_variant(*shape, form) for shape in SHAPES for form in FORMS]
+    cvt = next(iter(FORMS))
+    for shape in SHAPES:
+        if shape[0] in WIDE_SHAPES:
+            out += [_variant(*shape, cvt, mb, groups, unroll) for mb, forms in WIDE.items() for groups, unroll in forms]
+    return out
 
 
 def e4m3_values(codes: np.ndarray) -> np.ndarray:
@@ -165,72 +214,115 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll, form = variant.config["unroll"], variant.config["decode"]
+    mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
+    groups = mb // 8  # 8-token MMA column groups
+    span = ROWS * row_groups  # rows per CTA
     ldo = n + nt
     blocks = k // BLOCK
     per_warp, extra = blocks // WARPS, blocks % WARPS  # warps < extra take one more block
-    fp8_ctas = n // ROWS
+    fp8_ctas = n // span
+    vec = (32,)
 
-    def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, into: Any) -> None:
-        for j in range(8):  # a plain helper: Python loops unroll while tracing
-            _dsl.fill_k_slots(frag_a, frag_b, a_lo, a_hi, b, j)
-            cute.gemm(mma, into, frag_a, frag_b, into)
+    def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: list, a_hi: list, x_at: list, col: Any,
+                  into: list) -> None:
+        """A 128-column block into accumulators [row group][token group]: token groups outermost
+        (one activation fragment live at a time), each accumulator sees k16 steps 0..7 in order."""
+        for g in range(groups):  # plain Python loops: they unroll while tracing
+            b = cute.make_tensor(x_at[g] + col, cute.make_layout(vec)).load()
+            for j in range(8):
+                for h in range(row_groups):
+                    _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
+                    cute.gemm(mma, into[h * groups + g], frag_a, frag_b, into[h * groups + g])
 
-    def fp8_block(mma: Any, frag_a: Any, frag_b: Any, acc: Any, block_acc: Any, w_lo: Any, w_hi: Any,
-                  x_row: Any, s_row: Any, c: Any) -> None:
-        """One 128-column block of the CTA's FP8 rows: its unscaled partial, then acc += partial * scale."""
+    def fp8_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, block_accs: list, w_lo: list, w_hi: list,
+                  x_at: list, s_row: Any, c: Any) -> None:
+        """One 128-column block of the CTA's FP8 rows: unscaled partials, then acc += partial * scale."""
         col = c * BLOCK
-        a_lo = _dequant.e4m3_row(form, w_lo + col)
-        a_hi = _dequant.e4m3_row(form, w_hi + col)
-        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
-        block_acc.fill(0.0)
-        mma_block(mma, frag_a, frag_b, a_lo, a_hi, b, block_acc)
+        a_lo = [_dequant.e4m3_row(form, p + col) for p in w_lo]
+        a_hi = [_dequant.e4m3_row(form, p + col) for p in w_hi]
+        for part in block_accs:
+            part.fill(0.0)
+        mma_block(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, block_accs)
         s = cute.make_tensor(s_row + c, cute.make_layout(1))[0]
-        for i in range(4):
-            acc[i] = acc[i] + block_acc[i] * s
+        for acc, part in zip(accs, block_accs):
+            for i in range(4):
+                acc[i] = acc[i] + part[i] * s
 
-    def bf16_block(mma: Any, frag_a: Any, frag_b: Any, acc: Any, t_lo: Any, t_hi: Any, x_row: Any, c: Any) -> None:
-        """One 128-column block of the CTA's BF16 tail rows, added to acc unscaled."""
+    def bf16_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, t_lo: list, t_hi: list, x_at: list,
+                   c: Any) -> None:
+        """One 128-column block of the CTA's BF16 tail rows, added to the accumulators unscaled."""
         col = c * BLOCK
-        a_lo = cute.make_tensor(t_lo + col, cute.make_layout((32,))).load()
-        a_hi = cute.make_tensor(t_hi + col, cute.make_layout((32,))).load()
-        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
-        mma_block(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+        a_lo = [cute.make_tensor(p + col, cute.make_layout(vec)).load() for p in t_lo]
+        a_hi = [cute.make_tensor(p + col, cute.make_layout(vec)).load() for p in t_hi]
+        mma_block(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, accs)
+
+    def fragments(mma: Any) -> list:
+        out = []
+        for _ in range(row_groups * groups):
+            acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+            acc.fill(0.0)
+            out.append(acc)
+        return out
 
     @cute.kernel
     def kernel(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, tail: Any, out: cute.Pointer,
                m: cutlass.Int32):
         tid, bid, warp, r, q, mma, frag_a, frag_b = _dsl.gemv_lanes()
-        acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
-        acc.fill(0.0)
-        block_acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+        accs = fragments(mma)  # [row group][token group]
+        block_accs = fragments(mma)
         first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first column block
-        x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
-        row0 = bid * ROWS
-        count = ROWS
+        x_at = []
+        for g in cutlass.range_constexpr(groups):
+            x_at.append(x + cutlass.Int64(cutlass.min(g * 8 + r, m - 1)) * k + q * 32)
+        row0 = bid * span
+        count = span
         if bid < fp8_ctas:
-            w_lo = w + cutlass.Int64(row0 + r) * k + q * 32
-            w_hi = w + cutlass.Int64(row0 + r + 8) * k + q * 32
-            # The CTA's 16 rows lie in one 128-row scale block (128 % 16 == 0).
+            w_lo, w_hi = [], []
+            for h in cutlass.range_constexpr(row_groups):
+                w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * k + q * 32)
+                w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * k + q * 32)
+            # The CTA's rows lie in one 128-row scale block (128 % span == 0, `_variant`).
             s_row = scale + (row0 // BLOCK) * blocks
             for c in cutlass.range(first, first + per_warp, unroll=unroll):
-                fp8_block(mma, frag_a, frag_b, acc, block_acc, w_lo, w_hi, x_row, s_row, c)
+                fp8_block(mma, frag_a, frag_b, accs, block_accs, w_lo, w_hi, x_at, s_row, c)
             if cutlass.const_expr(extra > 0):
                 if warp < extra:
-                    fp8_block(mma, frag_a, frag_b, acc, block_acc, w_lo, w_hi, x_row, s_row, first + per_warp)
+                    fp8_block(mma, frag_a, frag_b, accs, block_accs, w_lo, w_hi, x_at, s_row, first + per_warp)
         if cutlass.const_expr(nt > 0):
             if bid >= fp8_ctas:
-                t0 = (bid - fp8_ctas) * ROWS
-                count = cutlass.min(nt - t0, ROWS)
-                t_lo = tail + cutlass.Int64(t0 + cutlass.min(r, count - 1)) * k + q * 32
-                t_hi = tail + cutlass.Int64(t0 + cutlass.min(r + 8, count - 1)) * k + q * 32
+                t0 = (bid - fp8_ctas) * span
+                count = cutlass.min(nt - t0, span)
+                t_lo, t_hi = [], []
+                for h in cutlass.range_constexpr(row_groups):
+                    t_lo.append(tail + cutlass.Int64(t0 + cutlass.min(h * ROWS + r, count - 1)) * k + q * 32)
+                    t_hi.append(tail + cutlass.Int64(t0 + cutlass.min(h * ROWS + r + 8, count - 1)) * k + q * 32)
                 for c in cutlass.range(first, first + per_warp, unroll=unroll):
-                    bf16_block(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, c)
+                    bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, c)
                 if cutlass.const_expr(extra > 0):
                     if warp < extra:
-                        bf16_block(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
+                        bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        partial = _dsl.acc_partials(acc, r, q, warp, ROWS, MB, WARPS)
-        _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS)
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
+                                       byte_alignment=16)
+        # The epilogue adds one (row, token) per thread: MB = 32 takes two passes of 16 tokens, row
+        # groups one after the other through the same partials.
+        per = min(mb, 32 * WARPS // ROWS)
+        for h in cutlass.range_constexpr(row_groups):
+            if cutlass.const_expr(h > 0):
+                cute.arch.sync_threads()  # every thread has added the previous group's partials
+            for g in cutlass.range_constexpr(groups):
+                # Accumulator slots: (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1).
+                acc = accs[h * groups + g]
+                partial[r, g * 8 + 2 * q, warp] = acc[0]
+                partial[r, g * 8 + 2 * q + 1, warp] = acc[1]
+                partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
+                partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
+            for p in cutlass.range_constexpr(mb // per):
+                part = cute.make_tensor(partial.iterator + p * per * ROWS,
+                                        cute.make_layout((ROWS, per, WARPS), stride=(1, ROWS, ROWS * mb)))
+                _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * ldo, ldo, row0 + h * ROWS,
+                                       m - p * per, count - h * ROWS, ROWS, per, WARPS)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")
 

@@ -7,6 +7,13 @@ block, NaN-poisoned outputs with an extra row that must stay untouched, odd M, t
 shapes (K = 128 leaves 7 of 8 warps idle; tails of 8 rows, fewer than a CTA's 16) and the 27B's.
 Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`) runs each case against the
 same reference; a one-hot test checks every code's decode bit for bit in every form.
+
+The wide variants (m16 / m32 in every row-group form, `gemv_fp8.WIDE`) run verification steps'
+rows in one launch, so every row must equal, bit for bit, the m8 launch over its block of 8 rows
+(cute_kernels/gemv_fp8.py): checked on every output of the 27B's and the tiny model's shapes at
+odd and full widths (M = 9, 13, 16; 17, 25, 32), with the row after M poisoned, and against the
+float64 reference (within 2x the same-precision baseline `gemv_fp8.reference`) on the first and
+last 256 FP8 rows (two scale blocks each) and the whole BF16 tail.
 """
 
 from __future__ import annotations
@@ -41,8 +48,13 @@ def _upload(mem, device, stream, array):
 
 
 def _forms(name):
-    """The variants of shape `name`, one per form."""
-    return [v for v in gemv_fp8.variants() if v.key.startswith(name + "_n")]
+    """The m8 variants of shape `name`, one per decode form."""
+    return [v for v in gemv_fp8.variants() if v.key.startswith(name + "_n") and v.config["MB"] == 8]
+
+
+def _wide(name, mb):
+    """The variants of shape `name` at width mb, one per row-group form."""
+    return [v for v in gemv_fp8.variants() if v.key.startswith(name + "_n") and v.config["MB"] == mb]
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -115,3 +127,59 @@ def test_gemv_fp8_rejects_large_m(library):
     v = gemv_fp8.variants()[1]
     with pytest.raises(LaunchError, match="M <= 8"):
         library.kernel("gemv_fp8", v.key).bind({"x": 256, "w": 256, "scale": 256, "out": 256}, {"M": 9})
+
+
+WIDE_CASES = {16: (9, 13, 16), 32: (17, 25, 32)}  # MB -> row counts M
+
+
+@pytest.mark.parametrize("name", list(gemv_fp8.WIDE_SHAPES))
+def test_wide_gemv_fp8_rows_equal_the_m8_rows_and_the_reference(library, device, mem, stream, name):
+    _, n, nt, k = next(s for s in gemv_fp8.SHAPES if s[0] == name)
+    x, codes, scales, tail = _case(np.random.default_rng(n + k + 11), 32, n, nt, k)
+    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
+    if nt:
+        bufs["tail"] = mem.bf16(tail)
+    width = n + nt
+    # The reference's FP8 rows: the first and last 256 (whole scale blocks) or all of them, then the tail.
+    spans = [(0, n)] if n <= 512 else [(0, 256), (n - 256, n)]
+    cols = np.concatenate([np.arange(a, b) for a, b in spans] + [np.arange(n, width)])
+    (m8_cvt,) = [v for v in _forms(name) if v.config["form"] == "cvt"]
+    m8 = library.kernel("gemv_fp8", m8_cvt.key)
+    for mb, counts in WIDE_CASES.items():
+        variants = _wide(name, mb)
+        assert [v.config["rform"] for v in variants] == [f"r{r}u{u}" for r, u in gemv_fp8.WIDE[mb]]
+        for m in counts:
+            # The m8 launches over the rows' blocks of 8, as the runner ran verification rows before.
+            want = mem.poisoned((m + 1) * width)
+            for r0 in range(0, m, 8):
+                m8.launch(stream, {**bufs, "x": bufs["x"] + r0 * k * 2, "out": want + r0 * width * 2},
+                          {"M": min(8, m - r0)})
+            ref = mem.read_bf16(want, (m + 1, width))
+            exact = np.concatenate([gemv_fp8.reference(x[:m], codes[a:b], scales[a // 128:b // 128], exact=True)
+                                    for a, b in spans]
+                                   + ([x[:m].astype(np.float64) @ tail.astype(np.float64).T] if nt else []), axis=1)
+            base = np.concatenate([gemv_fp8.reference(x[:m], codes[a:b], scales[a // 128:b // 128]) for a, b in spans]
+                                  + ([gemv_fp8.reference(x[:m], codes[:128], scales[:1], tail)[:, 128:]] if nt else []),
+                                  axis=1)
+            for v in variants:
+                what = f"gemv_fp8 {v.key} M={m}"
+                out = mem.poisoned((m + 1) * width)
+                library.kernel("gemv_fp8", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
+                got = mem.read_bf16(out, (m + 1, width))
+                assert np.isnan(got[m]).all(), f"{what}: wrote past row M"
+                assert not np.isnan(got[:m]).any(), f"{what}: an output not written"
+                diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
+                assert diff.size == 0, (f"{what}: {len(diff)} elements differ from the m8 rows, first at "
+                                        f"{tuple(diff[0])}: {got[tuple(diff[0])]!r} vs {ref[tuple(diff[0])]!r}")
+                assert_close_to_baseline(got[:m, cols], exact, base, what)
+
+
+def test_wide_gemv_fp8_rejects_more_rows_than_its_width(library):
+    from runtime.cuda.errors import LaunchError
+
+    for mb in gemv_fp8.WIDE:
+        v = _wide("tiny_o_proj", mb)[0]
+        kernel = library.kernel("gemv_fp8", v.key)
+        kernel.bind({"x": 256, "w": 256, "scale": 256, "out": 256}, {"M": mb})
+        with pytest.raises(LaunchError, match=f"M <= {mb}"):
+            kernel.bind({"x": 256, "w": 256, "scale": 256, "out": 256}, {"M": mb + 1})
