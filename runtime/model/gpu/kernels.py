@@ -5,7 +5,8 @@ variant of every family that matches its shapes; a shape nobody compiled is an e
 family, the shape and the build command. Linear layers use the decode GEMV when the row count
 fits one of its variants (M <= 16; up to 64 for rows whose numbers must not depend on the row
 count: decode and verification) and the prefill GEMM otherwise (`linear`); FP8 and NVFP4 weights
-use their format's GEMV (`linear_quantised`) for the same row counts and above them, where
+use their format's GEMV (`linear_quantised`: 8 rows a launch, decode and verification rows of an
+FP8 weight up to 32) for the same row counts and above them, where
 compiled for the shape, a prefill GEMM (`quantised_prefill`: W8A8 for FP8, the weight decoded to
 BF16 then the BF16 GEMM for NVFP4); `layers.Forward.linear` picks by the weight's format.
 MoE layers run the `moe` family at every row count (its kernels take any M): its decode form
@@ -57,6 +58,17 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
 # the forms side by side; switch here to the fastest (each form passes the same numerics tests).
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
+# The row counts (MB) of the quantised GEMVs: 8 for every format, and the FP8 GEMV's wide widths
+# (cute_kernels/gemv_fp8.py WIDE, built in the `cvt` decode only, so another FP8 GEMV_FORMS choice
+# runs exact rows 8 at a time). NVFP4 stays at 8 rows a launch: no wide variants yet.
+QUANTISED_GEMV_ROWS = (8, 16, 32)
+# The row-group form each wide FP8 width runs in (a `rRuU` tag of gemv_fp8.WIDE[MB]: R row groups of
+# 16 per CTA, U blocks in flight per warp). UNTIMED: compiled, not yet run on a GPU; a row's numbers
+# are those of the m8 variant in every form. Picked from ptxas (no spills): m16 r1u2 80 registers
+# (three CTAs per SM), r2u1 155; m32 r1u1 104-128, r2u1 178 (one CTA per SM) but half the L2 reads
+# of the activations, which the BF16 GEMV's measurements favoured at m32. `python -m bench.kernels
+# --only gemv_q` times every form; set the fastest here.
+GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
 # (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
@@ -284,22 +296,42 @@ class KernelChoice:
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
 
-    def exact_block(self, n: int, k: int) -> int:
+    def exact_block(self, n: int, k: int, fmt: str = "bf16", nt: int = 0) -> int:
         """The most rows one launch takes for rows that must get a decode step's numbers
         whatever their count (`layers.Forward.linear` with exact_rows): the widest decode GEMV
-        compiled for a weight [n, k] in its width's `GEMV_ROW_FORMS` form, else 8 (the GEMM then runs them 8 at a time: its numbers
-        depend on the row count beyond a tile)."""
+        compiled for a weight [n, k] in its width's `GEMV_ROW_FORMS` form, else 8 (the GEMM then
+        runs them 8 at a time: its numbers depend on the row count beyond a tile). A quantised
+        weight (`fmt`, with a BF16 tail of nt rows): the widest of its format's GEMV
+        (`quantised_widths`)."""
+        if fmt != "bf16":
+            return self.quantised_widths(fmt, n, nt, k)[-1]
         widths = [mb for mb in GEMV_ROWS
                   if _find(self.library, "gemv", N=n, K=k, MB=mb, form=GEMV_ROW_FORMS[mb]) is not None]
         return max(widths, default=GEMV_ROWS[0])
 
-    def linear_quantised(self, fmt: str, n: int, nt: int, k: int) -> tuple[str, str]:
-        """(family, key) of the decode GEMV for a weight [n, k] of a quantised format (`FP8`,
-        `NVFP4`) with a BF16 tail of nt rows (0: none). It takes up to 8 rows;
-        `layers.Forward.linear` runs more rows (prefill) 8 at a time, since there is no quantised
-        GEMM yet."""
+    def quantised_widths(self, fmt: str, n: int, nt: int, k: int) -> list[int]:
+        """The row counts (MB) of the quantised GEMV compiled for a weight [n, k] with a BF16 tail
+        of nt rows in the runner's forms (`GEMV_FORMS`, and `GEMV_FP8_ROW_FORMS` past 8 rows),
+        narrowest first: always 8 (`linear_quantised` refuses a shape without it)."""
+        family = QUANTISED[fmt][0]
+        wide = [mb for mb in QUANTISED_GEMV_ROWS[1:] if fmt == FP8
+                and _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt],
+                          rform=GEMV_FP8_ROW_FORMS[mb]) is not None]
+        return [QUANTISED_GEMV_ROWS[0]] + wide
+
+    def linear_quantised(self, fmt: str, n: int, nt: int, k: int, m: int = 8) -> tuple[str, str]:
+        """(family, key) of the decode GEMV for m rows of a weight [n, k] of a quantised format
+        (`FP8`, `NVFP4`) with a BF16 tail of nt rows (0: none): the narrowest compiled width
+        (`quantised_widths`) that holds m rows. `layers.Forward.linear` runs more rows in blocks
+        of 8 (prefill where no quantised GEMM was compiled) or of `exact_block` (decode and
+        verification); every width gives a row the m8 variant's numbers bit for bit."""
         family, name = QUANTISED[fmt]
-        key = _find(self.library, family, N=n, NT=nt, K=k, form=GEMV_FORMS[fmt])
+        mb = next((w for w in self.quantised_widths(fmt, n, nt, k) if w >= m), None)
+        if mb is None:
+            raise KernelMissing(f"no {family} kernel takes {m} rows of an {name} {n}x{k} weight; the widest "
+                                f"compiled takes {self.exact_block(n, k, fmt, nt)}")
+        match = {"rform": GEMV_FP8_ROW_FORMS[mb]} if mb > 8 else {}
+        key = _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt], **match)
         if key is None:
             raise KernelMissing(
                 f"no {family} kernel for an {name} {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")

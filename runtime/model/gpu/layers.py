@@ -19,7 +19,7 @@ from runtime.model.gpu.collective import AllReduce, Collective
 from runtime.model.gpu.kernels import MOE_DECODE_ROWS, PREFILL_GEMV_ROWS, QuantisedPrefill
 from runtime.model.gpu.weights import FP8, NVFP4, Slot
 
-QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes (their MB)
+QUANTISED_ROWS = 8  # rows one gemv_fp8 or gemv_nvfp4 launch takes outside exact_rows steps (their m8 variants)
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class StepShape:
     written at `slots[r]` (its snapshot slot). The GDN conv and recurrent step are their
     `verify` kernels, one launch each over all rows, with the decode kernels' arithmetic per
     token; every other launch takes all m rows too, and projections and the head run the decode
-    GEMV in blocks of up to 64 rows (`KernelChoice.exact_block`; a row's numbers are the same in
-    every GEMV width). So each position's numbers are those of a decode step (reading the
+    GEMV in blocks of up to 64 rows (`KernelChoice.exact_block`: 32 for FP8 weights, 8 for NVFP4;
+    a row's numbers are the same in every GEMV width). So each position's numbers are those of a decode step (reading the
     snapshot the position before wrote), and each weight is read once per block.
 
     exact: False lets the projections of a decode-kernel step pick the kernel by row count (the
@@ -132,9 +132,11 @@ class Forward:
         in blocks of `KernelChoice.exact_block` rows, whatever `rows` is, so a row's numbers do
         not depend on how many there are); FP8 and NVFP4, `quantised_gemm` for more than
         PREFILL_GEMV_ROWS rows outside exact_rows steps where its kernels were compiled, else the
-        format's GEMV 8 rows a launch (block scales, and NVFP4's per-row global scales, bound;
-        `tail`, a BF16 slot after the quantised rows, computed by the same launch; y is then
-        N + NT wide)."""
+        format's GEMV, 8 rows a launch, or in blocks of `KernelChoice.exact_block` rows in
+        exact_rows steps (FP8's wide variants, up to 32 rows: a verification step reads each
+        weight once per block, not once per 8 rows; each row gets the m8 numbers); block scales,
+        and NVFP4's per-row global scales, bound; `tail`, a BF16 slot after the quantised rows,
+        computed by the same launch; y is then N + NT wide."""
         if weight.format in (FP8, NVFP4) and rows > PREFILL_GEMV_ROWS and not exact_rows:
             n, k = weight.shape
             prefill = self.kernels.quantised_prefill(weight.format, n, tail.shape[0] if tail else 0, k)
@@ -144,16 +146,17 @@ class Forward:
         if weight.format in (FP8, NVFP4):
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0
-            family, key = self.kernels.linear_quantised(weight.format, n, nt, k)
             base = self.storage.weights_base
             bufs = {"w": self.w(weight), "scale": base + weight.scale_offset}
             if weight.format == NVFP4:
                 bufs["gscale"] = base + weight.gscale_offset
             if tail:
                 bufs["tail"] = self.w(tail)
-            for r0 in range(0, rows, QUANTISED_ROWS):
-                self.launch(out, family, key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2},
-                            {"M": min(QUANTISED_ROWS, rows - r0)})
+            block = self.kernels.exact_block(n, k, weight.format, nt) if exact_rows else QUANTISED_ROWS
+            for r0 in range(0, rows, block):
+                m = min(block, rows - r0)
+                family, key = self.kernels.linear_quantised(weight.format, n, nt, k, m)
+                self.launch(out, family, key, {**bufs, "x": x + r0 * k * 2, "out": y + r0 * (n + nt) * 2}, {"M": m})
             return
         if tail is not None or weight.format != "bf16":
             raise NotImplementedError(f"no linear kernel for {weight.format} weights ({weight.parts[0][0]}); "
