@@ -94,7 +94,7 @@ FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shi
 # warp holds R x 32 registers of decoded weights, 16 per token group's activations and 8 fp32
 # per (row group, token group) for the running sum and the block's partial, so the R = 2 forms
 # keep one block in flight. ptxas (gdn_in, none spilling): m16 r1u2 80 registers, r2u1 155; m32
-# r1u1 104, r2u1 178 (one CTA of 8 warps per SM). Untimed on a GPU so far:
+# r1u1 104, r2u1 178 (one CTA of 8 warps per SM). Tested on the H200, not timed one against another:
 # `runtime/model/gpu/kernels.py` GEMV_FP8_ROW_FORMS names the form the runner takes per width.
 WIDE = {16: ((1, 2), (2, 1)), 32: ((1, 1), (2, 1))}
 WIDE_SHAPES = ("gdn_in", "o_proj", "attn_qkv", "gate_up", "down", "tiny_gdn_in", "tiny_gdn_out", "tiny_attn_qkv",
