@@ -177,6 +177,10 @@ class KernelLibrary:
         manifest = Manifest.load(root / "manifest.json")
         if manifest.arch != arch:
             raise KernelStale(f"{root / 'manifest.json'} is for {manifest.arch}, not {arch}")
+        if manifest.arch != device.arch:
+            # An explicit `arch` may name another build, but its cubins cannot load on this GPU.
+            raise KernelStale(f"{root / 'manifest.json'} holds kernels built for {manifest.arch}; this device is "
+                              f"{device.arch}: run `python build_kernels.py --arch {device.arch}`")
         lib = cls(device, manifest, root)
         if source_root is True:
             source_root = REPO if (REPO / "cute_kernels").is_dir() else None

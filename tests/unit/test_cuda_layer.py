@@ -148,13 +148,16 @@ def _entry(family="fam", key="k1", cubin="fam/k1.cubin", sha=None, **over):
     return entry
 
 
-def _write_build(tmp_path: Path, entries, source_root: Path | None = None) -> Path:
-    arch_dir = tmp_path / "kernels" / "sm_90a"
+def _write_build(tmp_path: Path, entries, source_root: Path | None = None, arch: str = "sm_90a",
+                 manifest_arch: str | None = None) -> Path:
+    """A build tree with the manifest under `arch`/ (claiming `manifest_arch`, default the same)."""
+    arch_dir = tmp_path / "kernels" / arch
     (arch_dir / "fam").mkdir(parents=True)
     for e in entries:
         (arch_dir / e["cubin"]).parent.mkdir(parents=True, exist_ok=True)
         (arch_dir / e["cubin"]).write_bytes(FAKE_CUBIN)
-    (arch_dir / "manifest.json").write_text(json.dumps({"schema": 1, "arch": "sm_90a", "toolchain": {}, "kernels": entries}))
+    doc = {"schema": 1, "arch": manifest_arch or arch, "toolchain": {}, "kernels": entries}
+    (arch_dir / "manifest.json").write_text(json.dumps(doc))
     return tmp_path / "kernels"
 
 
@@ -265,6 +268,25 @@ def test_stale_kernel_is_a_startup_error(tmp_path):
     module.write_text("# version 2\n")
     with pytest.raises(KernelStale, match="kernel fam/k1 is stale: cute_kernels/fam.py changed"):
         KernelLibrary.open(dev, build_dir=build, source_root=src)
+
+
+def test_kernels_built_for_another_arch_are_refused(tmp_path):
+    # A Blackwell (sm_100a) build, e.g. gemm_bs_sm100's, opened on a Hopper device.
+    build = _write_build(tmp_path, [_entry()], arch="sm_100a")
+    with pytest.raises(KernelStale, match=r"built for sm_100a; this device is sm_90a: .*--arch sm_90a"):
+        KernelLibrary.open(NullDevice(arch="sm_90a"), build_dir=build, arch="sm_100a", source_root=False)
+    # By default a device looks in its own arch's directory, which this tree lacks.
+    with pytest.raises(ManifestError, match=r"no kernel manifest at .*sm_90a"):
+        KernelLibrary.open(NullDevice(arch="sm_90a"), build_dir=build, source_root=False)
+    # The device it was built for loads it.
+    lib = KernelLibrary.open(NullDevice(arch="sm_100a"), build_dir=build, source_root=False)
+    assert lib.manifest.arch == "sm_100a" and lib.kernel("fam", "k1").entry.key == "k1"
+
+
+def test_manifest_in_the_wrong_arch_directory_is_refused(tmp_path):
+    build = _write_build(tmp_path, [_entry()], arch="sm_90a", manifest_arch="sm_100a")
+    with pytest.raises(KernelStale, match=r"is for sm_100a, not sm_90a"):
+        KernelLibrary.open(NullDevice(arch="sm_90a"), build_dir=build, source_root=False)
 
 
 def test_altered_cubin_is_refused(tmp_path):
