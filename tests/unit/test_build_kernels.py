@@ -115,8 +115,9 @@ def _fingerprints(root: Path) -> dict[str, str]:
 
 
 def _copy_of_the_sources(tmp_path: Path) -> Path:
-    """Every file the plan hashes, copied under tmp_path (the real files are never edited)."""
-    for rel in {rel for j in bk.plan(["sm_90a"], [], TOOLS) for rel in j.sources}:
+    """Every file the plan hashes, for any arch (planning reads every family module, including
+    the sm_100a-only ones), copied under tmp_path (the real files are never edited)."""
+    for rel in {rel for j in bk.plan(bk.KNOWN_ARCHES, [], TOOLS) for rel in j.sources}:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes((bk.REPO / rel).read_bytes())
     return tmp_path
