@@ -115,9 +115,10 @@ def _fingerprints(root: Path) -> dict[str, str]:
 
 
 def _copy_of_the_sources(tmp_path: Path) -> Path:
-    """Every file the plan hashes, for any arch (planning reads every family module, including
-    the sm_100a-only ones), copied under tmp_path (the real files are never edited)."""
-    for rel in {rel for j in bk.plan(bk.KNOWN_ARCHES, [], TOOLS) for rel in j.sources}:
+    """Every file the plan hashes, copied under tmp_path (the real files are never edited). Every
+    arch's: the plan reads each family module's imports even where none of its variants is for
+    the arch planned (the gemm_bs_sm100 / gemm_bs_sm120 families are Blackwell only)."""
+    for rel in {rel for j in bk.plan(list(bk.KNOWN_ARCHES), [], TOOLS) for rel in j.sources}:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes((bk.REPO / rel).read_bytes())
     return tmp_path
