@@ -54,6 +54,7 @@ import numpy as np
 from runtime.cuda.manifest import TmaEncode
 
 from . import _gemm_bs_sm100_kernel as _kernel
+from ._blackwell_shapes import SHAPES
 from .bf16 import round_bf16
 from .gemv_fp8 import e4m3_values
 from .gemv_nvfp4 import e2m1_values
@@ -82,16 +83,6 @@ FORMATS = {
     "mxfp8": Format("mxfp8", "e4m3", 1, 32, 128, "Float8E4M3FN", "Float8E8M0FNU"),
 }
 
-# (name, N, K): the Qwen3.6-27B prefill projections (gdn_in without its 96-row BF16 tail, which
-# would stay a BF16 GEMM) and a small shape for the GPU tests.
-SHAPES = [
-    ("gdn_in", 16384, 5120),
-    ("o_proj", 5120, 6144),
-    ("attn_qkv", 14336, 5120),
-    ("gate_up", 34816, 5120),
-    ("down", 5120, 17408),
-    ("test", 256, 512),
-]
 
 
 def _variant(fmt: Format, name: str, n: int, k: int) -> Variant:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from . import gemm_fp8_sm90, quantize_act
+from ._blackwell_shapes import SHAPES
 from .bf16 import round_bf16
 from .gemv_fp8 import e4m3_values
 from .gemv_nvfp4 import GROUP, e2m1_values
@@ -59,16 +60,6 @@ STAGES = 3
 THREADS = 128
 FP8_BLOCK = 128  # columns per FP8 scale block
 
-# (name, N, K): the Qwen3.6-27B prefill projections (gemm_fp8_sm90.SHAPES without gdn_in's BF16
-# tail), then a small one for tests.
-SHAPES = [
-    ("gdn_in", 16384, 5120),
-    ("o_proj", 5120, 6144),
-    ("attn_qkv", 14336, 5120),
-    ("gate_up", 34816, 5120),
-    ("down", 5120, 17408),
-    ("test", 256, 512),
-]
 
 
 def smem_bytes(kind: str) -> int:
