@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .gemv_fp8 import e4m3_values
-from .variant import HOPPER, Variant, i32, ptr, tensor
+from .variant import ALL_ARCHES, Variant, i32, ptr, tensor
 
 FAMILY = "quantize_act"
 GROUP = 128  # columns per activation scale (one k-tile of gemm_fp8_sm90)
@@ -66,7 +66,7 @@ def _variant(key: str, k: int) -> Variant:
         block=(32 * WARPS, 1, 1),
         grid=(f"cdiv(M * {kb}, {WARPS})", 1, 1),
         requires=("M >= 1", f"M <= {(2**31 - 1) // kb}"),  # item = row * KB + group stays an int32
-        arches=HOPPER,
+        arches=ALL_ARCHES,
         note=f"bf16 x[M,{k}] -> e4m3 codes + fp32 scale per (row, 128 columns)",
         example_sizes={"M": 8192},
     )
