@@ -1,4 +1,5 @@
-"""The host side of reading logits back (no GPU needed): bf16 bits to float32 in one pass, and a
+"""The host side of reading logits back (no GPU needed): bf16 bits to float32 in one pass
+(`formats.bf16_to_f32`, also on the strided per-sequence views of a verification step), and a
 verification row's wanted positions gathered from its sequence's block (a view when they are
 consecutive rows of one block, else a copy in position order)."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.model.gpu.runner import _in_order
-from runtime.model.gpu.step import bf16_to_f32
+from runtime.artifact.formats import bf16_to_f32
 
 
 def test_every_bf16_pattern_converts_to_its_float32_bits():

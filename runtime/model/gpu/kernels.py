@@ -63,11 +63,12 @@ GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # runs exact rows 8 at a time). NVFP4 stays at 8 rows a launch: no wide variants yet.
 QUANTISED_GEMV_ROWS = (8, 16, 32)
 # The row-group form each wide FP8 width runs in (a `rRuU` tag of gemv_fp8.WIDE[MB]: R row groups of
-# 16 per CTA, U blocks in flight per warp). Their tests pass on the H200; the forms are not yet timed
-# one against another. A row's numbers are those of the m8 variant in every form. Picked from ptxas (no spills): m16 r1u2 80 registers
-# (three CTAs per SM), r2u1 155; m32 r1u1 104-128, r2u1 178 (one CTA per SM) but half the L2 reads
-# of the activations, which the BF16 GEMV's measurements favoured at m32. `python -m bench.kernels
-# --only gemv_q` times every form; set the fastest here.
+# 16 per CTA, U blocks in flight per warp). Their tests pass on the H200; the forms are not yet
+# timed one against another. A row's numbers are those of the m8 variant in every form. Picked
+# from ptxas (no spills): m16 r1u2 80 registers (three CTAs per SM), r2u1 155; m32 r1u1 104-128,
+# r2u1 178 (one CTA per SM) but half the L2 reads of the activations, which the BF16 GEMV's
+# measurements favoured at m32. `python -m bench.kernels --only gemv_q` times every form; set the
+# fastest here.
 GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from runtime.artifact.formats import bf16_to_f32
 from runtime.model.gpu.step import consecutive_runs
 from runtime.model.runner import HostTransfer, checked_pages
 
@@ -107,4 +108,4 @@ class SlotCopies:
         self.device.memcpy_dtoh(state, st.states[layer] + phys * st.state_slot_bytes, self.stream)
         self.device.memcpy_dtoh(win, st.windows[layer] + phys * st.win_slot_bytes, self.stream)
         self.stream.synchronize()
-        return np.swapaxes(state, 1, 2).copy(), (win.astype(np.uint32) << 16).view(np.float32)
+        return np.swapaxes(state, 1, 2).copy(), bf16_to_f32(win)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from runtime.artifact.formats import bf16_to_f32
 from runtime.model.gpu.layers import StepShape
 from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
 from runtime.model.runner import PAGE_SIZE, DecodeItem, checked_page_table
@@ -425,9 +426,3 @@ def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
             runs.append([o, o + 1])
     return [(lo, hi) for lo, hi in runs]
 
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16, any strides) as float32 values in a fresh array, in one pass."""
-    out = np.empty(bits.shape, np.uint32)
-    np.left_shift(bits, 16, out=out, dtype=np.uint32)
-    return out.view(np.float32)
