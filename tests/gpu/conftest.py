@@ -50,19 +50,20 @@ class Mem:
         self.ptrs.append(ptr)
         return ptr
 
-    def bf16(self, values: np.ndarray) -> int:
-        bits = bf16.to_bits(values)
-        ptr = self.alloc(bits.nbytes)
-        self.device.memcpy_htod(ptr, bits, self.stream)
-        self.stream.synchronize()
-        return ptr
-
-    def i32(self, values: np.ndarray) -> int:
-        arr = np.ascontiguousarray(values, dtype=np.int32)
-        ptr = self.alloc(max(arr.nbytes, 4))
+    def raw(self, values: np.ndarray) -> int:
+        """A device copy of the array's bytes as they are (codes, scales, pools; at least 16
+        bytes allocated, so an empty array still gets a valid address)."""
+        arr = np.ascontiguousarray(values)
+        ptr = self.alloc(max(arr.nbytes, 16))
         self.device.memcpy_htod(ptr, arr, self.stream)
         self.stream.synchronize()
         return ptr
+
+    def bf16(self, values: np.ndarray) -> int:
+        return self.raw(bf16.to_bits(values))
+
+    def i32(self, values: np.ndarray) -> int:
+        return self.raw(np.asarray(values, dtype=np.int32))
 
     def poisoned(self, count: int) -> int:
         ptr = self.alloc(2 * count)

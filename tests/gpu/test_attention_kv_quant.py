@@ -29,13 +29,6 @@ PAGE = 64
 FORMATS = ("fp8", "int8")
 
 
-def _upload(mem, raw: np.ndarray) -> int:
-    ptr = mem.alloc(raw.nbytes)
-    mem.device.memcpy_htod(ptr, np.ascontiguousarray(raw), mem.stream)
-    mem.stream.synchronize()
-    return ptr
-
-
 def _read(mem, ptr: int, nbytes: int) -> np.ndarray:
     out = np.empty(nbytes, np.uint8)
     mem.stream.synchronize()
@@ -77,7 +70,7 @@ def test_prep_writes_the_reference_codes(library, mem, stream, name, fmt):
     pb = kf.page_bytes(fmt, hkv, d)
     fill = rng.integers(0, 256, npages * pb, dtype=np.uint8)  # what was in the pool before
     q8 = mem.poisoned(m * hq * d)
-    k8, v8 = _upload(mem, fill), _upload(mem, fill)
+    k8, v8 = mem.raw(fill), mem.raw(fill)
     library.kernel("attention", f"prep_{name}_{fmt}").launch(
         stream, {**args, "q_out": q8, "k_pages": k8, "v_pages": v8}, {"M": m, "P": p, "NP": npages})
     np.testing.assert_array_equal(mem.read_bf16(q8, (m, hq, d)), mem.read_bf16(q16, (m, hq, d)))
@@ -115,8 +108,8 @@ def test_decode_attention_over_quantised_pages(library, mem, stream, name, lengt
     q = _bf(rng, (len(lengths), hq, d), 2.0)
     x = _bf(rng, (len(lengths), stride))
     pos, qseq = np.array(lengths) - 1, np.arange(len(lengths))
-    rows = _Rows(library, mem, name, len(lengths), table.shape, splits, min_split, npages, _upload(mem, k_pool),
-                 _upload(mem, v_pool), kv_suffix=f"_{fmt}")
+    rows = _Rows(library, mem, name, len(lengths), table.shape, splits, min_split, npages, mem.raw(k_pool),
+                 mem.raw(v_pool), kv_suffix=f"_{fmt}")
     rows.upload(q, x, table, qseq, pos, stream)
     rows.run(stream)
     _check_rows(rows.read(), q, k_vals, v_vals, table, qseq, pos, x, hq, d, f"{name} {fmt} plan {plan}")
@@ -142,7 +135,7 @@ def test_wgmma_prefill_over_quantised_pages(library, mem, stream, name, m, start
     pos = np.arange(start, n)
     out = mem.poisoned((m + 1) * hq * d)
     library.kernel("attention_wgmma", key).launch(stream, {
-        "q": mem.bf16(q), "k_pages": _upload(mem, k_pool), "v_pages": _upload(mem, v_pool),
+        "q": mem.bf16(q), "k_pages": mem.raw(k_pool), "v_pages": mem.raw(v_pool),
         "table": mem.i32(table), "qseq": mem.i32(np.zeros(m)), "pos": mem.i32(pos), "x": mem.bf16(x), "out": out},
         {"M": m, "maxp": table.shape[1], "R": 1, "NP": npages})
     got = mem.read_bf16(out, (m + 1, hq * d))
@@ -171,7 +164,7 @@ def test_quantised_pools_read_the_same_bytes_as_the_bf16_bits(library, mem, stre
     pos, qseq = np.array(lengths) - 1, np.arange(2)
     outs = []
     for suffix, k, v in (("", mem.bf16(vals[0]), mem.bf16(vals[1])),
-                         (f"_{fmt}", _upload(mem, pools[0]), _upload(mem, pools[1]))):
+                         (f"_{fmt}", mem.raw(pools[0]), mem.raw(pools[1]))):
         rows = _Rows(library, mem, name, 2, table.shape, 4, 64, npages, k, v, kv_suffix=suffix)
         rows.upload(q, x, table, qseq, pos, stream)
         rows.run(stream)

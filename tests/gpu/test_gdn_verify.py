@@ -60,13 +60,6 @@ def _variant(module, key):
     return next(v for v in module.variants() if v.key == key)
 
 
-def _upload(mem, host: np.ndarray) -> int:
-    ptr = mem.alloc(host.nbytes)
-    mem.device.memcpy_htod(ptr, host, mem.stream)
-    mem.stream.synchronize()
-    return ptr
-
-
 def _read(mem, ptr: int, like: np.ndarray) -> np.ndarray:
     out = np.empty_like(like)
     mem.stream.synchronize()
@@ -115,8 +108,8 @@ def test_verify_launches_equal_per_position_decode_launches(library, mem, stream
               "norm_w": mem.bf16(norm_w)}
     paths = {}
     for name in ("per_position", "verify"):
-        paths[name] = {"win": _upload(mem, windows), "state": _upload(mem, states),
-                       "conv_out": _upload(mem, conv_rows), "out": _upload(mem, out_rows)}
+        paths[name] = {"win": mem.raw(windows), "state": mem.raw(states),
+                       "conv_out": mem.raw(conv_rows), "out": mem.raw(out_rows)}
     conv, rec = library.kernel("conv1d", conv_key), library.kernel("gdn", gdn.column_key(gdn_key, dcols))
     p_bufs = paths["per_position"]
     for p in range(t):

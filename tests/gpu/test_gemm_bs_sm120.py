@@ -28,13 +28,6 @@ def _sm120_only(device):
         pytest.skip(f"gemm_bs_sm120 is built for {', '.join(fam.ARCHES)} only; this device is {device.arch}")
 
 
-def _upload(mem, device, stream, array):
-    ptr = mem.alloc(max(array.nbytes, 16))
-    device.memcpy_htod(ptr, np.ascontiguousarray(array), stream)
-    stream.synchronize()
-    return ptr
-
-
 def _e4m3(rng, *shape, low=0x00, high=0x7F):
     """e4m3 codes of both signs in [low, high) (no NaN: 0x7F / 0xFF)."""
     return (rng.integers(low, high, shape, dtype=np.uint8) | (rng.integers(0, 2, shape, dtype=np.uint8) << 7))
@@ -79,7 +72,7 @@ def _magnitude(kind, ops, rows, cols):
 
 def _run(library, device, mem, stream, kind, key, ops, m, n):
     out = mem.poisoned((m + 1) * n)
-    bufs = {name: _upload(mem, device, stream, a) for name, a in ops.items()}
+    bufs = {name: mem.raw(a) for name, a in ops.items()}
     library.kernel(fam.FAMILY, key).launch(stream, {**bufs, "out": out}, {"M": m})
     return mem.read_bf16(out, (m + 1, n))
 

@@ -17,13 +17,6 @@ from cute_kernels import dequant_nvfp4
 pytestmark = pytest.mark.gpu
 
 
-def _upload(mem, device, stream, array):
-    ptr = mem.alloc(max(array.nbytes, 16))
-    device.memcpy_htod(ptr, np.ascontiguousarray(array), stream)
-    stream.synchronize()
-    return ptr
-
-
 @pytest.mark.parametrize("k,n", [(256, 37), (128, 1), (5120, 300), (17408, 9)])
 def test_dequant_nvfp4_matches_reference_bit_for_bit(library, device, mem, stream, k, n):
     rng = np.random.default_rng(k + n)
@@ -35,8 +28,8 @@ def test_dequant_nvfp4_matches_reference_bit_for_bit(library, device, mem, strea
     gscale = (rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(-20, 4, n))).astype(np.float32)
     out = mem.poisoned((n + 1) * k)
     library.kernel("dequant_nvfp4", f"k{k}").launch(
-        stream, {"w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales),
-                 "gscale": _upload(mem, device, stream, gscale), "out": out}, {"N": n})
+        stream, {"w": mem.raw(codes), "scale": mem.raw(scales),
+                 "gscale": mem.raw(gscale), "out": out}, {"N": n})
     got = mem.read_bf16(out, (n + 1, k))
     assert np.isnan(got[n]).all(), "wrote past N"
     want = dequant_nvfp4.reference(codes, scales, gscale)

@@ -40,13 +40,6 @@ def _case(rng, m, n, nt, k):
     return x, codes, scales, tail
 
 
-def _upload(mem, device, stream, array):
-    ptr = mem.alloc(max(array.nbytes, 16))
-    device.memcpy_htod(ptr, np.ascontiguousarray(array), stream)
-    stream.synchronize()
-    return ptr
-
-
 def _forms(name):
     """The m8 variants of shape `name`, one per decode form."""
     return [v for v in gemv_fp8.variants() if v.key.startswith(name + "_n") and v.config["MB"] == 8]
@@ -63,7 +56,7 @@ def test_gemv_fp8(library, device, mem, stream, name, m):
     _, n, nt, k = next(s for s in gemv_fp8.SHAPES if s[0] == name)
     rng = np.random.default_rng(n + 7 * m + k)
     x, codes, scales, tail = _case(rng, m, n, nt, k)
-    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
+    bufs = {"x": mem.bf16(x), "w": mem.raw(codes), "scale": mem.raw(scales)}
     if nt:
         bufs["tail"] = mem.bf16(tail)
     want = gemv_fp8.reference(x, codes, scales, tail, exact=True)
@@ -91,7 +84,7 @@ def test_gemv_fp8_decodes_every_code_exactly(library, device, mem, stream):
     codes[codes == 0x7F] = 0x00
     codes[codes == 0xFF] = 0x80
     scales = np.array([[0.25, 2.0], [-1.0, 8.0]], np.float32)  # [cdiv(256, 128), 256 / 128]
-    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
+    bufs = {"x": mem.bf16(x), "w": mem.raw(codes), "scale": mem.raw(scales)}
     want = gemv_fp8.reference(x, codes, scales, exact=True)
     for v in _forms(name):
         out = mem.poisoned(8 * n)
@@ -110,7 +103,7 @@ def test_gemv_fp8_is_batch_invariant(library, device, mem, stream, form):
     name, n, nt, k = gemv_fp8.SHAPES[0]
     x, codes, scales, tail = _case(np.random.default_rng(5), 8, n, nt, k)
     v = next(v for v in _forms(name) if v.config["form"] == form)
-    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales),
+    bufs = {"x": mem.bf16(x), "w": mem.raw(codes), "scale": mem.raw(scales),
             "tail": mem.bf16(tail)}
     kernel = library.kernel("gemv_fp8", v.key)
     outs = {}
@@ -136,7 +129,7 @@ WIDE_CASES = {16: (9, 13, 16), 32: (17, 25, 32)}  # MB -> row counts M
 def test_wide_gemv_fp8_rows_equal_the_m8_rows_and_the_reference(library, device, mem, stream, name):
     _, n, nt, k = next(s for s in gemv_fp8.SHAPES if s[0] == name)
     x, codes, scales, tail = _case(np.random.default_rng(n + k + 11), 32, n, nt, k)
-    bufs = {"x": mem.bf16(x), "w": _upload(mem, device, stream, codes), "scale": _upload(mem, device, stream, scales)}
+    bufs = {"x": mem.bf16(x), "w": mem.raw(codes), "scale": mem.raw(scales)}
     if nt:
         bufs["tail"] = mem.bf16(tail)
     width = n + nt

@@ -35,13 +35,6 @@ from .conftest import assert_close_to_baseline
 pytestmark = pytest.mark.gpu
 
 
-def _upload(mem, device, stream, array):
-    ptr = mem.alloc(max(array.nbytes, 16))
-    device.memcpy_htod(ptr, np.ascontiguousarray(array), stream)
-    stream.synchronize()
-    return ptr
-
-
 def _read(device, stream, ptr, like):
     out = np.empty_like(like)
     stream.synchronize()
@@ -123,8 +116,8 @@ def _check(got, xq, x_scale, wq, w_scale, what):
 def _run_fp8(library, device, mem, stream, key, xq, x_scale, wq, w_scale, ld):
     m = xq.shape[0]
     out = mem.poisoned((m + 1) * ld)
-    bufs = {"x": _upload(mem, device, stream, xq), "w": _upload(mem, device, stream, wq),
-            "x_scale": _upload(mem, device, stream, x_scale), "w_scale": _upload(mem, device, stream, w_scale),
+    bufs = {"x": mem.raw(xq), "w": mem.raw(wq),
+            "x_scale": mem.raw(x_scale), "w_scale": mem.raw(w_scale),
             "out": out}
     library.kernel("gemm_fp8_sm90", key).launch(stream, bufs, {"M": m})
     return out

@@ -43,14 +43,6 @@ def _codes(rng, shape) -> np.ndarray:
     return codes
 
 
-def _upload(mem, arr) -> int:
-    arr = np.ascontiguousarray(arr)
-    ptr = mem.alloc(max(arr.nbytes, 4))
-    mem.device.memcpy_htod(ptr, arr, mem.stream)
-    mem.stream.synchronize()
-    return ptr
-
-
 @pytest.mark.parametrize("variant", dequant_weights.variants(), ids=lambda v: v.key)
 def test_dequant_weights_is_exact(library, mem, stream, variant):
     """Three scale rows of rows (odd), every code value, scales spanning 2^-20 .. 2^4: the bf16 of
@@ -65,7 +57,7 @@ def test_dequant_weights_is_exact(library, mem, stream, variant):
     scales = np.exp2(rng.uniform(-20, 4, (r // br, kb))).astype(np.float32)
     out = mem.poisoned((r + 1) * k)
     library.kernel("dequant_weights", variant.key).launch(
-        stream, {"w": _upload(mem, codes), "scale": _upload(mem, scales), "out": out}, {"R": r})
+        stream, {"w": mem.raw(codes), "scale": mem.raw(scales), "out": out}, {"R": r})
     got = mem.read_bf16(out, (r + 1, k))
     assert np.isnan(got[r]).all(), "the row past R was written"
     np.testing.assert_array_equal(got[:r], dequant_weights.reference(codes, scales, br))
@@ -122,8 +114,8 @@ def test_up_fp8_and_down_fp8(library, mem, stream, name, m):
     rng = np.random.default_rng(300 + m)
     p = k + 1
     gu_codes, gu_scales, br, dn_codes, dn_scales = _stacks(name)
-    d_gu, d_gu_s = _upload(mem, gu_codes), _upload(mem, gu_scales)
-    d_dn, d_dn_s = _upload(mem, dn_codes), _upload(mem, dn_scales)
+    d_gu, d_gu_s = mem.raw(gu_codes), mem.raw(gu_scales)
+    d_dn, d_dn_s = mem.raw(dn_codes), mem.raw(dn_scales)
     x = _bf(rng, (m, h))
     for case, ids in _ids_cases(rng, m, e, k).items():
         used, local = _local(ids)
@@ -144,7 +136,7 @@ def test_up_fp8_and_down_fp8(library, mem, stream, name, m):
         act_in = _bf(rng, (m, p, inter))
         out = mem.poisoned((m + 1) * h)
         library.kernel("moe", _key("down_fp8", name)).launch(
-            stream, {"act": mem.bf16(act_in), "w": d_dn, "scale": d_dn_s, "ids": d_ids, "wts": _upload(mem, wts),
+            stream, {"act": mem.bf16(act_in), "w": d_dn, "scale": d_dn_s, "ids": d_ids, "wts": mem.raw(wts),
                      "out": out}, {"M": m})
         got = mem.read_bf16(out, (m + 1, h))
         assert np.isnan(got[m]).all(), "the row past M was written"
@@ -159,8 +151,8 @@ def _chain(library, mem, stream, name, x, router, w_sg, stacks):
     m, p = x.shape[0], k + 1
     d_gu, d_gu_s, d_dn, d_dn_s = stacks
     d_x = mem.bf16(x)
-    logits, ids = _upload(mem, np.full(m * e, np.nan, np.float32)), mem.i32(np.zeros(m * p))
-    wts, act, out = _upload(mem, np.full(m * p, np.nan, np.float32)), mem.poisoned(m * p * inter), mem.poisoned(m * h)
+    logits, ids = mem.raw(np.full(m * e, np.nan, np.float32)), mem.i32(np.zeros(m * p))
+    wts, act, out = mem.raw(np.full(m * p, np.nan, np.float32)), mem.poisoned(m * p * inter), mem.poisoned(m * h)
     run = library.kernel
     run("moe", _key("logits", name)).launch(stream, {"x": d_x, "w": router, "out": logits}, {"M": m})
     run("moe", _key("route", name)).launch(stream, {"logits": logits, "x": d_x, "w_sg": w_sg, "ids": ids,
@@ -183,7 +175,7 @@ def test_chained_fp8_mlp_with_tied_logits_and_rows_alone(library, mem, stream):
     x[2] = 0.0
     router, w_sg = _bf(rng, (e, h), h ** -0.5), _bf(rng, (h,), h ** -0.5)
     gu_codes, gu_scales, br, dn_codes, dn_scales = _stacks(name)
-    stacks = [_upload(mem, a) for a in (gu_codes, gu_scales, dn_codes, dn_scales)]
+    stacks = [mem.raw(a) for a in (gu_codes, gu_scales, dn_codes, dn_scales)]
     d_router, d_sg = mem.bf16(router), mem.bf16(w_sg)
     ids, got = _chain(library, mem, stream, name, x, d_router, d_sg, stacks)
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
