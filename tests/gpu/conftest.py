@@ -113,6 +113,16 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
+def assert_equals_m8_rows(got, ref, m: int, what: str) -> None:
+    """A wide GEMV launch's output `got` [m + 1, N] (poisoned first) against `ref`, the same rows
+    from m8 launches: row m untouched, rows 0..m-1 all written and equal bit for bit."""
+    assert np.isnan(got[m]).all(), f"{what}: wrote past row M"
+    assert not np.isnan(got[:m]).any(), f"{what}: an output not written"
+    diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
+    assert diff.size == 0, (f"{what}: {len(diff)} elements differ from the m8 rows, first at "
+                            f"{tuple(diff[0])}: {got[tuple(diff[0])]!r} vs {ref[tuple(diff[0])]!r}")
+
+
 def assert_close_to_baseline(got, exact, baseline, what: str, slack: float = 2.0, floor: float = 1e-6) -> None:
     """The kernel's error against the exact result is at most `slack` times the error of a
     same-precision baseline (the bf16 model computed the reference way) plus a floor."""

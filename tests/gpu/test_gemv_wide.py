@@ -23,7 +23,7 @@ import pytest
 from cute_kernels import gemv
 from cute_kernels.bf16 import round_bf16
 
-from .conftest import assert_close_to_baseline
+from .conftest import assert_close_to_baseline, assert_equals_m8_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -61,9 +61,5 @@ def test_wide_gemv_rows_equal_the_m8_rows_and_the_reference(library, mem, stream
                 out = mem.poisoned((m + 1) * n)
                 library.kernel("gemv", key).launch(stream, {"x": x_buf, "w": w_buf, "out": out}, {"M": m})
                 got = mem.read_bf16(out, (m + 1, n))
-                assert np.isnan(got[m]).all(), f"{what}: wrote past row M"
-                assert not np.isnan(got[:m]).any(), f"{what}: a row not written"
-                diff = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
-                assert diff.size == 0, (f"{what}: {len(diff)} elements differ from the m8 rows, first at "
-                                        f"{tuple(diff[0])}: {got[tuple(diff[0])]!r} vs {ref[tuple(diff[0])]!r}")
+                assert_equals_m8_rows(got, ref, m, what)
                 assert_close_to_baseline(got[:m, cols], exact, base, what)
