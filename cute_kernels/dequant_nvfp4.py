@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from .bf16 import round_bf16
-from .gemv_fp8 import e4m3_values
-from .gemv_nvfp4 import GROUP, e2m1_values
+from .gemv_nvfp4 import GROUP, nvfp4_values
 from .variant import HOPPER, Variant, i32, ptr, tensor
 
 FAMILY = "dequant_nvfp4"
@@ -59,7 +58,7 @@ def variants() -> list[Variant]:
 def reference(w: np.ndarray, scale: np.ndarray, gscale: np.ndarray) -> np.ndarray:
     """Packed codes [N, K / 2], e4m3 scale codes [N, K / 16], fp32 globals [N] -> the kernel's
     bf16 values as float32 (code * scale exact, times the global in fp32, rounded once)."""
-    exact = e2m1_values(w) * np.repeat(e4m3_values(scale), GROUP, axis=1)
+    exact = nvfp4_values(w, scale)
     return round_bf16((exact.astype(np.float32) * gscale.astype(np.float32)[:, None]).astype(np.float32))
 
 

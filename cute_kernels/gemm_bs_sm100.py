@@ -57,7 +57,7 @@ from . import _gemm_bs_sm100_kernel as _kernel
 from ._blackwell_shapes import SHAPES
 from .bf16 import round_bf16
 from .gemv_fp8 import e4m3_values
-from .gemv_nvfp4 import e2m1_values
+from .gemv_nvfp4 import nvfp4_values
 from .quantize_act import e4m3_codes
 from .variant import Variant, i32, ptr, tensor, tma
 
@@ -187,10 +187,8 @@ def dequant(fmt: str, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """float64 operand `[R, K]` from codes and row-major scale bytes `[R, K / V]` (no global)."""
     f = FORMATS[fmt]
     if fmt == "nvfp4":
-        values, sv = e2m1_values(codes), e4m3_values(scales)
-    else:
-        values, sv = e4m3_values(codes), ue8m0_values(scales)
-    return values * np.repeat(sv, f.vec, axis=1)
+        return nvfp4_values(codes, scales)
+    return e4m3_values(codes) * np.repeat(ue8m0_values(scales), f.vec, axis=1)
 
 
 def reference(fmt: str, a: np.ndarray, a_scale: np.ndarray, b: np.ndarray, b_scale: np.ndarray,

@@ -48,8 +48,7 @@ import numpy as np
 from . import gemm_fp8_sm90, quantize_act
 from ._blackwell_shapes import SHAPES
 from .bf16 import round_bf16
-from .gemv_fp8 import e4m3_values
-from .gemv_nvfp4 import GROUP, e2m1_values
+from .gemv_nvfp4 import GROUP, nvfp4_values
 from .variant import Variant, i32, ptr, tensor
 
 FAMILY = "gemm_bs_sm120"
@@ -124,8 +123,7 @@ def reference_nvfp4(x: np.ndarray, x_scale: np.ndarray, x_gscale: np.ndarray, w:
                          f"{w_scale.shape} do not describe one [M, K] x [N, K] product")
     if np.shape(x_gscale) != (1,) or np.shape(w_gscale) != (n,):
         raise ValueError(f"nvfp4 reference: globals {np.shape(x_gscale)}, {np.shape(w_gscale)}; want (1,), ({n},)")
-    a = e2m1_values(x) * np.repeat(e4m3_values(x_scale), GROUP, axis=1)
-    b = e2m1_values(w) * np.repeat(e4m3_values(w_scale), GROUP, axis=1)
+    a, b = nvfp4_values(x, x_scale), nvfp4_values(w, w_scale)
     if exact:
         return (a @ b.T) * (np.float64(x_gscale[0]) * np.asarray(w_gscale, np.float64))[None, :]
     g = np.float32(x_gscale[0]) * np.asarray(w_gscale, np.float32)

@@ -83,6 +83,12 @@ def e2m1_values(packed: np.ndarray) -> np.ndarray:
     return np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7]
 
 
+def nvfp4_values(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Packed codes [R, K / 2] and e4m3 scale codes [R, K / 16] -> float64 code x block scale
+    [R, K] (exact in float64 and float32: 2 + 4 significand bits), without the global scale."""
+    return e2m1_values(packed) * np.repeat(e4m3_values(scales), GROUP, axis=1)
+
+
 def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.ndarray,
               tail: np.ndarray | None = None, *, exact: bool = False) -> np.ndarray:
     """out[M, N + NT] for bf16-valued x [M, K], packed e2m1 codes [N, K / 2], e4m3 scale codes
@@ -96,7 +102,7 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.n
     if scales.shape != (n, k // GROUP) or np.shape(gscale) != (n,):
         raise ValueError(f"nvfp4 reference: codes {codes.shape} need scales {(n, k // GROUP)} and gscale {(n,)}, "
                          f"got {scales.shape} and {np.shape(gscale)}")
-    scaled = e2m1_values(codes) * np.repeat(e4m3_values(scales), GROUP, axis=1)  # exact in float64 and float32
+    scaled = nvfp4_values(codes, scales)
     g = np.asarray(gscale, np.float32)
     if exact:
         out = x.astype(np.float64) @ (scaled * g.astype(np.float64)[:, None]).T
