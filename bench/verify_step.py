@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.timing import wall_ms
 from runtime.model.runner import StepRow
+from runtime.model.sampling import RowSampling
 
 
 def rows_for(batch: int, n: int, context: int, pages_per_row: int, spare: int, verify: bool,
@@ -33,6 +34,16 @@ def rows_for(batch: int, n: int, context: int, pages_per_row: int, spare: int, v
 def step_ms(runner: Any, rows: list[StepRow], steps: int) -> float:
     """Wall milliseconds of one `runner.step(rows)` (`timing.wall_ms`)."""
     return wall_ms(steps, lambda: runner.step(rows))
+
+
+def sampled_step_ms(runner: Any, rows: list[StepRow], steps: int) -> float:
+    """Wall milliseconds of one `runner.step_sampled(rows)` with greedy rows: the step with every
+    position's id picked on the device and only the ids read back (what the engine runs for a
+    round without constraints, penalties or logprobs)."""
+    def greedy() -> list[list[RowSampling]]:
+        return [[RowSampling(greedy=True)] * row.num_tokens for row in rows]
+
+    return wall_ms(steps, lambda: runner.step_sampled(rows, greedy))
 
 
 def run(runner: Any, batches: list[int], drafts: list[int], context: int, pages_per_row: int,

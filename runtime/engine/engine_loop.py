@@ -89,7 +89,8 @@ class Engine:
         if config.speculative.enabled:
             self.speculation = Speculation(config.speculative, runner,
                                            SlotLayout.for_config(config.num_lanes,
-                                                                 config.speculative))
+                                                                 config.speculative),
+                                           config.device_sampling)
         self.scheduler = Scheduler(SchedulerConfig(
             num_lanes=config.num_lanes, num_pages=num_pages, max_context=config.max_context,
             prefill_chunk=config.prefill_chunk, max_batched_tokens=config.max_batched_tokens,

@@ -79,15 +79,24 @@ class SamplerState:
         deltas = (p.presence_penalty + p.frequency_penalty * counts[keep]).astype(np.float32)
         return ids[keep].astype(np.int32), deltas
 
-    def row_sampling(self, vocab_size: int, bitmask: Optional[np.ndarray]) -> RowSampling:
-        """This step's inputs for a device sampler (the same decision `sample_token` makes)."""
+    def row_sampling(self, vocab_size: int, bitmask: Optional[np.ndarray], ahead: int = 0) -> RowSampling:
+        """This step's inputs for a device sampler (the same decision `sample_token` makes).
+        ahead: the inputs `ahead` sampled tokens later, for a request whose inputs change with
+        nothing but the draw count (`unchanged_by_tokens`): a verification row's later positions."""
         p = self.params
         if self.greedy:
             return RowSampling(greedy=True, bitmask=bitmask)
         ids, deltas = self.penalties(vocab_size)
         return RowSampling(greedy=False, temperature=p.temperature, top_k=resolved_top_k(p),
-                           top_p=p.top_p, min_p=p.min_p, seed=p.seed, draw_index=self.num_draws,
+                           top_p=p.top_p, min_p=p.min_p, seed=p.seed, draw_index=self.num_draws + ahead,
                            penalty_ids=ids, penalty_deltas=deltas, bitmask=bitmask)
+
+    @property
+    def unchanged_by_tokens(self) -> bool:
+        """Whether committing a token changes this request's sampling inputs only by one draw:
+        no presence or frequency penalty (their deltas count the output tokens)."""
+        p = self.params
+        return self.greedy or not (p.presence_penalty or p.frequency_penalty)
 
     def took(self, token_id: int) -> int:
         """Account for a token a device sampler picked from `row_sampling()`'s inputs."""

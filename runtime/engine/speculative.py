@@ -22,6 +22,13 @@ A round of one sequence whose last committed token x_n sits at position n:
    min(1, p/q) = p(d), resample from the residual norm(max(p - q, 0))).
    A stop token, the output or context limit, or a thinking-control insertion ends the round
    at that position, as it would end plain decoding there.
+   On a runner that samples on its device (and with `device_sampling` on), a group whose units
+   have no constraint, no penalties and no logprobs is sampled there (`ModelRunner.step_sampled`):
+   position j's inputs are the unit's current ones with draw number + j, which is what plain
+   decoding would use there once the drafts before it were accepted, so the ids are the
+   device sampler's picks of the same logits; only ids come back (not 1 + k logits rows a
+   unit), and seeded output equals plain device-sampled decoding exactly. Other groups take
+   their logits to the host as above.
 4. Commit: `runner.commit(lane, snapshots[j])` keeps the state after the last kept position
    j (the rejected positions' recurrent states are dropped; their KV rows lie beyond the
    sequence's length and are overwritten before any query reads them); the scheduler keeps
@@ -40,8 +47,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
-
-import numpy as np
 
 from runtime.engine.request_state import LiveRequest, StepResult
 from runtime.engine.scheduler_records import DecodeWork, ScheduledBatch
@@ -213,7 +218,8 @@ class Speculation:
     scheduler has taken the step's tokens.
     """
 
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, layout: SlotLayout):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, layout: SlotLayout,
+                 device_sampling: bool = False):
         if not config.enabled:
             raise ValueError("speculative decoding is off")
         if config.mtp and runner.mtp_layers < 1:
@@ -226,6 +232,9 @@ class Speculation:
         self.config = config
         self.runner = runner
         self.layout = layout
+        # Sample verification rows on the runner's device where every unit allows it
+        # (`_samples_on_device`): only ids come back instead of 1 + k logits rows per unit.
+        self.device_sampling = device_sampling and runner.samples_on_device
         self._states: dict[str, _SequenceState] = {}
         # Lane slot -> the request whose computation the runner's kept hidden states are from
         # (another request may have used the lane since: a pause or preemption frees it).
@@ -309,17 +318,45 @@ class Speculation:
                 snapshots = tuple(self.layout.snapshot_slots(work.slot)[:len(proposal) + 1])
             rows.append(StepRow(work.slot, (work.token_id, *proposal), work.pos, work.page_table,
                                 logits="all", snapshots=snapshots))
-        logits = self.runner.step(rows)
+        if self._samples_on_device(group, live):
+            vocab = self.runner.vocab_size
+            picks = self.runner.step_sampled(rows, lambda: [
+                [live[work.request_id].sampler.row_sampling(vocab, None, ahead=p) for p in range(len(row.token_ids))]
+                for work, row in zip(group, rows)])
+            steps = [lambda p, unit=live[work.request_id], ids=ids: unit.step_sampled(int(ids[p]))
+                     for work, ids in zip(group, picks)]
+        else:
+            logits = self.runner.step(rows)
+            # Only the first position's mask was computed ahead (from the committed state); later
+            # ones are asked for after the previous token advanced the constraint.
+            steps = [lambda p, unit=live[work.request_id], row_logits=row_logits, mask=masks.get(work.request_id):
+                     unit.step(row_logits[p], mask if p == 0 else None)
+                     for work, row_logits in zip(group, logits)]
         outcomes = {}
-        for work, row, proposal, mtp, row_logits in zip(group, rows, drafts, from_mtp, logits):
-            outcome = _accept(live[work.request_id], proposal, row_logits,
-                              masks.get(work.request_id))
+        for work, row, proposal, mtp, step_at in zip(group, rows, drafts, from_mtp, steps):
+            outcome = _accept(proposal, step_at, bool(live[work.request_id].request.logprobs))
             if row.snapshots is not None and outcome.error is None:
                 self.runner.commit(work.slot, row.snapshots[outcome.accepted])
             if mtp:
                 self._states[work.request_id].record(outcome.drafted, outcome.accepted)
             outcomes[work.request_id] = outcome
         return outcomes
+
+    def _samples_on_device(self, group: Sequence[DecodeWork], live: Mapping[str, LiveRequest]) -> bool:
+        """Whether the group's verification rows are sampled on the device: the runner can, the
+        engine allows it, and every position's inputs follow from the unit's current state alone
+        (no constraint, whose mask at a position depends on the tokens before it; no penalties,
+        whose deltas count them; no logprobs, which need the logits on the host). A later
+        position's inputs are then the first's with one more draw per position, exactly what
+        plain decoding would give it after accepting the drafts before it."""
+        if not self.device_sampling:
+            return False
+        for work in group:
+            unit = live[work.request_id]
+            if unit.request.constraint is not None or unit.request.logprobs \
+                    or not unit.sampler.unchanged_by_tokens:
+                return False
+        return True
 
     def _proposals(self, group: Sequence[DecodeWork]) -> tuple[list[list[int]], list[bool]]:
         """Each unit's drafts: the n-gram copy when it is longer than what MTP would draft,
@@ -368,20 +405,19 @@ class Speculation:
                 state.ngram.extend(tokens)
 
 
-def _accept(live: LiveRequest, proposal: Sequence[int], logits: np.ndarray,
-            first_mask) -> RoundOutcome:
-    """Sample and compare (module docstring, step 3) over one verification row's logits."""
+def _accept(proposal: Sequence[int], step_at: Callable[[int], StepResult], wants_logprobs: bool) -> RoundOutcome:
+    """Sample and compare (module docstring, step 3) over one verification row: `step_at(p)`
+    samples and commits position p's token (from its logits on the host, or the id the device
+    sampled for it)."""
     tokens: list[int] = []
     inserted: list[bool] = []
-    logprobs: Optional[list[dict]] = [] if live.request.logprobs else None
+    logprobs: Optional[list[dict]] = [] if wants_logprobs else None
     finish = None
     error = None
     position = 0
     while True:
         try:
-            # Only the first position's mask was computed ahead (from the committed state);
-            # later ones are asked for after the previous token advanced the constraint.
-            result = live.step(logits[position], first_mask if position == 0 else None)
+            result = step_at(position)
         except Exception as exc:  # noqa: BLE001 - sampling / constraint failure ends the unit
             error = exc
             break

@@ -283,8 +283,8 @@ class ModelRunner(Protocol):
 
     vocab_size: width of returned logits (the padded vocabulary of the checkpoint).
     num_pages / num_slots: capacities fixed at construction (the engine sizes its pools from them).
-    samples_on_device: the runner can sample rows itself (`prefill_sampled`, `decode_sampled`:
-        only ids come back); False means the engine samples the logits on the host and must not
+    samples_on_device: the runner can sample rows itself (`prefill_sampled`, `decode_sampled`,
+        `step_sampled`: only ids come back); False means the engine samples the logits on the host and must not
         call those two.
     device_bytes: device memory the runner reserved at construction (0 on the CPU backend).
     mtp_layers: MTP layers loaded (0: none; then `mtp_draft` must not be called). With MTP
@@ -387,6 +387,16 @@ class ModelRunner(Protocol):
         """Compute every row (the step contract above); float32 logits [len(offsets), V] per
         row, in row order ([0, V] for a row that wants none). Checked whole before any state
         or KV row is touched."""
+        ...
+
+    def step_sampled(self, rows: Sequence[StepRow],
+                     sampling: Callable[[], Sequence[Sequence[RowSampling]]]) -> list[np.ndarray]:
+        """`step` of decode rows (one token, no snapshots) and verification rows, each wanting
+        every position's logits, with every position's next token sampled on the device from
+        the inputs `sampling()` gives (one `RowSampling` per position of each row; the runner
+        calls it once the first forward pass is queued): int32 ids [num_tokens] per row, each
+        the token the device sampler picks from the logits `step` would return for that
+        position. Needs `samples_on_device`."""
         ...
 
     def commit(self, slot: int, snapshot: int) -> None:

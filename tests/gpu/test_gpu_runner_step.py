@@ -188,3 +188,42 @@ def test_all_position_logits_of_a_2048_token_chunk_of_the_27b_shape(runner_27b, 
     # tests/gpu/test_gdn_chunked_runner.py.
     assert max(offset_errors) < 1e-2, offset_errors
     assert max(errors.values()) < 3e-2, errors
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_step_sampled_ids_equal_decode_sampled_steps(runner, greedy):
+    # Every position of a verification row sampled on the device (`step_sampled`) picks what
+    # `decode_sampled` picks at that position decoding the same tokens one at a time, with the
+    # draw numbered base + position: the ids read back are in row and position order. A decode
+    # row beside it picks what it picks alone.
+    from runtime.model.sampling import RowSampling
+
+    if not runner.samples_on_device:
+        pytest.skip("the sampling kernels were not built")
+    v = runner.vocab_size
+
+    def inputs(p: int) -> RowSampling:
+        if greedy:
+            return RowSampling(greedy=True)
+        return RowSampling(greedy=False, temperature=1.3, top_k=20, top_p=0.95, seed=77, draw_index=5 + p)
+
+    prompts = [_ids(500 + i, PROMPT_LEN, v) for i in range(3)]
+    tokens = _ids(600, 4, v)
+    for i, prompt in enumerate(prompts):
+        _prefilled(runner, i, i, prompt)
+        _prefilled(runner, 3 + i, 3 + i, prompt)
+    rows = [StepRow(0, tokens, PROMPT_LEN, _pages(0), logits="all", snapshots=[12, 13, 14, 15]),
+            StepRow(1, tokens[:1], PROMPT_LEN, _pages(1), logits="all"),
+            StepRow(2, tokens, PROMPT_LEN, _pages(2), logits="all", snapshots=[16, 17, 18, 19])]
+    got = runner.step_sampled(rows, lambda: [[inputs(p) for p in range(row.num_tokens)] for row in rows])
+    assert [len(ids) for ids in got] == [4, 1, 4]
+    for seq, ids in ((3, got[0]), (5, got[2])):
+        alone = [int(runner.decode_sampled([DecodeItem(seq, t, PROMPT_LEN + p, _pages(seq))],
+                                           lambda p=p: [inputs(p)])[0]) for p, t in enumerate(tokens)]
+        assert ids.tolist() == alone
+    assert got[1].tolist() == [int(runner.decode_sampled([DecodeItem(4, tokens[0], PROMPT_LEN, _pages(4))],
+                                                         lambda: [inputs(0)])[0])]
+    if greedy:  # and they are the argmax of the logits `step` returns (lowest id on ties)
+        _prefilled(runner, 3, 3, prompts[0])
+        logits = runner.step([StepRow(3, tokens, PROMPT_LEN, _pages(3), logits="all", snapshots=[20, 21, 22, 23])])[0]
+        assert got[0].tolist() == np.argmax(logits, axis=1).tolist()

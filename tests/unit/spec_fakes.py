@@ -11,6 +11,10 @@ followed their most recent earlier occurrence gets a clear winner bonus (a promp
 that the output rewrites is copied); otherwise a hash of the last two tokens wins. A fixed
 pseudo-random spread keeps sampling meaningful.
 
+With `device_sampling=True` it samples on its "device" (`samples_on_device`): the `*_sampled`
+calls pick each row's token with `decide`, the device sampler's host reference, over the same
+logits, and count themselves in `sampled_calls`.
+
 Its MTP head (`mtp_layers = 1`) drafts what the model's greedy rule would say next, wrong
 every `mtp_wrong_every`-th draft, and checks the catch-up contract: rows start where the slot's
 latest computation started, pair its kept positions with the committed tokens, and cover every
@@ -25,13 +29,13 @@ import numpy as np
 
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, MtpRow, PrefillChunk, StepRow,
                                   checked_rows)
+from runtime.model.sampling import decide
 
 
 class CopyRunner:
-    samples_on_device = False  # the engine samples its logits on the host
 
     def __init__(self, vocab_size=48, num_pages=32, num_slots=4, match=3, winner=6.0,
-                 spread=1.0, mtp=False, mtp_wrong_every=0, seed=0):
+                 spread=1.0, mtp=False, mtp_wrong_every=0, seed=0, device_sampling=False):
         self.vocab_size = vocab_size
         self.num_pages = num_pages
         self.num_slots = num_slots
@@ -39,7 +43,10 @@ class CopyRunner:
         self.winner = winner
         self.spread = spread
         self.mtp_layers = 1 if mtp else 0
-        self.samples_on_device = False
+        # device_sampling: sample on the "device" (`decide`, the device sampler's reference) in
+        # the `*_sampled` calls, counting them in `sampled_calls`.
+        self.samples_on_device = device_sampling
+        self.sampled_calls = {"decode": 0, "prefill": 0, "step": 0}
         self.mtp_wrong_every = mtp_wrong_every
         self.history: list[list[int]] = [[] for _ in range(num_slots)]
         self.kv = np.full((num_pages, PAGE_SIZE), -1, dtype=np.int64)
@@ -113,6 +120,25 @@ class CopyRunner:
                                row.snapshots)
             out.append(logits[list(row.logit_offsets())])
         return out
+
+    def decode_sampled(self, items, sampling, lookahead=False) -> np.ndarray:
+        assert self.samples_on_device
+        self.sampled_calls["decode"] += 1
+        logits = self.decode(items)
+        return np.array([decide(row, each).token for row, each in zip(logits, sampling())], np.int32)
+
+    def prefill_sampled(self, chunk, sampling) -> np.ndarray:
+        assert self.samples_on_device
+        self.sampled_calls["prefill"] += 1
+        (row,) = sampling()
+        return np.array([decide(self.prefill(chunk)[-1], row).token], np.int32)
+
+    def step_sampled(self, rows, sampling) -> list[np.ndarray]:
+        assert self.samples_on_device
+        self.sampled_calls["step"] += 1
+        logits = self.step(rows)
+        return [np.array([decide(x, each).token for x, each in zip(row_logits, per_position)], np.int32)
+                for row_logits, per_position in zip(logits, sampling())]
 
     def commit(self, slot: int, snapshot: int) -> None:
         self.history[slot] = list(self.history[snapshot])

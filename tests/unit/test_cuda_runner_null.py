@@ -181,3 +181,37 @@ def test_device_bytes_are_the_reserved_arenas(runner):
     assert set(arenas) == {"weights", "kv_pages", "state_slots", "workspace"}
     assert runner.device_bytes == sum(a.capacity for a in arenas.values())
     assert runner.device_bytes > runner.layout.total  # the weights and more
+
+
+def test_step_sampled_samples_every_verification_position_on_the_device(runner):
+    import struct
+
+    from runtime.model.runner import StepRow
+    from runtime.model.sampling import RowSampling
+
+    if not runner.samples_on_device:
+        pytest.skip("the sampling kernels were not built")
+    dev = runner.device
+    calls = []
+
+    def sampling():
+        calls.append(1)
+        return [[RowSampling(greedy=True)] * 3]
+
+    for slot in range(4):
+        runner.reset_slot(slot)
+    n = len(dev.launches)
+    row = StepRow(0, (5, 6, 7), 0, [3], logits="all", snapshots=(1, 2, 3))
+    (ids,) = runner.step_sampled([row], sampling)
+    assert ids.shape == (3,) and ids.dtype == np.int32
+    assert calls == [1]                                   # the inputs asked for once
+    sampled = [rec for rec in dev.launches[n:] if "sampling" in rec.function]
+    assert [rec.function.split("_kernel")[0] for rec in sampled] == ["infx_sampling_candidates", "infx_sampling_pick"]
+    logits_ptr = struct.unpack("<Q", sampled[0].params[0])[0]
+    rows = struct.unpack("<i", sampled[0].params[-2])[0]
+    assert logits_ptr == runner.storage.buf["logits"] and rows == 3   # the 3 positions' rows
+    runner.commit(0, 3)
+    with pytest.raises(ValueError, match="prefill rows"):
+        runner.step_sampled([StepRow(0, (5, 6), 3, [3], logits="all")], sampling)
+    with pytest.raises(ValueError, match="one RowSampling per position"):
+        runner.step_sampled([StepRow(0, (8,), 3, [3], logits="all")], lambda: [[]])

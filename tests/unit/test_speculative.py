@@ -243,3 +243,78 @@ def test_draft_pages_are_taken_for_the_round_and_the_rejected_ones_given_back():
     scheduler.finish("a")
     scheduler.finish("b")
     assert scheduler.pages.num_free == 4
+
+
+DEVICE = {"device_sampling": True}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, MTP], ids=["ngram", "mtp"])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_rounds_sampled_on_the_device_equal_plain_device_decoding(spec, sampling):
+    # A runner that samples on its device: plain decoding samples each row there
+    # (`decode_sampled`), and verification rows are sampled there too (`step_sampled`, one id per
+    # position, a later position's draw numbered as plain decoding would number it), so greedy and
+    # seeded output equal plain decoding token for token.
+    prompts = {"a": FILE[:150] + FILE[:4], "c": FILE[40:110] + FILE[40:44]}
+    model = {"winner": 9.0, "mtp_wrong_every": 3, **DEVICE}
+    expected = {rid: run(OFF, {rid: p}, 80, sampling, runner_kw=model)[0][rid][0]
+                for rid, p in prompts.items()}
+    results, counters, runner = run(spec, prompts, 80, sampling, lanes=2, runner_kw=model,
+                                    config_kw={"prefill_chunk": 64})
+    for rid in prompts:
+        assert results[rid][0] == expected[rid], rid
+    assert counters["spec_accepted_tokens"] > 20
+    assert runner.sampled_calls["step"] == counters["decode_batches"]   # every round on the device
+
+
+def test_device_sampled_rounds_keep_the_target_distribution():
+    # The chi-square test of `test_sampled_rounds_keep_the_target_distribution`, every round
+    # sampled on the device: position p of a round draws with draw number (draws so far) + p.
+    runner_kw = {"vocab_size": 5, "winner": 1.0, "match": 1, **DEVICE}
+    spec = SpeculativeConfig(ngram_draft_tokens=3, ngram_min_match=1)
+    prompt = [0, 1, 2, 3, 4, 0, 2, 4, 1]
+    prompts = {f"s{seed}": prompt for seed in range(1500)}
+    sampling_of = {rid: SamplingParams(temperature=1.0, top_k=20, seed=seed)
+                   for seed, rid in enumerate(prompts)}
+    results, counters, runner = run(spec, prompts, 3, lanes=8, num_pages=16, runner_kw=runner_kw,
+                                    config_kw={"max_waiting": len(prompts)}, sampling_of=sampling_of)
+    assert runner.sampled_calls["step"] > 100
+    model = CopyRunner(vocab_size=5, winner=1.0, match=1)
+
+    def probs(history):
+        z = model.logits_for(history).astype(np.float64)
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    p1 = probs(prompt)
+    expected = np.zeros((5, 5))
+    for t1 in range(5):
+        p2 = probs(prompt + [t1])
+        for t2 in range(5):
+            expected[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    observed = np.zeros((5, 5))
+    for tokens, _ in results.values():
+        observed[tokens[1], tokens[2]] += 1
+    assert 0 < counters["spec_accepted_tokens"] < counters["spec_drafted_tokens"]
+    expected_counts = expected * len(results)
+    statistic = float(((observed - expected_counts) ** 2 / expected_counts).sum())
+    assert statistic < 51.18, (statistic, observed, expected_counts)   # chi-square(24), p = 0.001
+
+
+def test_constrained_penalised_or_logprobs_rounds_take_the_logits_to_the_host():
+    # A constraint's mask at a later position, a penalty's deltas and logprobs all depend on
+    # what the host sees per position: such rounds read the logits (`step`), and still equal
+    # plain decoding on the same device-sampling runner.
+    prompt = FILE[:120] + FILE[:5]
+    penalised = SamplingParams(temperature=0.9, top_p=0.95, seed=11, presence_penalty=0.2)
+    cases = {"constraint": ({"constraint": lambda: OnlyEven(40, 1)}, SAMPLED),
+             "penalty": ({}, penalised),
+             "logprobs": ({"logprobs": 1}, GREEDY)}
+    for name, (request_kw, sampling) in cases.items():
+        plain = run(OFF, {"a": prompt}, 40, sampling, runner_kw=DEVICE, **request_kw)[0]["a"]
+        got, counters, runner = run(NGRAM, {"a": prompt}, 40, sampling, runner_kw=DEVICE, **request_kw)
+        assert runner.sampled_calls["step"] == 0, name
+        assert counters["spec_drafted_tokens"] > 0, name
+        # Equal here: this fake's device sampler is the host's float64 reference (on a GPU, a
+        # constrained round's host sampling may differ within rounding of a threshold).
+        assert got["a"][0] == plain[0], name

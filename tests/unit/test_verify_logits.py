@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.model.gpu.runner import _in_order
+from runtime.model.gpu.verify_rows import _in_order
 from runtime.artifact.formats import bf16_to_f32
 
 

@@ -41,6 +41,7 @@ from runtime.model.gpu.mtp import MtpHead
 from runtime.model.gpu.sampling import DeviceSampler
 from runtime.model.gpu.slot_copies import SlotCopies
 from runtime.model.gpu.step import Steps
+from runtime.model.gpu.verify_rows import VerifyRows
 from runtime.model.gpu.storage import BUCKETS, DECODE_MIN_SPLIT, Storage, StateSlots
 from runtime.model.gpu.weights import FP8, NVFP4, WeightLayout, fill_synthetic, rope_tables, upload_artifact
 from runtime.model.runner import (PAGE_SIZE, DecodeItem, MtpRow, PrefillChunk, StepRow,
@@ -56,7 +57,7 @@ from runtime.model.sampling import RowSampling
 VERIFY_TOKEN_COST = 0.05
 
 
-class CudaRunner(SlotCopies):
+class CudaRunner(SlotCopies, VerifyRows):
     """See the module docstring. Build with `from_artifact` or `synthetic`.
 
     mtp: load the MTP head (its weights from `mtp_component`, the artifact's `mtp` component, or
@@ -350,42 +351,6 @@ class CudaRunner(SlotCopies):
             self._keep(s, pos, self.storage.buf["h"] + i * self._row_bytes, 1)
         return b
 
-    def _verify(self, rows: Sequence[StepRow], checked: Sequence[tuple]) -> list[np.ndarray]:
-        """Verification rows as verification steps (`Steps.verify`): rows of one length together,
-        as many sequences per step as `Storage.verify_rows` and the batch allow (a row longer
-        than a step takes goes in windows of positions, its snapshot chain carried across: a
-        window reads the snapshot of the position before it, the row's slot for the first); the
-        state after position p written to snapshot p. The wanted positions' logits per row, in
-        order."""
-        phys = self.slots.phys
-        wanted = [set(row.logit_offsets()) for row in rows]
-        logits: list[dict[int, tuple[np.ndarray, int]]] = [{} for _ in rows]  # position -> (block, row)
-        by_length: dict[int, list[int]] = {}
-        for r, row in enumerate(rows):
-            by_length.setdefault(row.num_tokens, []).append(r)
-        for t, members in sorted(by_length.items()):
-            window = next(w for w in range(t, 0, -1) if self.steps.verify_fits(1, w))
-            per_step = next(n for n in range(min(self.max_batch, len(members)), 0, -1)
-                            if self.steps.verify_fits(n, window))
-            for lo in range(0, len(members), per_step):
-                group = members[lo:lo + per_step]
-                for p0 in range(0, t, window):
-                    span = range(p0, min(t, p0 + window))
-                    self.steps.verify(
-                        np.array([[checked[r][0][p] for p in span] for r in group], np.int64),
-                        [checked[r][1] + p0 for r in group], [checked[r][2] for r in group],
-                        [phys[rows[r].slot if p0 == 0 else rows[r].snapshots[p0 - 1]] for r in group],
-                        [[phys[rows[r].snapshots[p]] for p in span] for r in group])
-                    for b, r in enumerate(group):  # sequence b's rows are position-major, len(group) apart
-                        self._keep(rows[r].slot, checked[r][1] + p0, self.storage.buf["h"] + b * self._row_bytes,
-                                   len(span), src_pitch=len(group) * self._row_bytes, append=p0 > 0)
-                    need = [(b, r, p) for b, r in enumerate(group) for p in span if p in wanted[r]]
-                    if need:
-                        blocks = self.steps.read_verify_logits(len(span), len(group))
-                        for b, r, p in need:
-                            logits[r][p] = (blocks[b], p - p0)
-        return [_in_order(by_pos, self.vocab_size) for by_pos in logits]
-
     # ------------------------------------------------------------------ the MTP head
 
     def mtp_draft(self, rows: Sequence[MtpRow]) -> list[list[int]]:
@@ -444,15 +409,3 @@ class CudaRunner(SlotCopies):
         if self._media is not None:
             self._media.tower.close()
         self.storage.release()
-
-
-def _in_order(by_pos: dict[int, tuple[np.ndarray, int]], vocab: int) -> np.ndarray:
-    """One verification row's wanted logits in position order: a view of its block where they are
-    consecutive rows of one block (every position of one window: the usual case), else a copy."""
-    if not by_pos:
-        return np.zeros((0, vocab), np.float32)
-    picks = [by_pos[p] for p in sorted(by_pos)]
-    block, first = picks[0]
-    if all(b is block and i == first + n for n, (b, i) in enumerate(picks)):
-        return block[first:first + len(picks)]
-    return np.stack([b[i] for b, i in picks])

@@ -25,13 +25,13 @@ class DeviceSampler:
         self.vocab_size = vocab_size
         self.ids_ready = device.create_event()
 
-    def queue(self, rows: Sequence[RowSampling]) -> Any:
-        """Upload the rows' inputs, queue both kernels and the ids' download; returns the event
-        that marks the ids on the host."""
+    def queue(self, rows: Sequence[RowSampling], row0: int = 0) -> Any:
+        """Upload the rows' inputs, queue both kernels over logits rows row0.. and the ids'
+        download; returns the event that marks the ids on the host."""
         st, s = self.storage, self.stream
         b = len(rows)
         self.upload(rows)
-        for launch in self.plan(b):
+        for launch in self.plan(b, row0=row0):
             launch(s)
         self.device.memcpy_dtoh(st.sample_host["ids"][:b], st.buf["sample_ids"], s)
         self.ids_ready.record(s)
@@ -42,9 +42,11 @@ class DeviceSampler:
         st = self.storage
         v, words = self.vocab_size, st.mask_words
         host = st.sample_host
-        row_i32 = host["row_i32"].reshape(st.max_batch, ROW_I32)
-        row_f32 = host["row_f32"].reshape(st.max_batch, ROW_F32)
-        masks = host["bitmask"].reshape(st.max_batch, words)
+        if len(rows) > st.sample_rows:
+            raise ValueError(f"{len(rows)} rows to sample exceed the {st.sample_rows} one sampling takes")
+        row_i32 = host["row_i32"].reshape(st.sample_rows, ROW_I32)
+        row_f32 = host["row_f32"].reshape(st.sample_rows, ROW_F32)
+        masks = host["bitmask"].reshape(st.sample_rows, words)
         pen = 0
         for r, row in enumerate(rows):
             n = len(row.penalty_ids)
@@ -66,24 +68,25 @@ class DeviceSampler:
             dev.memcpy_htod(base + off["pen_ids"], host["pen_ids"][:pen], s)
             dev.memcpy_htod(base + off["pen_delta"], host["pen_delta"][:pen], s)
 
-    def plan(self, rows: int, vocab: int | None = None) -> list:
-        """The two kernels over logits rows 0..rows-1 of `vocab` ids each (default the model's:
-        the MTP drafts' rows are `mtp_draft_vocab` wide), ids into `buf["sample_ids"]`."""
+    def plan(self, rows: int, vocab: int | None = None, row0: int = 0) -> list:
+        """The two kernels over logits rows row0..row0+rows-1 of `vocab` ids each (default the
+        model's: the MTP drafts' rows are `mtp_draft_vocab` wide), ids into `buf["sample_ids"]`
+        (its first `rows` entries)."""
         vocab = vocab or self.vocab_size
-        return self.plans.get(("sample", rows, vocab), lambda: self._bind(rows, vocab))
+        return self.plans.get(("sample", rows, vocab, row0), lambda: self._bind(rows, vocab, row0))
 
     def ids(self, b: int) -> np.ndarray:
         """The ids of the last `queue` (after its event): int32 [b]."""
         return self.storage.sample_host["ids"][:b].copy()
 
-    def _bind(self, rows: int, vocab: int) -> list:
+    def _bind(self, rows: int, vocab: int, row0: int) -> list:
         k, lib, buf, off = self.kernels, self.library, self.storage.buf, self.storage.sample_off
         inputs = {name: buf["sample_in"] + off[name] for name in ("row_i32", "row_f32", "bitmask", "pen_ids",
                                                                  "pen_delta")}
         cands = {"cand_val": buf["cand_val"], "cand_id": buf["cand_id"]}
         return [
             lib.kernel("sampling", k.sample_candidates).bind(
-                {"logits": buf["logits"], "bitmask": inputs["bitmask"], "row_i32": inputs["row_i32"],
+                {"logits": buf["logits"] + row0 * vocab * 2, "bitmask": inputs["bitmask"], "row_i32": inputs["row_i32"],
                  "pen_ids": inputs["pen_ids"], "pen_delta": inputs["pen_delta"], **cands},
                 {"R": rows, "V": vocab}),
             lib.kernel("sampling", k.sample_pick).bind(

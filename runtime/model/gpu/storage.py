@@ -183,11 +183,15 @@ class Storage:
         # mirrored by a pinned host block, the per-CTA candidates, the sampled ids.
         self.mask_words = cdiv(c.vocab_size, 32)
         self.max_penalties = max_batch * min(max_context, c.vocab_size)
-        sample_fields = (("row_i32", max_batch * ROW_I32, np.int32),
-                         ("row_f32", max_batch * ROW_F32, np.float32),
-                         ("bitmask", max_batch * self.mask_words, np.uint32),
+        # Rows one device sampling takes: a decode step's, or a verification step's positions of
+        # up to 1 + MTP_MAX_DRAFTS tokens a sequence (`CudaRunner.step_sampled`; longer ones go in
+        # several samplings).
+        sr = self.sample_rows = max_batch * (1 + MTP_MAX_DRAFTS)
+        sample_fields = (("row_i32", sr * ROW_I32, np.int32),
+                         ("row_f32", sr * ROW_F32, np.float32),
+                         ("bitmask", sr * self.mask_words, np.uint32),
                          ("pen_ids", self.max_penalties, np.int32), ("pen_delta", self.max_penalties, np.float32),
-                         ("ids", max_batch, np.int32))
+                         ("ids", sr, np.int32))
         self.sample_off: dict[str, int] = {}
         off = 0
         for name, count, _ in sample_fields:
@@ -195,8 +199,8 @@ class Storage:
             off += cdiv(count * 4, 256) * 256
         sample_bytes = off
         if k.sample_candidates:
-            cands = max_batch * k.sample_ctas * TOP_K_CAP * 4
-            sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": max_batch * 4})
+            cands = sr * k.sample_ctas * TOP_K_CAP * 4
+            sizes.update({"sample_in": sample_bytes, "cand_val": cands, "cand_id": cands, "sample_ids": sr * 4})
         # Metadata (int32): ids, pos, wrow, qseq, slots, slots_in [rows] (a verification step
         # has a snapshot slot per row: `layers.StepShape`); err; table [max_batch, maxp].
         self.meta_size = {"ids": rows, "pos": rows, "wrow": rows, "qseq": rows, "slots": rows,
