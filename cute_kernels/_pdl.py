@@ -10,6 +10,10 @@ completed and its memory is visible. The contract of a kernel built with config 
 - every thread executes `wait()` before it reads anything an earlier kernel of the step writes
   and before it writes anything an earlier kernel reads; no thread returns before its wait, so
   the grid never completes before its predecessor (the next kernel's wait then covers both);
+- what may come before the wait: weights, and the step's metadata (positions, slots, page
+  tables: uploaded by the host before the step; a PDL kernel starts only after its predecessor
+  started, and the step's first kernel is launched without the attribute, so after the upload);
+  the GDN state slots too (only that layer's GDN launch of a step writes them);
 - `launch_dependents()` is a hint: once every CTA has issued it (or exited), the next kernel's
   CTAs may be scheduled. It never makes the next kernel read early: that one waits for this
   grid's completion all the same.
