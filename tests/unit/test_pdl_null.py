@@ -145,22 +145,21 @@ def test_check_pdl_refuses_a_declaration_the_ptx_contradicts():
 
 
 def test_built_kernels_wait_exactly_when_their_manifest_says_pdl():
-    """The built PTX of every sm_90a kernel of the PDL families (and of the prefill families sharing
-    their modules) against its manifest entry."""
+    """The built PTX of every sm_90a kernel against its manifest entry: the PDL families' kernels
+    wait, every other kernel (the families sharing their modules included) does not."""
     from runtime.cuda.manifest import Manifest
 
     path = REPO / "build" / "kernels" / "sm_90a" / "manifest.json"
     man = built_or_skip(lambda: Manifest.load(path))
-    checked = 0
+    waiting = set()
     for (family, key), e in man.kernels.items():
-        if family not in PDL_FAMILIES | {"gdn_chunked", "attention_prefill", "attention_wgmma"}:
-            continue
         ptx = (path.parent / e.cubin).with_suffix(".ptx")
         if not ptx.exists():
             pytest.skip(f"{ptx} not built")
         assert e.pdl == ("griddepcontrol.wait" in ptx.read_text()), e.name
-        checked += 1
-    assert checked > 300
+        if e.pdl:
+            waiting.add(family)
+    assert waiting == PDL_FAMILIES
 
 
 # ------------------------------------------------------------------ the runner's plans
@@ -234,3 +233,20 @@ def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "tiny.infernix"
     make_tiny(path, family="dense", seed=0, vocab="small")
     return path
+
+
+# ------------------------------------------------------------------ the benches' --pdl
+
+
+def test_decode_bench_compares_pdl_off_and_on_and_refuses_other_words(capsys):
+    from bench import decode, step_breakdown
+
+    runs = [{"pdl": pdl, "results": [{"batch": 1, "context": 1024, "graph_ms": ms}]}
+            for pdl, ms in ((False, 2.53), (True, 2.30))]
+    lines = decode.render_kv_dtypes(runs, lambda r: f"PDL {'on' if r['pdl'] else 'off'}").splitlines()
+    assert lines[0] == "| batch | context | PDL off ms | PDL on ms (x vs PDL off) |"
+    assert lines[2] == "| 1 | 1024 | 2.53 | 2.30 (1.10x) |"
+    for main in (decode.main, step_breakdown.main):
+        with pytest.raises(SystemExit):
+            main(["--pdl", "maybe", "--out", "/nonexistent/never"])
+        assert "--pdl 'maybe': on, off or off,on" in capsys.readouterr().err
