@@ -461,7 +461,8 @@ def list_variants(arches: Sequence[str], patterns: Sequence[str]) -> int:
         module = importlib.import_module(j.module)
         v = next(v for v in module.variants() if v.key == j.key)
         grid = ", ".join(str(g) for g in v.grid)
-        print(f"{j.arch}  {j.name:34s} block {v.block[0]:4d}  grid ({grid})  {v.note}")
+        pdl = "pdl  " if v.config.get("pdl") else ""  # launched with PDL in decode plans (cute_kernels/_pdl.py)
+        print(f"{j.arch}  {j.name:34s} block {v.block[0]:4d}  grid ({grid})  {pdl}{v.note}")
     return 0
 
 

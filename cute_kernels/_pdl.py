@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import nvvm
 
 
 def wait() -> None:
@@ -39,7 +41,8 @@ def launch_dependents() -> None:
     cute.arch.griddepcontrol_launch_dependents()
 
 
-def prefetch_l2(address: Any) -> None:
-    """Start bringing the line holding a global address (a cute.Pointer) into L2 (no register
-    result, so it never stalls): the weights a kernel will stream, issued before `wait()`."""
-    cute.arch.prefetch(address.to_llvm_ptr(), cache_level="L2")
+def prefetch_l2(address: Any, nbytes: int) -> None:
+    """Start bringing `nbytes` (a multiple of 16) from a 16-byte aligned global address (a
+    cute.Pointer) into L2: one `cp.async.bulk.prefetch.L2` for the whole range, no register result
+    (it never stalls the thread): the weights a kernel will stream, issued before `wait()`."""
+    nvvm.cp_async_bulk_prefetch(address.to_llvm_ptr(), cutlass.Int32(nbytes).ir_value())

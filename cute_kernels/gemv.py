@@ -197,14 +197,15 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             frag_a[3] = bf16(0.0)
             frag_a[6] = bf16(0.0)
             frag_a[7] = bf16(0.0)
-        # PDL (cute_kernels/_pdl.py): the weights are no earlier kernel's output, so the lines of the
-        # chunks the loop first keeps in flight head for L2 while the previous kernel drains; x
-        # (its output) is read, and `out` written, only after the wait.
-        for h in cutlass.range_constexpr(row_groups):
-            for c in cutlass.range_constexpr(min(unroll, chunks)):
-                _pdl.prefetch_l2(w_lo[h] + c * CHUNK)
+        # PDL (cute_kernels/_pdl.py): the weights are no earlier kernel's output, so each row's bytes
+        # of the chunks the warp's loop first keeps in flight (contiguous: lane q = 0's address on)
+        # head for L2 while the previous kernel drains; x (its output) is read, and `out` written,
+        # only after the wait.
+        if q == 0:
+            for h in cutlass.range_constexpr(row_groups):
+                _pdl.prefetch_l2(w_lo[h], min(unroll, chunks) * CHUNK * 2)
                 if cutlass.const_expr(not half):
-                    _pdl.prefetch_l2(w_hi[h] + c * CHUNK)
+                    _pdl.prefetch_l2(w_hi[h], min(unroll, chunks) * CHUNK * 2)
         _pdl.wait()
         x_rows = []
         for g in cutlass.range_constexpr(groups):

@@ -133,6 +133,14 @@ def test_the_variant_tables_declare_pdl_for_the_decode_chain_only():
             assert not pdl, f"{family}/{key}"
 
 
+def test_list_marks_the_pdl_variants(capsys):
+    import build_kernels as bk
+
+    assert bk.main(["--list", "--only", "gemv/o_proj_n5120_k6144_m8", "--only", "gemm_sm90/o_proj*"]) == 0
+    marked = {line.split()[1]: " pdl  " in line for line in capsys.readouterr().out.splitlines()}
+    assert marked == {"gemv/o_proj_n5120_k6144_m8": True, "gemm_sm90/o_proj_n5120_k6144": False}
+
+
 def test_check_pdl_refuses_a_declaration_the_ptx_contradicts():
     from build_kernels import BuildError, check_pdl
     from cute_kernels.silu_mul import variants
