@@ -215,6 +215,17 @@ def check_params(variant: Any, ptx_params: Sequence[Mapping[str, Any]]) -> None:
             raise BuildError(f"{variant.name}: parameter {i} ({want.kind} {want.name}) compiled as {got}")
 
 
+def check_pdl(variant: Any, ptx: str) -> None:
+    """A variant declares `pdl: True` exactly when its kernel waits on its predecessor
+    (`griddepcontrol.wait`): the runtime launches it with the PDL attribute on that word alone,
+    and a kernel launched so without the wait could read its predecessor's output too early."""
+    declared = bool(variant.config.get("pdl", False))
+    waits = "griddepcontrol.wait" in ptx
+    if declared != waits:
+        raise BuildError(f"{variant.name}: config pdl is {declared} but the PTX "
+                         f"{'has' if waits else 'has no'} griddepcontrol.wait")
+
+
 # --------------------------------------------------------------------------- compiling (worker)
 
 
@@ -245,6 +256,7 @@ def compile_job(job: Job, out_root: str) -> dict[str, Any]:
     if ent["reqntid"] is not None and tuple(ent["reqntid"]) != tuple(variant.block):
         raise BuildError(f"{job.name}: PTX .reqntid {ent['reqntid']} differs from the declared block {variant.block}")
     check_params(variant, ent["params"])
+    check_pdl(variant, ptx)
     launch = parse_host_launch(host_ir)
     if tuple(launch["block"]) != tuple(variant.block):
         raise BuildError(f"{job.name}: host launch block {launch['block']} differs from the declared {variant.block}")
@@ -449,7 +461,8 @@ def list_variants(arches: Sequence[str], patterns: Sequence[str]) -> int:
         module = importlib.import_module(j.module)
         v = next(v for v in module.variants() if v.key == j.key)
         grid = ", ".join(str(g) for g in v.grid)
-        print(f"{j.arch}  {j.name:34s} block {v.block[0]:4d}  grid ({grid})  {v.note}")
+        pdl = "pdl  " if v.config.get("pdl") else ""  # launched with PDL in decode plans (cute_kernels/_pdl.py)
+        print(f"{j.arch}  {j.name:34s} block {v.block[0]:4d}  grid ({grid})  {pdl}{v.note}")
     return 0
 
 

@@ -8,7 +8,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
-        [--kv-dtype bf16,fp8,int8]
+        [--kv-dtype bf16,fp8,int8] [--pdl on|off|off,on]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -27,7 +27,8 @@ pairs whose batch x context exceeds it and sizes the KV pool for the largest pai
 250K does not fit next to the 27B's weights). Writes `decode.json` and prints Markdown tables.
 `--kv-dtype` takes a list of KV formats: each gets its own runner and run (`decode_<fmt>.json`
 when more than one) and a last table compares their GPU time per step at each pair
-(`kv_dtypes.json`).
+(`kv_dtypes.json`). `--pdl off,on` times every pair without and then with programmatic dependent
+launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two.
 """
 
 from __future__ import annotations
@@ -158,7 +159,9 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
         draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None,
-        kv_dtype: str = "bf16") -> dict[str, Any]:
+        kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",)) -> list[dict[str, Any]]:
+    """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL), all
+    timed on one runner: its plans and graphs are bound again for each mode."""
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
     if not pairs:
         raise ValueError(f"no (batch, context) pair within --max-tokens {max_tokens}")
@@ -171,8 +174,14 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                          min_split=min_split, weight_format=weight_format, spare_slots=spare, mtp=bool(mtp_drafts),
                          shape=shape, router=router, pages=pages, kv_dtype=kv_dtype)
     try:
-        return _timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa, gdn_min_ctas,
-                      draft_vocabs, tail, attention_form)
+        runs = []
+        for mode in pdl_modes:
+            if mode != "default":
+                runner.steps.destroy_graphs()  # every plan and graph bound again, with or without PDL
+                runner.kernels.pdl = mode == "on"
+            runs.append(_timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa,
+                               gdn_min_ctas, draft_vocabs, tail, attention_form))
+        return runs
     finally:
         runner.close()  # the next KV format's runner needs the memory
 
@@ -238,7 +247,7 @@ def _timed(runner: Any, pairs: list, contexts: list[int], steps: int, drafts: tu
                            [v or runner.vocab_size for v in draft_vocabs]) if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
             "kv_dtype": runner.kv_dtype,
-            "gdn_min_ctas": runner.kernels.gdn_min_ctas,
+            "gdn_min_ctas": runner.kernels.gdn_min_ctas, "pdl": runner.kernels.pdl,
             "verification": verification, "mtp_rounds": rounds,
             "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
             "attention_form": runner.kernels.decode_attention_form, "results": results, "attention_vs_sdpa": attention,
@@ -280,11 +289,11 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_kv_dtypes(runs: list[dict[str, Any]]) -> str:
-    """GPU ms per decode step of each KV format at each (batch, context), and the speed-up of each
-    over the first format given (bf16 when listed first)."""
-    base = runs[0]["kv_dtype"]
-    head = " | ".join(f"{r['kv_dtype']} ms" + ("" if r["kv_dtype"] == base else f" (x vs {base})") for r in runs)
+def render_kv_dtypes(runs: list[dict[str, Any]], label: Any = lambda r: r["kv_dtype"]) -> str:
+    """GPU ms per decode step of each run (by default each KV format; `label` names a run) at each
+    (batch, context), and the speed-up of each over the first run (bf16 when listed first)."""
+    base = label(runs[0])
+    head = " | ".join(f"{label(r)} ms" + ("" if r is runs[0] else f" (x vs {base})") for r in runs)
     lines = [f"| batch | context | {head} |", "|---:|---:|" + "---:|" * len(runs)]
     for i, row in enumerate(runs[0]["results"]):
         cells = []
@@ -322,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sdpa", action="store_true", help="skip decode attention alone against torch SDPA")
     ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
+    ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
+                    "verification graphs: on, off, or both (off,on: timed one after the other on one runner, "
+                    "then side by side); runtime/model/gpu/kernels.py's PDL if omitted")
     ap.add_argument("--verify", default="", help="draft lengths k (comma-separated): also time "
                     "verification rows of 1 + k tokens against a decode step (bench/verify_step.py)")
     ap.add_argument("--mtp-rounds", default="", help="draft lengths k (comma-separated): also time rounds of k "
@@ -349,20 +361,29 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in formats if f not in KV_FORMATS]
     if bad or not formats:
         ap.error(f"--kv-dtype: {','.join(bad) or 'nothing'} is not a list of {', '.join(KV_FORMATS)}")
+    pdl_modes = tuple(args.pdl.split(","))
+    if not pdl_modes or any(m not in ("on", "off", "default") for m in pdl_modes) or len(set(pdl_modes)) < len(pdl_modes):
+        ap.error(f"--pdl {args.pdl!r}: on, off or off,on")
     command = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for fmt in formats:
-        data = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], args.steps,
-                   args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
-                   tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
-                   args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
-                   tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form, kv_dtype=fmt)
-        data["command"] = command
-        name = "decode.json" if len(formats) == 1 else f"decode_{fmt}.json"
-        (args.out / name).write_text(json.dumps(data, indent=1))
-        print(f"\n## KV {fmt}\n\n" + render(data), flush=True)
-        runs.append(data)
+        by_pdl = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")],
+                     args.steps, args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
+                     tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
+                     args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
+                     tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form, kv_dtype=fmt,
+                     pdl_modes=pdl_modes)
+        for data in by_pdl:
+            data["command"] = command
+            pdl = "" if len(by_pdl) == 1 else f"_pdl_{'on' if data['pdl'] else 'off'}"
+            name = ("decode" if len(formats) == 1 else f"decode_{fmt}") + pdl + ".json"
+            (args.out / name).write_text(json.dumps(data, indent=1))
+            print(f"\n## KV {fmt}, PDL {'on' if data['pdl'] else 'off'}\n\n" + render(data), flush=True)
+        if len(by_pdl) > 1:
+            print(f"\n## GPU ms per decode step (KV {fmt}) without and with PDL\n\n"
+                  + render_kv_dtypes(by_pdl, lambda r: f"PDL {'on' if r['pdl'] else 'off'}"), flush=True)
+        runs.append(by_pdl[0])
     if len(runs) > 1:
         table = render_kv_dtypes(runs)
         (args.out / "kv_dtypes.json").write_text(json.dumps(

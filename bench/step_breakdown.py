@@ -3,7 +3,7 @@ by part of the model and kernel family, against the step's captured graph.
 
     python -m bench.step_breakdown --out results/ [--synthetic-shape qwen3.6-35b-a3b] [--batch 1]
         [--steps decode,verify,mtp,prefill] [--k 3] [--context 1024] [--chunk 2048] [--reps 10]
-        [--format bf16|fp8|nvfp4] [--router balanced|skewed]
+        [--format bf16|fp8|nvfp4] [--router balanced|skewed] [--pdl on|off|off,on]
 
 Step kinds (synthetic weights of the shape; each step is set up by the runner's own call, which
 binds its launch list, captures its graph and uploads its metadata, then timed before the next):
@@ -21,6 +21,9 @@ Two timings of each launch, both reported:
   launch back to back: weights that fit in L2 stay there, so a small launch reads warmer than in
   the step.
 The step's graph is replayed `reps` times between two events; gap = graph time - summed launches.
+`--pdl off,on` sets each step up and times it twice on one runner, without and then with
+programmatic dependent launch (runtime/model/gpu/pdl.py): the graph time is the one PDL can
+change (the events between eager launches order every launch after the previous one).
 The tables (bench/step_table.py) group launches by part (gdn, attention, moe_mlp, dense_mlp,
 norms, lm_head, ...) and family, with bytes and bandwidth (against a device copy measured in the
 same run) where the bytes follow from the kernel's key. Writes `step_breakdown_<shape>_b<batch>.json`
@@ -236,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16")
     ap.add_argument("--router", choices=("balanced", "skewed"), default="balanced")
+    ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
+                    "verification plans: on, off, or off,on (both, one after the other); "
+                    "runtime/model/gpu/kernels.py's PDL if omitted")
     args = ap.parse_args(argv)
+    pdl_modes = args.pdl.split(",")
+    if not pdl_modes or any(m not in ("on", "off", "default") for m in pdl_modes) or len(set(pdl_modes)) < len(pdl_modes):
+        ap.error(f"--pdl {args.pdl!r}: on, off or off,on")
     kinds = [s for s in args.steps.split(",") if s]
     bad = [s for s in kinds if s not in KINDS]
     if bad or not kinds:
@@ -251,8 +260,15 @@ def main(argv: list[str] | None = None) -> int:
                          shape=args.synthetic_shape, router=args.router)
     try:
         bw = copy_bandwidth(runner.device, runner.stream)
-        steps = run(runner, kinds, args.batch, args.k, args.context, args.chunk, args.reps, bw)
-        data = {"shape": args.synthetic_shape, "batch": args.batch, "context": args.context, "k": args.k,
+        steps = {}
+        for mode in pdl_modes:
+            if mode != "default":
+                runner.steps.destroy_graphs()  # every plan and graph bound again, with or without PDL
+                runner.kernels.pdl = mode == "on"
+            tag = "" if len(pdl_modes) == 1 else f", PDL {mode}"
+            steps.update({title + tag: step for title, step in
+                          run(runner, kinds, args.batch, args.k, args.context, args.chunk, args.reps, bw).items()})
+        data = {"pdl": args.pdl,"shape": args.synthetic_shape, "batch": args.batch, "context": args.context, "k": args.k,
                 "chunk": args.chunk, "reps": args.reps, "format": args.format, "copy_bandwidth_gb_s": bw / 1e9,
                 "device": runner.device.describe(), "steps": steps}
     finally:

@@ -105,7 +105,7 @@ def _prep(name: str, hq: int, hkv: int, d: int, rd: int, kv: str) -> Variant:
         family=FAMILY,
         key=f"prep_{name}{_suffix(kv)}",
         config={"kind": "prep", "Hq": hq, "Hkv": hkv, "D": d, "rd": rd, "x_stride": stride, "threads": threads,
-                "eps": NORM_EPS, "kv": kv},
+                "eps": NORM_EPS, "kv": kv, "pdl": True},
         params=[ptr("x"), ptr("qn_w"), ptr("kn_w"), ptr("cos"), ptr("sin"), ptr("pos"), ptr("wrow"), ptr("q_out"),
                 ptr("k_pages"), ptr("v_pages"), i32("M"), i32("P")],
         tensors={
@@ -135,7 +135,7 @@ def _split(name: str, hq: int, hkv: int, d: int, kv: str) -> Variant:
         family=FAMILY,
         key=f"split_{name}{_suffix(kv)}",
         config={"kind": "split", "Hq": hq, "Hkv": hkv, "D": d, "threads": SPLIT_THREADS, "unroll": UNROLL,
-                "kv": kv},
+                "kv": kv, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
@@ -159,7 +159,8 @@ def _combine(name: str, hq: int, hkv: int, d: int) -> Variant:
     return Variant(
         family=FAMILY,
         key=f"combine_{name}",
-        config={"kind": "combine", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": stride, "threads": threads},
+        config={"kind": "combine", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": stride, "threads": threads,
+                "pdl": True},
         params=[ptr("o_part"), ptr("lse"), ptr("pos"), ptr("x"), ptr("out"), i32("M"), i32("S"), i32("min_split")],
         tensors={
             "o_part": tensor("f32", "M", hq, "S", d),
@@ -271,7 +272,7 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl, _kv_quant
+    from . import _dsl, _kv_quant, _pdl
 
     cfg = variant.config
     hq, hkv, d, rd, stride, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["rd"], cfg["x_stride"], cfg["kv"]
@@ -304,12 +305,15 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
         val.fill(0.0)
         wv = cute.make_rmem_tensor((8,), f32)
         wv.fill(0.0)
-        if active:
-            val.store(cute.make_tensor(xrow + off + 8 * lr, v8).load().to(f32))
+        # PDL (cute_kernels/_pdl.py): the norm weights load while the previous kernel drains; x
+        # (its output) after the wait, the K/V pages (read by earlier steps only) written after it.
         if hd < hq:
             wv.store(cute.make_tensor(qn_w + 8 * lr, v8).load().to(f32))
         elif is_qk:
             wv.store(cute.make_tensor(kn_w + 8 * lr, v8).load().to(f32))
+        _pdl.wait()
+        if active:
+            val.store(cute.make_tensor(xrow + off + 8 * lr, v8).load().to(f32))
         xv = val.load()
         sumsq = _dsl.warp_sum((xv * xv).reduce(cute.ReductionOp.ADD, f32(0.0), 0), lanes)
         rstd = cute.math.rsqrt(sumsq * f32(1.0 / d) + f32(NORM_EPS))
@@ -340,6 +344,7 @@ def _build_prep(variant: Variant) -> tuple[Any, list[Any]]:
             for e in cutlass.range_constexpr(8):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(val[e], -val[e]))
             amax = _warp_max(amax, lanes)
+        _pdl.launch_dependents()  # only the stores are left
         if hd < hq:
             cute.make_tensor(q_out + (cutlass.Int64(row) * hq + hd) * d + 8 * lr, v8).store(val.load().to(bf16))
         elif active:
@@ -372,7 +377,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl, _kv_quant
+    from . import _dsl, _kv_quant, _pdl
 
     cfg = variant.config
     hq, hkv, d, threads, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["threads"], cfg["kv"]
@@ -405,6 +410,9 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
         s_sum = smem.allocate_tensor(f32, cute.make_layout((r, groups)), byte_alignment=16)
         s_acc = smem.allocate_tensor(f32, cute.make_layout((d, groups, r), stride=(1, d, d * groups)),
                                      byte_alignment=16)
+        # PDL (cute_kernels/_pdl.py): the split bounds come from the step's metadata (uploaded
+        # before the step); q and the newest K/V row are the previous kernel's output.
+        _pdl.wait()
         if start < end:
             qs = []
             accs = []
@@ -480,6 +488,7 @@ def _build_split(variant: Variant) -> tuple[Any, list[Any]]:
                     den[h] = den_h
                     mx[h] = new_max
                     accs[h].store(acc_h)
+            _pdl.launch_dependents()  # the keys are done: only the CTA's merge is left
             for h in cutlass.range_constexpr(r):
                 cute.make_tensor(s_acc.iterator + (h * groups + kg) * d + 8 * lr, v8).store(accs[h].load())
                 if lr == 0:

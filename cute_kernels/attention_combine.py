@@ -12,7 +12,7 @@ def build_combine(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     hq, d, stride, threads = cfg["Hq"], cfg["D"], cfg["x_stride"], cfg["threads"]
@@ -41,6 +41,9 @@ def build_combine(variant: Variant) -> tuple[Any, list[Any]]:
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(f32, cute.make_layout((2, warps)), byte_alignment=16)
         s_acc = smem.allocate_tensor(f32, cute.make_layout((d, groups)), byte_alignment=16)
+        # PDL (cute_kernels/_pdl.py): the split count follows from the step's metadata; the
+        # partials are the previous kernel's output.
+        _pdl.wait()
         # The max and the sum of the split weights over the CTA: strided over the threads, then
         # the warps, then the warps' values in order.
         best = f32(neg)
@@ -70,6 +73,7 @@ def build_combine(variant: Variant) -> tuple[Any, list[Any]]:
             part = cute.make_tensor(o_part + (base + s) * d + 8 * lr, v8).load()
             acc.store(acc.load() + part * wgt)
         cute.make_tensor(s_acc.iterator + kg * d + 8 * lr, v8).store(acc.load())
+        _pdl.launch_dependents()
         cute.arch.sync_threads()
         if kg == 0:
             merged = cute.make_rmem_tensor((8,), f32)

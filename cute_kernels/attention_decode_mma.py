@@ -59,7 +59,7 @@ def _mma(name: str, hq: int, hkv: int, d: int, tmax: int) -> Variant:
         family=FAMILY,
         key=f"mma_{name}_t{tmax}",
         config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": KS, "BN": BN,
-                "stages": STAGES, "threads": threads},
+                "stages": STAGES, "threads": threads, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
@@ -142,7 +142,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import warp
 
-    from . import _attention_tiles, _dsl
+    from . import _attention_tiles, _dsl, _pdl
 
     cfg = variant.config
     hq, hkv, d, mtiles, ks_n, bn, stages = (cfg[k] for k in ("Hq", "Hkv", "D", "MT", "KS", "BN", "stages"))
@@ -193,6 +193,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                                    byte_alignment=1024)
         s_stat = smem.allocate_tensor(f32, cute.make_layout((2, ks_n, rows_cta)), byte_alignment=16)
 
+        # PDL (cute_kernels/_pdl.py): the key range came from the step's metadata; q and the
+        # newest K/V rows are the previous kernel's (prep's) output.
+        _pdl.wait()
         if start < end:
             ntiles = (end - start + bn - 1) // bn
             kv = (tid, sKV, k_pages, v_pages, trow, start, end, kvh)
@@ -303,6 +306,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     cute.copy(ld_v, tOsVt[None, None, 0], tOrVtv[None, None, 0])
                     cute.gemm(mma, acc_o, t_p[None, None, 0], tOrVt[None, None, 0], acc_o)
             cute.arch.cp_async_wait_group(0)
+            _pdl.launch_dependents()  # the keys are done: only the slices' merge is left
             cute.arch.sync_threads()  # the stages are free: the merge reuses them
 
             # ---- merge the key slices of each m-tile (slice order), write the rows of this split

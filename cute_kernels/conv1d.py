@@ -56,7 +56,7 @@ def _variant(key: str, c: int, stride: int, kc: int) -> Variant:
         family=FAMILY,
         key=key,
         config={"mode": "chunk", "C": c, "x_stride": stride, "Kc": kc, "threads": THREADS,
-                "tokens_per_thread": TB},
+                "tokens_per_thread": TB, "pdl": True},
         params=[ptr("x"), ptr("w"), ptr("win_in"), ptr("win_out"), ptr("slots_in"), ptr("slots_out"),
                 ptr("out"), i32("B"), i32("T")],
         tensors={
@@ -83,7 +83,7 @@ def _verify_variant(key: str, c: int, stride: int, kc: int) -> Variant:
     return Variant(
         family=FAMILY,
         key=key + VERIFY_SUFFIX,
-        config={"mode": "verify", "C": c, "x_stride": stride, "Kc": kc, "threads": THREADS},
+        config={"mode": "verify", "C": c, "x_stride": stride, "Kc": kc, "threads": THREADS, "pdl": True},
         params=[ptr("x"), ptr("w"), ptr("win"), ptr("slots_in"), ptr("slots_out"), ptr("out"), i32("B"), i32("T")],
         tensors={
             "x": tensor("bf16", "B * T", stride),
@@ -160,7 +160,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     c, stride, kc = cfg["C"], cfg["x_stride"], cfg["Kc"]
@@ -177,14 +177,17 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         item = bx * THREADS + tid
         vec = item % vecs
         t0 = (item // vecs) * TB
+        ch = vec * 8
+        # PDL (cute_kernels/_pdl.py): the taps (weights, any thread's channels are in range) load
+        # while the previous kernel drains; x, the slots and the windows after the wait.
+        taps = _taps(w, ch, kc)
+        _pdl.wait()
         if t0 < nt:
-            ch = vec * 8
             v8 = cute.make_layout((8,))
             gsi = cute.make_tensor(slots_in, cute.make_layout(nb))
             gso = cute.make_tensor(slots_out, cute.make_layout(nb))
             slot_in = gsi[b]
             slot_out = gso[b]
-            taps = _taps(w, ch, kc)
             row0 = cutlass.Int64(b) * nt
             win_base_in = win_in + cutlass.Int64(slot_in) * (hist * c) + ch
             win_base_out = win_out + cutlass.Int64(slot_out) * (hist * c) + ch
@@ -240,7 +243,7 @@ def _build_verify(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     c, stride, kc = cfg["C"], cfg["x_stride"], cfg["Kc"]
@@ -256,11 +259,12 @@ def _build_verify(variant: Variant) -> tuple[Any, list[Any]]:
         item = bx * THREADS + tid
         vec = item % vecs
         t = item // vecs
+        ch = vec * 8
+        taps = _taps(w, ch, kc)  # before the wait, as in the chunk kernel
+        _pdl.wait()
         if t < nt:
-            ch = vec * 8
             v8 = cute.make_layout((8,))
             one = cute.make_layout(1)
-            taps = _taps(w, ch, kc)
             row = cutlass.Int64(t) * nb + b
             slot_in = cute.make_tensor(slots_in + b, one)[0]
             slot_out = cute.make_tensor(slots_out + row, one)[0]

@@ -106,7 +106,7 @@ def _variant(key: str, hk: int, hv: int, dk: int, dv: int, threads: int, cols: i
         family=FAMILY,
         key=column_key(key, cols) + (VERIFY_SUFFIX if verify else ""),
         config={"mode": "verify" if verify else "fused", "Hk": hk, "Hv": hv, "dk": dk, "dv": dv, "threads": threads,
-                "cols": cols, **lay, "l2_eps": L2_EPS, "norm_eps": NORM_EPS},
+                "cols": cols, **lay, "l2_eps": L2_EPS, "norm_eps": NORM_EPS, "pdl": True},
         params=[ptr("qkv"), ptr("x"), ptr("a_log"), ptr("dt_bias"), ptr("norm_w"), ptr("state"), ptr("slots"),
                 ptr("slots_out"), ptr("out"), i32("B"), i32("T")],
         tensors={

@@ -35,11 +35,16 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
     same arithmetic per token, but rows position-major (row t * B + b) and the state read at
     slots[b] and written after each token at slots_out[row] (a snapshot slot per row). With
     column blocks (cols > 1) each CTA of a head's cluster runs whole warps of the one-block layout
-    and the norm's per-warp partials cross the cluster through distributed shared memory."""
+    and the norm's per-warp partials cross the cluster through distributed shared memory.
+
+    PDL (cute_kernels/_pdl.py): the state, the slots (host-uploaded step metadata) and the
+    weights load before the wait, overlapping the previous kernel's drain: within a step no kernel
+    but this layer's own GDN launch writes its state slots (the slot copies run outside the
+    step's launches). q, k, v, z, a, b (the projection's output) are read after the wait."""
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     hk, hv, dk, dv, nt_threads = cfg["Hk"], cfg["Hv"], cfg["dk"], cfg["dv"], cfg["threads"]
@@ -103,6 +108,7 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
             # Every CTA of the cluster has started (its shared memory exists) before any writes
             # into it; the state loads above are in flight meanwhile.
             cute.arch.cluster_wait()
+        _pdl.wait()
         for t in cutlass.range(nt):
             if cutlass.const_expr(verify):
                 row = cutlass.Int64(t) * nb + b
@@ -180,6 +186,7 @@ def _build_recurrent(variant: Variant) -> tuple[Any, list[Any]]:
                     tv = (nw[i] * xn).to(bf16).to(f32)
                     y = tv * zj / (f32(1.0) + cute.math.exp(-zj))
                     cute.make_tensor(orow + j, one)[0] = y.to(bf16)
+        _pdl.launch_dependents()  # only the state's store is left
         if cutlass.const_expr(not verify):
             for i in cutlass.range_constexpr(rows):
                 j = grp + i * groups

@@ -116,7 +116,7 @@ def _variant(name: str, n: int, k: int, mb: int, groups: int = 1, group_unroll: 
         family=FAMILY,
         key=f"{name}_n{n}_k{k}_m{mb}" + (f"_{form_tag(groups, group_unroll)}" if groups > 1 else ""),
         config={"N": n, "K": k, "MB": mb, "form": form_tag(groups, group_unroll), "groups": groups, "warps": WARPS,
-                "rows": rows, "ctas": ctas, "chunk": CHUNK, "unroll": unroll},
+                "rows": rows, "ctas": ctas, "chunk": CHUNK, "unroll": unroll, "pdl": True},
         params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
         sizes=("M",),
@@ -152,7 +152,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     n, k, mb = variant.config["N"], variant.config["K"], variant.config["MB"]
     ctas, row_groups = variant.config["ctas"], variant.config["groups"]
@@ -197,6 +197,16 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             frag_a[3] = bf16(0.0)
             frag_a[6] = bf16(0.0)
             frag_a[7] = bf16(0.0)
+        # PDL (cute_kernels/_pdl.py): the weights are no earlier kernel's output, so each row's bytes
+        # of the chunks the warp's loop first keeps in flight (contiguous: lane q = 0's address on)
+        # head for L2 while the previous kernel drains; x (its output) is read, and `out` written,
+        # only after the wait.
+        if q == 0:
+            for h in cutlass.range_constexpr(row_groups):
+                _pdl.prefetch_l2(w_lo[h], min(unroll, chunks) * CHUNK * 2)
+                if cutlass.const_expr(not half):
+                    _pdl.prefetch_l2(w_hi[h], min(unroll, chunks) * CHUNK * 2)
+        _pdl.wait()
         x_rows = []
         for g in cutlass.range_constexpr(groups):
             token = cutlass.min(g * 8 + r, m - 1)
@@ -215,6 +225,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     for h in cutlass.range_constexpr(row_groups):
                         _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
                         cute.gemm(mma, accs[h * groups + g], frag_a, frag_b, accs[h * groups + g])
+        _pdl.launch_dependents()  # only the epilogue is left: the next kernel's CTAs may start
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(
             f32, cute.make_layout((rows, mb, WARPS), stride=(1, rows, rows * mb)), byte_alignment=16

@@ -91,9 +91,15 @@ def lanes_per_row(k: int) -> int:
     return lanes
 
 
+# The decode form's kernels (moe_decode_kernels.py): built with programmatic dependent launch
+# (config `pdl`, cute_kernels/_pdl.py), as the decode step chains them.
+DECODE_KINDS = ("logits_wide", "route_up", "up_wide", "down_wide")
+
+
 def _variant(name: str, kind: str, key: str, config: dict, params: list, tensors: dict, grid: tuple,
             block: int, note: str) -> Variant:
-    return Variant(family=FAMILY, key=f"{kind}_{key}", config={"kind": kind, **config}, params=params,
+    pdl = {"pdl": True} if kind in DECODE_KINDS else {}
+    return Variant(family=FAMILY, key=f"{kind}_{key}", config={"kind": kind, **config, **pdl}, params=params,
                    tensors=tensors, sizes=("M",), block=(block, 1, 1), grid=grid,
                    requires=("M >= 1", "M <= 65535"), arches=ALL_ARCHES, note=f"{note} ({name})",
                    example_sizes={"M": 1})
@@ -278,7 +284,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         from .moe_fp8_kernels import build as build_fp8
 
         return build_fp8(variant)
-    if variant.config["kind"] in ("logits_wide", "route_up", "up_wide", "down_wide"):
+    if variant.config["kind"] in DECODE_KINDS:
         from .moe_decode_kernels import build as build_decode
 
         return build_decode(variant)

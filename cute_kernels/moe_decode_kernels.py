@@ -1,6 +1,8 @@
 """The CuTe DSL code of the `moe` family's decode form: `logits_wide` (`logits` with its loads
 staged), `route_up` (top-k routing fused in front of the experts' gate/up) and `down_wide`
-(`down` with every slot's weights staged at once). What each
+(`down` with every slot's weights staged at once), all four built for programmatic dependent
+launch (cute_kernels/_pdl.py: what reads or writes an earlier kernel's data follows the wait;
+the router rows of `logits_wide` are staged before it). What each
 computes, and why the loads are staged, is in cute_kernels/moe.py's docstring; the arithmetic is
 `route`'s, `up`'s and `down`'s op for op, so the forms agree (down_wide and down bit for bit).
 
@@ -69,7 +71,7 @@ def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     e, h = variant.config["E"], variant.config["H"]
     vecs = h // 256
@@ -83,12 +85,16 @@ def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
         expert = tile * WARPS + warp
         smem = cutlass.utils.SmemAllocator()
         s_v = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * vecs * THREADS * 8), byte_alignment=128)
-        # The lane's x vectors and router-row vectors, all in flight before the first product.
+        # The lane's router-row vectors and x vectors, all in flight before the first product; the
+        # router rows (weights) while the previous kernel drains, x (its output) after the wait.
+        for c in cutlass.range_constexpr(vecs):
+            _stage(w, cutlass.Int64(expert) * h + (c * 32 + lane) * 8, s_v.iterator, ((vecs + c) * THREADS + tid) * 8)
+        _pdl.wait()
         for c in cutlass.range_constexpr(vecs):
             _stage(x, cutlass.Int64(row) * h + (c * 32 + lane) * 8, s_v.iterator, (c * THREADS + tid) * 8)
-            _stage(w, cutlass.Int64(expert) * h + (c * 32 + lane) * 8, s_v.iterator, ((vecs + c) * THREADS + tid) * 8)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
+        _pdl.launch_dependents()
         xs = [_staged(s_v.iterator, c, tid).to(f32) for c in range(vecs)]
         total = _dot(xs, [_staged(s_v.iterator, vecs + c, tid) for c in range(vecs)], 32)
         if lane == 0:
@@ -142,7 +148,7 @@ def _up_wide(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     e, h, inter, uf = cfg["E"], cfg["H"], cfg["I"], cfg["features"]
@@ -160,9 +166,11 @@ def _up_wide(variant: Variant) -> tuple[Any, list[Any]]:
         s_w = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(per_warp * 2 * vecs * THREADS * 8),
                                    byte_alignment=128)
         f0 = tile * uf + warp * per_warp
+        _pdl.wait()  # the slot's expert id (from `route`) picks the weights
         _stage_gate_up(w, _expert(ids, slot, e), f0, per_warp, h, inter, s_w.iterator, lane, tid)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
         cute.arch.cp_async_wait_group(0)
+        _pdl.launch_dependents()
         values = _gate_up_act(xs, per_warp, s_w.iterator, tid)
         for t in cutlass.range_constexpr(per_warp):
             if lane == 0:
@@ -182,7 +190,7 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     e, k, h, inter, p, renorm, uf = cfg["E"], cfg["K"], cfg["H"], cfg["I"], cfg["P"], cfg["renorm"], cfg["features"]
@@ -212,6 +220,7 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
         s_top_i = smem.allocate_tensor(i32_t, cute.make_layout(k), byte_alignment=16)
         expert = i32_t(e)  # the shared slot s == k
         src = cute.make_tensor(logits + cutlass.Int64(row) * e, cute.make_layout(e))
+        _pdl.wait()  # the logits, x, and the ids / weights / act an earlier step's kernels read
         if s < k:
             # Top k in two rounds. A logit's rank is how many logits beat it by (value desc, index
             # asc). Round 1: each warp ranks the 32 logits of its group among themselves (lane
@@ -282,6 +291,7 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
                         _at(ids, slot)[0] = i32_t(e)
                         _at(wts, slot)[0] = f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))
         cute.arch.cp_async_wait_group(0)
+        _pdl.launch_dependents()
         values = _gate_up_act(xs, per_warp, s_w.iterator, tid)
         for t in cutlass.range_constexpr(per_warp):
             if lane == 0:
@@ -304,7 +314,7 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     e, h, inter, p, rows = cfg["E"], cfg["H"], cfg["I"], cfg["P"], cfg["rows_per_warp"]
@@ -327,6 +337,7 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
         smem = cutlass.utils.SmemAllocator()
         s_act = smem.allocate_tensor(bf16, cute.make_layout(p * inter), byte_alignment=128)
         s_w = smem.allocate_tensor(bf16, cute.make_layout(p * iters * vecs * THREADS * 8), byte_alignment=128)
+        _pdl.wait()  # act, ids and wts are route_up's output; the expert ids pick the weights
         for c in cutlass.range_constexpr(-(-act_vecs // THREADS)):
             if c * THREADS + tid < act_vecs:
                 _stage(act, cutlass.Int64(row) * (p * inter) + (c * THREADS + tid) * 8, s_act.iterator,
@@ -353,6 +364,8 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
             xs = [cute.make_tensor(s_act.iterator + cute.assume(s * inter + (c * lanes + j) * 8, divby=8),
                                    cute.make_layout((8,))).load().to(f32) for c in range(vecs)]
             cute.arch.cp_async_wait_group(p - 1 - s)
+            if cutlass.const_expr(s == p - 1):
+                _pdl.launch_dependents()  # every load has landed: only the last slot's sums are left
             for it in cutlass.range_constexpr(iters):
                 ws = [_staged(s_w.iterator, (s * iters + it) * vecs + c, tid) for c in range(vecs)]
                 accs[it] = accs[it] + weight * _dot(xs, ws, lanes)

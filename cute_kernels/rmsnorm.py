@@ -56,7 +56,7 @@ def _gated_x_variant(key: str, h: int, t: int, block: int, hk: int, hv: int, dk:
         family=FAMILY,
         key=key,
         config={"mode": "gated_x", "H": h, "threads_per_row": t, "block": block, "eps": EPS, "heads": hv,
-                "z_off": lay["z_off"], "z_stride": lay["x_stride"]},
+                "z_off": lay["z_off"], "z_stride": lay["x_stride"], "pdl": True},
         params=[ptr("x"), ptr("z"), ptr("w"), ptr("out"), i32("M")],
         tensors={
             "x": tensor("bf16", "M", h),
@@ -98,7 +98,7 @@ def _variant(key: str, mode: str, h: int, t: int, block: int) -> Variant:
     return Variant(
         family=FAMILY,
         key=key,
-        config={"mode": mode, "H": h, "threads_per_row": t, "block": block, "eps": EPS},
+        config={"mode": mode, "H": h, "threads_per_row": t, "block": block, "eps": EPS, "pdl": True},
         params=params,
         tensors=tensors,
         sizes=("M",),
@@ -163,7 +163,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     cfg = variant.config
     mode, h, t, block = cfg["mode"], cfg["H"], cfg["threads_per_row"], cfg["block"]
@@ -199,6 +199,13 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         else:
             gaux = cute.make_tensor(aux_ptr + offset, row_layout)
         gout = cute.make_tensor(out_ptr + offset, row_layout)
+        # PDL (cute_kernels/_pdl.py): the weight is no earlier kernel's output; it is loaded while the
+        # previous kernel drains (every thread: w has H elements whatever the row), x and z after
+        # the wait.
+        ws = cute.make_rmem_tensor((8, vecs), bf16)
+        for v in cutlass.range_constexpr(vecs):
+            ws[None, v].store(gw[None, v, lane_in_row].load())
+        _pdl.wait()
         xs = cute.make_rmem_tensor((8, vecs), f32)
         xs.fill(0.0)
         sumsq = f32(0.0)
@@ -221,9 +228,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             for i in cutlass.range_constexpr(warps_per_row):
                 sumsq = sumsq + red[(warp // warps_per_row) * warps_per_row + i]
         rstd = cute.math.rsqrt(sumsq * f32(1.0 / h) + f32(eps))
+        _pdl.launch_dependents()  # the rows are in registers: only the stores are left
         if valid:
             for v in cutlass.range_constexpr(vecs):
-                wv = gw[None, v, lane_in_row].load().to(f32)
+                wv = ws[None, v].load().to(f32)
                 xv = xs[None, v].load()
                 if cutlass.const_expr(gated):
                     zv = gaux[None, v, lane_in_row].load().to(f32)

@@ -23,7 +23,7 @@ def _variant(key: str, inter: int) -> Variant:
     return Variant(
         family=FAMILY,
         key=key,
-        config={"I": inter, "threads": THREADS},
+        config={"I": inter, "threads": THREADS, "pdl": True},
         params=[ptr("x"), ptr("out"), i32("M")],
         tensors={"x": tensor("bf16", "M", 2 * inter), "out": tensor("bf16", "M", inter, role="out")},
         sizes=("M",),
@@ -54,7 +54,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl
+    from . import _dsl, _pdl
 
     inter = variant.config["I"]
     per_row = inter // 8
@@ -67,11 +67,13 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         item = bid * THREADS + tid
         row = item // per_row
         col = (item % per_row) * 8
+        _pdl.wait()  # PDL (cute_kernels/_pdl.py): x is the previous kernel's output
         if row < m:
             vec = cute.make_layout((8,))
             src = x + cutlass.Int64(row) * (2 * inter) + col
             g = cute.make_tensor(src, vec).load().to(f32)
             u = cute.make_tensor(src + inter, vec).load().to(f32)
+            _pdl.launch_dependents()
             s = (g / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
             cute.make_tensor(out + cutlass.Int64(row) * inter + col, vec).store((s * u).to(bf16))
 

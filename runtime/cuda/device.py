@@ -372,8 +372,11 @@ class CudaDevice:
         )
         return ctypes.string_at(tmap.getPtr(), 128)
 
-    def launch_config(self, grid: Sequence[int], block: Sequence[int], smem: int, cluster: Sequence[int]) -> Any:
-        """A reusable CUlaunchConfig; the cluster attribute is set only for clusters > 1 CTA."""
+    def launch_config(self, grid: Sequence[int], block: Sequence[int], smem: int, cluster: Sequence[int],
+                      pdl: bool = False) -> Any:
+        """A reusable CUlaunchConfig; the cluster attribute is set only for clusters > 1 CTA; pdl:
+        programmatic stream serialization (the kernel may start while the previous kernel in the
+        stream drains and must wait for it itself: only for kernels built with `pdl`)."""
         drv = self._drv
         cfg = drv.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
@@ -384,6 +387,11 @@ class CudaDevice:
             a = drv.CUlaunchAttribute()
             a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = (int(c) for c in cluster)
+            attrs.append(a)
+        if pdl:
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
             attrs.append(a)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)

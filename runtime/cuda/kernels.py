@@ -42,18 +42,23 @@ def default_build_dir() -> Path:
 class BoundLaunch:
     """One kernel with its parameters packed; calling it launches on a stream."""
 
-    __slots__ = ("kernel", "grid", "sizes", "_buffers", "_array", "_config", "_param_sizes")
+    __slots__ = ("kernel", "grid", "sizes", "pdl", "_buffers", "_array", "_config", "_param_sizes")
 
-    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], sizes: Mapping[str, int], blobs: list[bytes]):
+    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], sizes: Mapping[str, int], blobs: list[bytes],
+                 pdl: bool = False):
+        if pdl and not kernel.entry.pdl:
+            raise LaunchError(f"kernel {kernel.name} was not built with pdl: it must not be launched with "
+                              "programmatic stream serialization (it does not wait for its predecessor)")
         self.kernel = kernel
         self.grid = grid
         self.sizes = dict(sizes)
+        self.pdl = pdl
         # Keep every parameter's bytes alive as long as this launch (and any graph built from it).
         self._buffers = [ctypes.create_string_buffer(b, len(b)) for b in blobs]
         self._array = (ctypes.c_void_p * len(blobs))(*[ctypes.addressof(b) for b in self._buffers])
         self._param_sizes = [len(b) for b in blobs]
         e = kernel.entry
-        self._config = kernel.library.device.launch_config(grid, e.block, e.dynamic_smem, e.cluster)
+        self._config = kernel.library.device.launch_config(grid, e.block, e.dynamic_smem, e.cluster, pdl)
 
     def __call__(self, stream: Any) -> None:
         self.kernel.library.device.launch(
@@ -62,6 +67,11 @@ class BoundLaunch:
 
     def param_bytes(self) -> list[bytes]:
         return [bytes(b.raw) for b in self._buffers]
+
+    def programmatic(self) -> BoundLaunch:
+        """The same launch with programmatic stream serialization (PDL): it may start while the
+        previous kernel in the stream drains. Only for kernels built with `pdl` (LaunchError)."""
+        return BoundLaunch(self.kernel, self.grid, self.sizes, self.param_bytes(), pdl=True)
 
 
 class Kernel:

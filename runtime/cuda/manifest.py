@@ -246,6 +246,13 @@ class KernelEntry:
     def name(self) -> str:
         return f"{self.family}/{self.key}"
 
+    @property
+    def pdl(self) -> bool:
+        """Built with config `pdl: True`: the kernel executes `griddepcontrol.wait` before touching
+        what earlier kernels write (build_kernels.py checks the PTX), so it may be launched with
+        programmatic stream serialization (cute_kernels/_pdl.py)."""
+        return bool(self.config.get("pdl", False))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "family": self.family,

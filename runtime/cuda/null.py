@@ -36,6 +36,7 @@ class RecordedLaunch:
     params: list[bytes]
     stream: int
     graph_replay: bool = False
+    pdl: bool = False  # launched with programmatic stream serialization
 
 
 @dataclass
@@ -44,6 +45,7 @@ class _Config:
     block: tuple[int, int, int]
     smem: int
     cluster: tuple[int, int, int]
+    pdl: bool
 
 
 class NullDevice:
@@ -214,8 +216,9 @@ class NullDevice:
         blob += struct.pack(f"<{len(box)}I", *box) + f"{dtype}|{swizzle}|{l2}|{oob}".encode()
         return blob[:128].ljust(128, b"\0")
 
-    def launch_config(self, grid: Sequence[int], block: Sequence[int], smem: int, cluster: Sequence[int]) -> Any:
-        return _Config(tuple(grid), tuple(block), int(smem), tuple(cluster))  # type: ignore[arg-type]
+    def launch_config(self, grid: Sequence[int], block: Sequence[int], smem: int, cluster: Sequence[int],
+                      pdl: bool = False) -> Any:
+        return _Config(tuple(grid), tuple(block), int(smem), tuple(cluster), bool(pdl))  # type: ignore[arg-type]
 
     def launch(self, func: Any, config: Any, stream: Stream, params_address: int, param_sizes: Sequence[int] = ()) -> None:
         sizes = list(param_sizes)
@@ -225,7 +228,7 @@ class NullDevice:
             raise ValueError(f"null device: {self._functions[func]} launched with {config.smem} B of shared "
                              "memory without raising its limit first")
         rec = RecordedLaunch(self._functions[func], config.grid, config.block, config.smem, config.cluster, params,
-                             stream.handle)
+                             stream.handle, pdl=config.pdl)
         if stream.handle in self._capturing:
             self._capturing[stream.handle].append(rec)
         else:
@@ -244,7 +247,8 @@ class NullDevice:
     def graph_launch(self, graph: Graph, stream: Stream) -> None:
         for rec in graph.exec_handle:
             self.launches.append(
-                RecordedLaunch(rec.function, rec.grid, rec.block, rec.smem, rec.cluster, rec.params, stream.handle, True)
+                RecordedLaunch(rec.function, rec.grid, rec.block, rec.smem, rec.cluster, rec.params, stream.handle, True,
+                               rec.pdl)
             )
 
     def graph_destroy(self, graph: Graph) -> None:

@@ -80,6 +80,12 @@ GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 DECODE_ATTENTION_FORMS = ("mma", "split")
 DECODE_ATTENTION_FORM = "mma"
 
+# Programmatic dependent launch in decode and verification plans (runtime/model/gpu/pdl.py): each
+# kernel built with `pdl` starts while its predecessor drains and waits for its output in the
+# kernel. Off until the lead has run tests/gpu/test_pdl_cuda.py on the H200 (compiled, never run on
+# a GPU yet); `python -m bench.decode --pdl on` / `python -m bench.step_breakdown --pdl on` time it.
+PDL = False
+
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
     for (fam, key), entry in sorted(library.manifest.kernels.items()):
@@ -173,6 +179,8 @@ class KernelChoice:
         # count `gdn_recurrent` aims for (a benchmark may lower it to 0: the one-block kernels).
         self.gdn_columns: dict[int, tuple[str, str]] = {}
         self.gdn_min_ctas = GDN_MIN_CTAS
+        # PDL in decode and verification plans (a benchmark may switch it before any plan is bound).
+        self.pdl = PDL
         if c.linear_layers:
             hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim)

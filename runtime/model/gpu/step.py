@@ -35,6 +35,7 @@ import numpy as np
 
 from runtime.artifact.formats import bf16_to_f32
 from runtime.model.gpu.layers import StepShape
+from runtime.model.gpu.pdl import chain
 from runtime.model.gpu.storage import BUCKETS, PREFILL_MIN_SPLIT, PREFILL_SPLITS
 from runtime.model.runner import PAGE_SIZE, DecodeItem, checked_page_table
 
@@ -210,14 +211,19 @@ class Steps:
                          prefill=False)
 
     def verify_plan(self, shape: StepShape) -> list:
-        return self.plans.get(("verify", shape.nseq, shape.t),
-                              lambda: self.forward.bind(shape) + self.forward.lm_head(0, shape.m, exact_rows=True))
+        return self.plans.get(("verify", shape.nseq, shape.t), lambda: self._chained(
+            self.forward.bind(shape) + self.forward.lm_head(0, shape.m, exact_rows=True)))
 
     def decode_plan(self, bucket: int) -> list:
         st = self.storage
         shape = StepShape(m=bucket, nseq=bucket, t=1, splits=st.decode_splits, min_split=st.decode_min_split,
                           prefill=False)
-        return self.plans.get(("decode", bucket), lambda: self.forward.bind(shape) + self.forward.lm_head(0, bucket))
+        return self.plans.get(("decode", bucket),
+                              lambda: self._chained(self.forward.bind(shape) + self.forward.lm_head(0, bucket)))
+
+    def _chained(self, launches: list) -> list:
+        """A decode or verification plan, with PDL launches when `KernelChoice.pdl` (`gpu.pdl`)."""
+        return chain(launches) if self.kernels.pdl else launches
 
     def _decode_meta(self, meta: dict[str, np.ndarray], positions: Sequence[int], tables: Sequence[np.ndarray],
                      slots_in: Sequence[int], slots_out: Sequence[int]) -> int:
