@@ -75,8 +75,8 @@ QUANTISED_GEMV_ROWS = (8, 16, 32)
 # fastest here.
 GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 # The same choice for the wide NVFP4 widths (gemv_nvfp4.py, gemv_fp8.WIDE's forms): compiled, not
-# yet run on a GPU, so untimed; the FP8 picks. ptxas on gdn_in (`shift_u8`, no spills): m16 r1u2
-# 52-88, m32 r1u1 128, r2u1 193 registers.
+# yet run on a GPU, so untimed; the FP8 picks. ptxas on the 27B shapes (`shift_u8`): m16 r1u2
+# 102-106 registers, r2u1 128 (gdn_in spills 8 bytes); m32 r1u1 118-128, r2u1 173-187.
 GEMV_NVFP4_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 
