@@ -4,16 +4,16 @@ one run; `--only gemm_fp8`, the FP8 prefill GEMM against torch._scaled_mm (`benc
 
 gemv_q:
 For each of the 27B's five shapes and M = 1, 8 and 32 (verification steps: 8 sequences of 1 + 3
-tokens), every form with room for M rows (`gemv_fp8`'s wide m16 / m32 variants in each row-group
-form: `rform`, `kernels.GEMV_FP8_ROW_FORMS`) runs on the same weights (random
-codes without the NaN ones, e4m3 or fp32 scales, fp32 globals, the BF16 tail of gdn_in) and the
-same activations, rotating over enough weight copies that L2 cannot serve them. A row reports the
-time per launch, the rate over the bytes the kernel must move (codes, scales, globals, tail,
-activations in, outputs) and its fraction of the copy bandwidth measured in the same run, and
-`agrees`: the largest difference of its output from the first form's relative to the output's
-largest magnitude (0 when bit-identical: `cvt`/`shift` FP8 and `lut`/`shift` NVFP4 compute the
-same fp32 sums; `shift_x` reorders the K slots inside each MMA). The runner's choice is
-`runtime/model/gpu/kernels.py` GEMV_FORMS.
+tokens), every form with room for M rows (the wide m16 / m32 variants in each row-group form:
+`rform`, `kernels.quantised_row_forms`; NVFP4's in each of `gemv_nvfp4.WIDE_FORMS`) runs on the
+same weights (random codes without the NaN ones, e4m3 or fp32 scales, fp32 globals, the BF16 tail
+of gdn_in) and the same activations, rotating over enough weight copies that L2 cannot serve
+them. A row reports the time per launch, the rate over the bytes the kernel must move (codes,
+scales, globals, tail, activations in, outputs) and its fraction of the copy bandwidth measured
+in the same run, and `agrees`: the largest difference of its output from the first form's
+relative to the output's largest magnitude (0 when bit-identical: `cvt`/`shift` FP8 and
+`lut`/`shift` NVFP4 and the prefetch forms compute the same fp32 sums; `shift_x` reorders the K
+slots inside each MMA). The runner's choice is `runtime/model/gpu/kernels.py` GEMV_FORMS.
 """
 
 from __future__ import annotations

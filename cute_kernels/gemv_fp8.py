@@ -86,7 +86,14 @@ SHAPES = [
 # keeps the key without a tag (the runner's choice: `runtime/model/gpu/kernels.py` GEMV_FORMS).
 # `shift` decodes with bit placement and one exact bf16 multiply (`dequant.py`); `_u8` unrolls up
 # to 8 steps instead of 4 (K = 5120 and 6144 then run their 5 or 6 steps per warp in one body).
-FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS)}
+# `cvt_u8_pfD` (PREFETCH): the `cvt` decode unrolled up to 8 blocks (the same sums in the same
+# order: bit for bit `cvt`'s numbers) plus, at each block, an L2 prefetch of the codes D blocks
+# ahead (`gemv_nvfp4.py` says why: ptxas keeps the loads about one block ahead, too few bytes in
+# flight per SM for the copy bandwidth). With `cvt`'s unroll of 4 the prefetches took ptxas from
+# 50 to 76-80 registers (one CTA an SM fewer); unrolled by 8 they keep 50.
+FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
+         "cvt_u8_pf2": ("cvt", 8, ROWS), "cvt_u8_pf4": ("cvt", 8, ROWS)}
+PREFETCH = {"cvt_u8_pf2": 2, "cvt_u8_pf4": 4}  # form -> blocks prefetched ahead
 
 
 # Wide variants: MB -> the row-group forms (R row groups of 16 per CTA, blocks each warp's loop
@@ -214,6 +221,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll, form = variant.config["unroll"], variant.config["decode"]
+    ahead = PREFETCH.get(variant.config["form"], 0)  # blocks prefetched to L2 ahead of the loads
     mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
     groups = mb // 8  # 8-token MMA column groups
     span = ROWS * row_groups  # rows per CTA
@@ -233,6 +241,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 for h in range(row_groups):
                     _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
                     cute.gemm(mma, into[h * groups + g], frag_a, frag_b, into[h * groups + g])
+
+    def prefetch(w_lo: list, w_hi: list, c: Any) -> None:
+        """L2 prefetches of block c's codes (this lane's 32 bytes of each row)."""
+        for p in w_lo + w_hi:
+            cute.arch.prefetch((p + c * BLOCK).llvm_ptr, cache_level="L2")
 
     def fp8_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, block_accs: list, w_lo: list, w_hi: list,
                   x_at: list, s_row: Any, c: Any) -> None:
@@ -283,7 +296,14 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * k + q * 32)
             # The CTA's rows lie in one 128-row scale block (128 % span == 0, `_variant`).
             s_row = scale + (row0 // BLOCK) * blocks
+            last = first + per_warp - 1  # the warp's last block (for the prefetch's clamp)
+            if cutlass.const_expr(ahead > 0 and per_warp > 0):
+                for c in cutlass.range_constexpr(1, ahead):  # blocks first + 1 .. first + ahead - 1
+                    prefetch(w_lo, w_hi, cutlass.min(first + c, last))
             for c in cutlass.range(first, first + per_warp, unroll=unroll):
+                if cutlass.const_expr(ahead > 0):
+                    # Past the warp's last block: that block again (an L2 hit, no stray addresses).
+                    prefetch(w_lo, w_hi, cutlass.min(c + ahead, last))
                 fp8_block(mma, frag_a, frag_b, accs, block_accs, w_lo, w_hi, x_at, s_row, c)
             if cutlass.const_expr(extra > 0):
                 if warp < extra:

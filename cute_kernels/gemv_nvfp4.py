@@ -1,4 +1,5 @@
-"""Decode GEMV for NVFP4 weights (W4A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8.
+"""Decode GEMV for NVFP4 weights (W4A16): `out[M, :] = x[M, K] @ dequant(W)^T`, M = 1..8 (the wide
+variants: up to 16 or 32, `WIDE_FORMS` below).
 
 W is stored as the artifact keeps it (`nvfp4`, docs/artifact.md): e2m1 codes two per byte
 `w[N, K / 2]` (column 2j in the low nibble), one e4m3 scale per 16 consecutive columns
@@ -34,6 +35,12 @@ BF16, and the runner reads `[in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]` a
 The tail's CTAs (a CTA-uniform branch) load bf16 rows and skip the global scale. Output rows are
 `N + NT` wide. Tokens past M read token M - 1 again (valid memory); their MMA columns are never
 stored. Rows past a tail CTA's last row read that row again.
+
+Wide variants (`MB` 16 or 32, key `..._m32_r2u1_shift_u8`) serve verification steps as
+`gemv_fp8.py`'s do, with its design and its argument that row t of a wide launch equals row t % 8
+of the m8 launch over t's block of 8 bit for bit: one 8-token MMA column group per 8 tokens fed
+the same decoded fragments in the same k16 order, R row groups of 16 per CTA, the epilogue adding
+one row group's warp partials at a time in warp order and applying the global scale once.
 """
 
 from typing import Any
@@ -42,7 +49,7 @@ import numpy as np
 
 from .bf16 import round_bf16
 from .dequant import E2M1_UNDO
-from .gemv_fp8 import MB, ROWS, SHAPES, WARPS, e4m3_values, weight_only_variant
+from .gemv_fp8 import MB, ROWS, SHAPES, WARPS, WIDE, WIDE_SHAPES, e4m3_values, weight_only_variant
 from .variant import Variant, tensor
 
 FAMILY = "gemv_nvfp4"
@@ -60,20 +67,46 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # `shift_h`: `shift` with 8 rows per CTA (shapes without a BF16 tail): N = 5120 (o_proj, down)
 # then makes 640 CTAs instead of 320, which 132 SMs holding 3 CTAs each take in far more even
 # shares (320 CTAs leave some SMs 3 and others 2: the 3-CTA SMs set the time).
+# `pfD` (PREFETCH): `shift_u8` (the same instructions, so bit for bit its numbers) plus, at each
+# step, an L2 prefetch of the codes and scales D steps ahead (`prefetch.global.L2`: no register
+# holds them). ptxas issues the loop's loads only about one step ahead (the PTX's order does not
+# change that: it sinks loads issued earlier to save registers), and at 66-75 registers (3 CTAs,
+# 24 warps an SM) that leaves ~24 KB of weights in flight per SM where the BF16 GEMV (44
+# registers, 40 warps, 64-byte steps) keeps ~80 KB: by Little's law too little for the copy
+# bandwidth. The prefetches keep D KB per warp in flight; the loads then wait on L2, not DRAM.
+# `pf4_h`: `pf4` with 8 rows per CTA (`shift_h`'s grid) for the shapes without a tail.
 FORMS = {"lut": ("lut", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
-         "shift_x": ("shift_x", 4, ROWS), "shift_h": ("shift", 4, ROWS // 2)}
+         "shift_x": ("shift_x", 4, ROWS), "shift_h": ("shift", 4, ROWS // 2),
+         "pf2": ("shift", 8, ROWS), "pf4": ("shift", 8, ROWS), "pf8": ("shift", 8, ROWS),
+         "pf4_h": ("shift", 8, ROWS // 2)}
+PREFETCH = {"pf2": 2, "pf4": 4, "pf8": 8, "pf4_h": 4}  # form -> steps prefetched ahead
 
 
-def _variant(name: str, n: int, nt: int, k: int, form: str) -> Variant:
-    if n % ROWS or k % STEP:
-        raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS} and K = {k} of {STEP}")
+# Wide variants (MB 16 / 32: gemv_fp8's WIDE row-group forms and WIDE_SHAPES, its design and its
+# proof that row t equals row t % 8 of the m8 launch bit for bit) in each of WIDE_FORMS: the
+# runner's `shift_u8` and the prefetching `pf4`. Every form but `shift_x` gives the same sums, so
+# the wide rows equal the m8 rows of any of them.
+WIDE_FORMS = ("shift_u8", "pf4")
+
+
+def _variant(name: str, n: int, nt: int, k: int, form: str, mb: int = MB, groups: int = 1,
+             group_unroll: int = 0) -> Variant:
+    if n % (ROWS * groups) or k % STEP:
+        raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS * groups} (rows per CTA) "
+                         f"and K = {k} of {STEP}")
     weights = {"w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP), "gscale": tensor("f32", n)}
     return weight_only_variant(FAMILY, name, n, nt, k, k // STEP, weights, {"step": STEP},
-                               f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)", FORMS, form)
+                               f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)", FORMS, form,
+                               mb, groups, group_unroll)
 
 
 def variants() -> list[Variant]:
-    return [_variant(*shape, form) for shape in SHAPES for form in FORMS]
+    out = [_variant(*shape, form) for shape in SHAPES for form in FORMS]
+    for shape in SHAPES:
+        if shape[0] in WIDE_SHAPES:
+            out += [_variant(*shape, form, mb, groups, unroll)
+                    for form in WIDE_FORMS for mb, forms in WIDE.items() for groups, unroll in forms]
+    return out
 
 
 def e2m1_values(packed: np.ndarray) -> np.ndarray:
@@ -123,74 +156,140 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll = variant.config["unroll"]
+    mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
+    groups = mb // 8  # 8-token MMA column groups
     ldo = n + nt
     steps = k // STEP
     per_warp, extra = steps // WARPS, steps % WARPS  # warps < extra take one more step
-    rows = variant.config["rows"]
+    rows = variant.config["rows"]  # rows per CTA: row_groups x 16, or 8 (`half`)
     half = rows < ROWS  # lanes load row r only; the MMA's rows r + 8 are zeros
     fp4_ctas = n // rows
     form = variant.config["decode"]
+    ahead = PREFETCH.get(variant.config["form"], 0)  # steps prefetched to L2 ahead of the loads
 
-    def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, acc: Any) -> None:
-        for j in range(8):  # a plain helper: Python loops unroll while tracing
-            _dsl.fill_k_slots(frag_a, frag_b, a_lo, a_hi, b, j)
-            cute.gemm(mma, acc, frag_a, frag_b, acc)
+    def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: list, a_hi: list, x_at: list, col: Any,
+                 accs: list, decoded: bool) -> None:
+        """One step's rows into accumulators [row group][token group] (a plain helper: Python
+        loops unroll while tracing): token groups outermost (one activation fragment live at a
+        time), each accumulator sees k16 steps 0..7 in order, as in the m8 variant. The
+        activations follow the decode's column order for decoded NVFP4 rows
+        (`_dequant.activations`), not for the BF16 tail's."""
+        for g in range(groups):
+            b = cute.make_tensor(x_at[g] + col, cute.make_layout((32,))).load()
+            if decoded:
+                b = _dequant.activations(form, b)
+            for j in range(8):
+                for h in range(row_groups):
+                    _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
+                    cute.gemm(mma, accs[h * groups + g], frag_a, frag_b, accs[h * groups + g])
 
-    def fp4_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, w_lo: Any, w_hi: Any, s_lo: Any, s_hi: Any,
-                 x_row: Any, c: Any) -> None:
-        a_lo = _dequant.e2m1_row(form, w_lo + c * (STEP // 2), s_lo + c * (STEP // GROUP))
-        a_hi = None if half else _dequant.e2m1_row(form, w_hi + c * (STEP // 2), s_hi + c * (STEP // GROUP))
-        b = _dequant.activations(form, cute.make_tensor(x_row + c * STEP, cute.make_layout((32,))).load())
-        mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+    def prefetch(w_lo: list, w_hi: list, s_lo: list, s_hi: list, c: Any) -> None:
+        """L2 prefetches of step c's codes and scales (this lane's addresses: the lanes of a row
+        cover its bytes of the step)."""
+        for h in range(row_groups):
+            cute.arch.prefetch((w_lo[h] + c * (STEP // 2)).llvm_ptr, cache_level="L2")
+            cute.arch.prefetch((s_lo[h] + c * (STEP // GROUP)).llvm_ptr, cache_level="L2")
+            if not half:
+                cute.arch.prefetch((w_hi[h] + c * (STEP // 2)).llvm_ptr, cache_level="L2")
+                cute.arch.prefetch((s_hi[h] + c * (STEP // GROUP)).llvm_ptr, cache_level="L2")
 
-    def bf16_step(mma: Any, frag_a: Any, frag_b: Any, acc: Any, t_lo: Any, t_hi: Any, x_row: Any, c: Any) -> None:
+    def fp4_step(mma: Any, frag_a: Any, frag_b: Any, accs: list, w_lo: list, w_hi: list, s_lo: list, s_hi: list,
+                 x_at: list, c: Any) -> None:
+        a_lo = [_dequant.e2m1_row(form, w_lo[h] + c * (STEP // 2), s_lo[h] + c * (STEP // GROUP))
+                for h in range(row_groups)]
+        a_hi = [None if half else _dequant.e2m1_row(form, w_hi[h] + c * (STEP // 2), s_hi[h] + c * (STEP // GROUP))
+                for h in range(row_groups)]
+        mma_step(mma, frag_a, frag_b, a_lo, a_hi, x_at, c * STEP, accs, True)
+
+    def bf16_step(mma: Any, frag_a: Any, frag_b: Any, accs: list, t_lo: list, t_hi: list, x_at: list,
+                  c: Any) -> None:
         col = c * STEP
-        a_lo = cute.make_tensor(t_lo + col, cute.make_layout((32,))).load()
-        a_hi = cute.make_tensor(t_hi + col, cute.make_layout((32,))).load()
-        b = cute.make_tensor(x_row + col, cute.make_layout((32,))).load()
-        mma_step(mma, frag_a, frag_b, a_lo, a_hi, b, acc)
+        a_lo = [cute.make_tensor(p + col, cute.make_layout((32,))).load() for p in t_lo]
+        a_hi = [cute.make_tensor(p + col, cute.make_layout((32,))).load() for p in t_hi]
+        mma_step(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, accs, False)
 
     @cute.kernel
     def kernel(x: cute.Pointer, w: cute.Pointer, scale: cute.Pointer, gscale: cute.Pointer, tail: Any,
                out: cute.Pointer, m: cutlass.Int32):
         tid, bid, warp, r, q, mma, frag_a, frag_b = _dsl.gemv_lanes()
-        acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
-        acc.fill(0.0)
+        accs = []  # [row group][token group]
+        for _ in cutlass.range_constexpr(row_groups * groups):
+            acc = mma.make_fragment_C(mma.partition_shape_C((16, 8)))
+            acc.fill(0.0)
+            accs.append(acc)
         first = warp * per_warp + cutlass.min(warp, extra)  # this warp's first step
-        x_row = x + cutlass.Int64(cutlass.min(r, m - 1)) * k + q * 32
+        x_at = []
+        for g in cutlass.range_constexpr(groups):
+            x_at.append(x + cutlass.Int64(cutlass.min(g * 8 + r, m - 1)) * k + q * 32)
         row0 = bid * rows
         count = rows
         if cutlass.const_expr(half):
             for i in (2, 3, 6, 7):
                 frag_a[i] = cutlass.BFloat16(0.0)
         if bid < fp4_ctas:
-            w_lo = w + cutlass.Int64(row0 + r) * (k // 2) + q * 16
-            w_hi = w + cutlass.Int64(row0 + r + 8) * (k // 2) + q * 16
-            s_lo = scale + cutlass.Int64(row0 + r) * (k // GROUP) + q * 2
-            s_hi = scale + cutlass.Int64(row0 + r + 8) * (k // GROUP) + q * 2
+            w_lo, w_hi, s_lo, s_hi = [], [], [], []
+            for h in cutlass.range_constexpr(row_groups):
+                w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * (k // 2) + q * 16)
+                w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * (k // 2) + q * 16)
+                s_lo.append(scale + cutlass.Int64(row0 + h * ROWS + r) * (k // GROUP) + q * 2)
+                s_hi.append(scale + cutlass.Int64(row0 + h * ROWS + r + 8) * (k // GROUP) + q * 2)
+            last = first + per_warp - 1  # the warp's last step (for the prefetch's clamp)
+            if cutlass.const_expr(ahead > 0 and per_warp > 0):
+                for c in cutlass.range_constexpr(1, ahead):  # steps first + 1 .. first + ahead - 1
+                    prefetch(w_lo, w_hi, s_lo, s_hi, cutlass.min(first + c, last))
             for c in cutlass.range(first, first + per_warp, unroll=unroll):
-                fp4_step(mma, frag_a, frag_b, acc, w_lo, w_hi, s_lo, s_hi, x_row, c)
+                if cutlass.const_expr(ahead > 0):
+                    # Past the warp's last step: that step again (an L2 hit, no stray addresses).
+                    prefetch(w_lo, w_hi, s_lo, s_hi, cutlass.min(c + ahead, last))
+                fp4_step(mma, frag_a, frag_b, accs, w_lo, w_hi, s_lo, s_hi, x_at, c)
             if cutlass.const_expr(extra > 0):
                 if warp < extra:
-                    fp4_step(mma, frag_a, frag_b, acc, w_lo, w_hi, s_lo, s_hi, x_row, first + per_warp)
+                    fp4_step(mma, frag_a, frag_b, accs, w_lo, w_hi, s_lo, s_hi, x_at, first + per_warp)
             if cutlass.const_expr(form != "lut"):
-                for i in cutlass.range_constexpr(4):  # the decode's 2^-7, exactly (dequant.py)
-                    acc[i] = acc[i] * E2M1_UNDO
+                for acc in accs:
+                    for i in cutlass.range_constexpr(4):  # the decode's 2^-7, exactly (dequant.py)
+                        acc[i] = acc[i] * E2M1_UNDO
         if cutlass.const_expr(nt > 0):
             if bid >= fp4_ctas:
-                t0 = (bid - fp4_ctas) * ROWS
-                count = cutlass.min(nt - t0, ROWS)
-                t_lo = tail + cutlass.Int64(t0 + cutlass.min(r, count - 1)) * k + q * 32
-                t_hi = tail + cutlass.Int64(t0 + cutlass.min(r + 8, count - 1)) * k + q * 32
+                t0 = (bid - fp4_ctas) * rows
+                count = cutlass.min(nt - t0, rows)
+                t_lo, t_hi = [], []
+                for h in cutlass.range_constexpr(row_groups):
+                    t_lo.append(tail + cutlass.Int64(t0 + cutlass.min(h * ROWS + r, count - 1)) * k + q * 32)
+                    t_hi.append(tail + cutlass.Int64(t0 + cutlass.min(h * ROWS + r + 8, count - 1)) * k + q * 32)
                 for c in cutlass.range(first, first + per_warp, unroll=unroll):
-                    bf16_step(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, c)
+                    bf16_step(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, c)
                 if cutlass.const_expr(extra > 0):
                     if warp < extra:
-                        bf16_step(mma, frag_a, frag_b, acc, t_lo, t_hi, x_row, first + per_warp)
+                        bf16_step(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        partial = _dsl.acc_partials(acc, r, q, warp, ROWS, MB, WARPS)
-        # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.
-        _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS, gscale, n)
+        if cutlass.const_expr(mb == MB):
+            partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS)
+            # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.
+            _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS, gscale, n)
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            partial = smem.allocate_tensor(cutlass.Float32,
+                                           cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
+                                           byte_alignment=16)
+            # One (row, token) per thread: MB = 32 takes two passes of 16 tokens, row groups one
+            # after the other through the same partials (as gemv_fp8's wide variants).
+            per = min(mb, 32 * WARPS // ROWS)
+            for h in cutlass.range_constexpr(row_groups):
+                if cutlass.const_expr(h > 0):
+                    cute.arch.sync_threads()  # every thread has added the previous group's partials
+                for g in cutlass.range_constexpr(groups):
+                    # Accumulator slots: (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1).
+                    acc = accs[h * groups + g]
+                    partial[r, g * 8 + 2 * q, warp] = acc[0]
+                    partial[r, g * 8 + 2 * q + 1, warp] = acc[1]
+                    partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
+                    partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
+                for p in cutlass.range_constexpr(mb // per):
+                    part = cute.make_tensor(partial.iterator + p * per * ROWS,
+                                            cute.make_layout((ROWS, per, WARPS), stride=(1, ROWS, ROWS * mb)))
+                    _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * ldo, ldo, row0 + h * ROWS,
+                                           m - p * per, count - h * ROWS, ROWS, per, WARPS, gscale, n)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_nvfp4_{variant.key}")
 

@@ -5,8 +5,10 @@ The reference is float64 of the dequantised weights; the same-precision baseline
 Inputs: random e4m3 codes over the whole finite range, block scales of both signs with one zero
 block, NaN-poisoned outputs with an extra row that must stay untouched, odd M, the tiny model's
 shapes (K = 128 leaves 7 of 8 warps idle; tails of 8 rows, fewer than a CTA's 16) and the 27B's.
-Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`) runs each case against the
-same reference; a one-hot test checks every code's decode bit for bit in every form.
+Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`, `cvt_u8_pf2`, `cvt_u8_pf4`) runs
+each case against the same reference and must equal the first form's output bit for bit (all
+compute the same fp32 sums in the same order); a one-hot test checks every code's decode bit for
+bit in every form.
 
 The wide variants (m16 / m32 in every row-group form, `gemv_fp8.WIDE`) run verification steps'
 rows in one launch, so every row must equal, bit for bit, the m8 launch over its block of 8 rows
@@ -63,12 +65,15 @@ def test_gemv_fp8(library, device, mem, stream, name, m):
     base = gemv_fp8.reference(x, codes, scales, tail)
     forms = _forms(name)
     assert len(forms) == len(gemv_fp8.FORMS)
+    first = None
     for v in forms:
         out = mem.poisoned((m + 1) * (n + nt))
         library.kernel("gemv_fp8", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
         got = mem.read_bf16(out, (m + 1, n + nt))
         assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
         assert_close_to_baseline(got[:m], want, base, f"gemv_fp8 {v.key} M={m}")
+        first = got if first is None else first
+        np.testing.assert_array_equal(got, first, err_msg=f"gemv_fp8 {v.key} M={m} against {forms[0].key}")
 
 
 def test_gemv_fp8_decodes_every_code_exactly(library, device, mem, stream):

@@ -10,8 +10,14 @@ with negative and zero ones, per-row globals of both signs and a zero row, NaN-p
 with an extra row that must stay untouched, M = 1, 3, 8, the tiny model's shapes (K = 128 leaves
 7 of 8 warps idle; a tail of 8 rows, fewer than a CTA's 16) and the 27B's. A second test checks
 the decode bit for bit: one-hot activations read single weights back (each exact in bf16).
-Every form of the family (`gemv_nvfp4.FORMS`: `lut`, `shift`, `shift_u8`, `shift_x`) runs each
-case against the same references; the one-hot test also covers subnormal block scales.
+The wide variants (m16 / m32 in every row-group form and each of `gemv_nvfp4.WIDE_FORMS`) must
+give every row the m8 launch's numbers over its block of 8 rows bit for bit (odd and full widths,
+the row after M poisoned) and stay within 2x the baseline's error on the first and last 256 NVFP4
+rows and the BF16 tail.
+Every form of the family (`gemv_nvfp4.FORMS`: `lut`, `shift`, `shift_u8`, `shift_x`, `shift_h`,
+`pf2`, `pf4`, `pf8`, `pf4_h`) runs each case against the same references, and every form but
+`shift_x` (which reorders the K slots inside each MMA) must equal the first form's output bit for
+bit (the same fp32 sums in the same order); the one-hot test also covers subnormal block scales.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import pytest
 from cute_kernels import gemv_nvfp4
 from cute_kernels.bf16 import round_bf16
 
-from .conftest import assert_close_to_baseline
+from .conftest import assert_close_to_baseline, assert_equals_m8_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -56,8 +62,14 @@ def _bufs(mem, device, stream, x, codes, scales, gscale, tail, out_rows):
 
 
 def _forms(name):
-    """The variants of shape `name`, one per form."""
-    return [v for v in gemv_nvfp4.variants() if v.key.startswith(name + "_n")]
+    """The m8 variants of shape `name`, one per form."""
+    return [v for v in gemv_nvfp4.variants() if v.key.startswith(name + "_n") and v.config["MB"] == 8]
+
+
+def _wide(name, mb, form):
+    """The variants of shape `name` at width mb in decode form `form`, one per row-group form."""
+    return [v for v in gemv_nvfp4.variants()
+            if v.key.startswith(name + "_n") and v.config["MB"] == mb and v.config["form"] == form]
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -70,6 +82,7 @@ def test_gemv_nvfp4(library, device, mem, stream, name, m):
     base = gemv_nvfp4.reference(x, codes, scales, gscale, tail)
     forms = _forms(name)
     assert len(forms) == len(gemv_nvfp4.FORMS)
+    first = None
     for v in forms:
         out = mem.poisoned((m + 1) * (n + nt))
         library.kernel("gemv_nvfp4", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
@@ -77,6 +90,9 @@ def test_gemv_nvfp4(library, device, mem, stream, name, m):
         assert np.isnan(got[m]).all(), f"{v.key} wrote past M"
         assert np.all(got[:m, n - 1] == 0), f"{v.key}: the zero global's row"
         assert_close_to_baseline(got[:m], want, base, f"gemv_nvfp4 {v.key} M={m}")
+        first = got if first is None else first
+        if v.config["decode"] != "shift_x":
+            np.testing.assert_array_equal(got, first, err_msg=f"gemv_nvfp4 {v.key} M={m} against {forms[0].key}")
 
 
 def test_gemv_nvfp4_decodes_every_weight_exactly(library, device, mem, stream):
@@ -129,3 +145,54 @@ def test_gemv_nvfp4_rejects_large_m(library):
     with pytest.raises(LaunchError, match="M <= 8"):
         library.kernel("gemv_nvfp4", v.key).bind({"x": 256, "w": 256, "scale": 256, "gscale": 256, "out": 256},
                                                  {"M": 9})
+
+
+WIDE_CASES = {16: (9, 13, 16), 32: (17, 25, 32)}  # MB -> row counts M
+
+
+@pytest.mark.parametrize("name", list(gemv_nvfp4.WIDE_SHAPES))
+def test_wide_gemv_nvfp4_rows_equal_the_m8_rows_and_the_reference(library, device, mem, stream, name):
+    _, n, nt, k = next(s for s in gemv_nvfp4.SHAPES if s[0] == name)
+    x, codes, scales, gscale, tail = _case(np.random.default_rng(n + k + 11), 32, n, nt, k)
+    bufs = _bufs(mem, device, stream, x, codes, scales, gscale, tail, 33)
+    width = n + nt
+    spans = [(0, n)] if n <= 512 else [(0, 256), (n - 256, n)]  # the reference's NVFP4 rows, then the tail
+    cols = np.concatenate([np.arange(a, b) for a, b in spans] + [np.arange(n, width)])
+    for form in gemv_nvfp4.WIDE_FORMS:
+        (m8_form,) = [v for v in _forms(name) if v.config["form"] == form]
+        m8 = library.kernel("gemv_nvfp4", m8_form.key)
+        for mb, counts in WIDE_CASES.items():
+            variants = _wide(name, mb, form)
+            assert [v.config["rform"] for v in variants] == [f"r{r}u{u}" for r, u in gemv_nvfp4.WIDE[mb]]
+            for m in counts:
+                # The m8 launches over the rows' blocks of 8, as the runner ran verification rows before.
+                want = mem.poisoned((m + 1) * width)
+                for r0 in range(0, m, 8):
+                    m8.launch(stream, {**bufs, "x": bufs["x"] + r0 * k * 2, "out": want + r0 * width * 2},
+                              {"M": min(8, m - r0)})
+                ref = mem.read_bf16(want, (m + 1, width))
+                parts = [(codes[a:b], scales[a:b], gscale[a:b]) for a, b in spans]
+                exact = np.concatenate([gemv_nvfp4.reference(x[:m], *p, exact=True) for p in parts]
+                                       + ([x[:m].astype(np.float64) @ tail.astype(np.float64).T] if nt else []), axis=1)
+                base = np.concatenate([gemv_nvfp4.reference(x[:m], *p) for p in parts]
+                                      + ([gemv_nvfp4.reference(x[:m], *parts[0], tail)[:, spans[0][1]:]] if nt else []),
+                                      axis=1)
+                for v in variants:
+                    what = f"gemv_nvfp4 {v.key} M={m}"
+                    out = mem.poisoned((m + 1) * width)
+                    library.kernel("gemv_nvfp4", v.key).launch(stream, {**bufs, "out": out}, {"M": m})
+                    got = mem.read_bf16(out, (m + 1, width))
+                    assert_equals_m8_rows(got, ref, m, what)
+                    assert_close_to_baseline(got[:m, cols], exact, base, what)
+
+
+def test_wide_gemv_nvfp4_rejects_more_rows_than_its_width(library):
+    from runtime.cuda.errors import LaunchError
+
+    for mb in gemv_nvfp4.WIDE:
+        v = _wide("tiny_o_proj", mb, gemv_nvfp4.WIDE_FORMS[0])[0]
+        kernel = library.kernel("gemv_nvfp4", v.key)
+        bufs = {"x": 256, "w": 256, "scale": 256, "gscale": 256, "out": 256}
+        kernel.bind(bufs, {"M": mb})
+        with pytest.raises(LaunchError, match=f"M <= {mb}"):
+            kernel.bind(bufs, {"M": mb + 1})

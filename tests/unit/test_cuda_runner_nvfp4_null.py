@@ -14,7 +14,7 @@ import pytest
 from cute_kernels import gemv_nvfp4
 from runtime.model.gpu.kernels import GEMV_FORMS
 from runtime.model.gpu.weights import NVFP4
-from runtime.model.runner import DecodeItem, PrefillChunk
+from runtime.model.runner import DecodeItem, PrefillChunk, StepRow
 
 from null_cuda import built_or_skip, family_launches, null_runner
 
@@ -227,3 +227,42 @@ def test_the_gemv_form_switch_picks_that_form_of_every_shape(runner, monkeypatch
             monkeypatch.setitem(kernels.GEMV_FORMS, fmt, form)
             got = runner.kernels.linear_quantised(fmt, 1024, 0, 256)
             assert got == (family.FAMILY, "tiny_gate_up_n1024_k256_m8" + (f"_{form}" if i else ""))
+
+
+def test_a_verification_step_of_an_nvfp4_model_runs_one_wide_launch_per_weight(tiny_nvfp4_path):
+    """2 sequences of 1 + 4 tokens (10 rows): every NVFP4 linear is one m16 launch over all 10
+    rows in the runner's row-group form (before: two m8 launches, each reading the weight), with
+    the weight, scales, globals and tail bound as for decode; 4 sequences of 1 + 4 (20 rows) one
+    m32 launch; a decode step keeps the m8 variant."""
+    from runtime.cuda.null import NullDevice
+    from runtime.model.gpu.kernels import quantised_row_forms
+    from runtime.model.gpu.runner import CudaRunner
+
+    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_nvfp4_path, num_pages=16, num_slots=24,
+                                                       device=NullDevice(total_memory=2 << 30), prefill_chunk=64))
+    try:
+        for slot in range(4):
+            r.prefill(PrefillChunk(slot=slot, token_ids=[3 + slot, 4], start_pos=0, page_table=[slot]))
+        dev = r.device
+        for sequences, mb in ((2, 16), (4, 32)):
+            n = len(dev.launches)
+            snapshots = iter(range(4, 24))
+            r.step([StepRow(slot, [5, 6, 7, 8, 9], 2, [slot], logits="all",
+                            snapshots=[next(snapshots) for _ in range(5)]) for slot in range(sequences)])
+            launches = _nvfp4_launches(dev.launches[n:])
+            # 3 GDN layers x (in, out, gate_up, down) + 1 attention layer x (qkv, o, gate_up, down).
+            assert len(launches) == 16 and all(m == 5 * sequences for _, _, m in launches)
+            assert {key for key, _, _ in launches} == {
+                key.replace("_m8", f"_m{mb}_{quantised_row_forms(NVFP4)[mb]}") for key in TINY_KEYS}
+            base, buf = r.storage.weights_base, r.storage.buf
+            gdn = r.layout.layers[0]
+            w_in = gdn["w_in"]
+            assert launches[0][1] == [buf["h"], base + w_in.offset, base + w_in.scale_offset,
+                                      base + w_in.gscale_offset, base + gdn["w_in_tail"].offset, buf["proj"]]
+        n = len(dev.launches)
+        r.decode([DecodeItem(slot=slot, token_id=5, pos=2, page_table=[slot]) for slot in range(4)])
+        launches = _nvfp4_launches(dev.launches[n:])
+        assert len(launches) == 16 and {key for key, _, _ in launches} == TINY_KEYS
+        assert all(m == 4 for _, _, m in launches)
+    finally:
+        r.close()

@@ -1,5 +1,5 @@
 """The wide FP8 decode GEMV variants (`gemv_fp8` m16 / m32, row-group forms) on the CPU: the
-variant table (the m8 and NVFP4 keys unchanged), and the runner's use of them on the null device
+variant table (the m8 keys unchanged, NVFP4's wide keys), and the runner's use of them on the null device
 for rows that must get a decode step's numbers (verification steps): one launch per FP8 weight for
 up to 32 rows instead of one per 8.
 
@@ -26,15 +26,21 @@ def test_the_m8_and_nvfp4_keys_are_unchanged_and_the_wide_ones_added():
     m8 = {key for key, v in fp8.items() if v.config["MB"] == 8}
     # Every shape in every decode form, keyed as before the wide variants.
     assert m8 == {f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8" + ("" if form == "cvt" else f"_{form}")
-                  for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8")}
+                  for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4")}
     assert all("groups" not in fp8[key].config and fp8[key].requires == ("M >= 1", "M <= 8") for key in m8)
-    nvfp4 = gemv_nvfp4.variants()
+    nvfp4 = [v for v in gemv_nvfp4.variants() if v.config["MB"] == 8]
     assert len(nvfp4) == len(gemv_nvfp4.SHAPES) * len(gemv_nvfp4.FORMS)
-    assert all(v.key.split("_m")[-1].split("_")[0] == "8" and v.config["MB"] == 8 and "groups" not in v.config
-               for v in nvfp4)
+    assert all(v.key.split("_m")[-1].split("_")[0] == "8" and "groups" not in v.config
+               and v.requires == ("M >= 1", "M <= 8") for v in nvfp4)
     assert {v.key for v in nvfp4 if v.key.startswith("gdn_in")} == {
         "gdn_in_n16384_t96_k5120_m8", "gdn_in_n16384_t96_k5120_m8_shift", "gdn_in_n16384_t96_k5120_m8_shift_u8",
-        "gdn_in_n16384_t96_k5120_m8_shift_x", "gdn_in_n16384_t96_k5120_m8_shift_h"}
+        "gdn_in_n16384_t96_k5120_m8_shift_x", "gdn_in_n16384_t96_k5120_m8_shift_h", "gdn_in_n16384_t96_k5120_m8_pf2",
+        "gdn_in_n16384_t96_k5120_m8_pf4", "gdn_in_n16384_t96_k5120_m8_pf8", "gdn_in_n16384_t96_k5120_m8_pf4_h"}
+    # The NVFP4 wide variants: gemv_fp8's widths and row-group forms in each of gemv_nvfp4.WIDE_FORMS.
+    assert {v.key for v in gemv_nvfp4.variants() if v.config["MB"] > 8} == {
+        f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_{tag}_{form}"
+        for name, n, nt, k in gemv_nvfp4.SHAPES if name in gemv_fp8.WIDE_SHAPES
+        for tag in ("m16_r1u2", "m16_r2u1", "m32_r1u1", "m32_r2u1") for form in ("shift_u8", "pf4")}
     wide = {key for key in fp8 if key not in m8}
     assert wide == {f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_{tag}"
                     for name, n, nt, k in gemv_fp8.SHAPES if name in gemv_fp8.WIDE_SHAPES
@@ -146,7 +152,7 @@ def test_exact_rows_of_an_fp8_weight_take_the_narrowest_width_that_holds_them(ro
         storage.release()
 
 
-def test_prefill_rows_of_an_fp8_weight_keep_8_rows_a_launch_and_nvfp4_stays_at_8():
+def test_prefill_rows_of_an_fp8_weight_keep_8_rows_a_launch_and_nvfp4_has_the_same_widths():
     from runtime.model.gpu.weights import FP8, NVFP4
 
     forward, storage, layout = _forward_27b_fp8()
@@ -160,9 +166,11 @@ def test_prefill_rows_of_an_fp8_weight_keep_8_rows_a_launch_and_nvfp4_stays_at_8
             ("gate_up_n34816_k5120_m8", 8), ("gate_up_n34816_k5120_m8", 4)]
         choice = forward.kernels
         assert choice.quantised_widths(FP8, n, 0, k) == [8, 16, 32]
-        assert choice.quantised_widths(NVFP4, n, 0, k) == [8]
-        assert choice.exact_block(n, k, NVFP4) == 8
+        assert choice.quantised_widths(NVFP4, n, 0, k) == [8, 16, 32]
+        assert choice.exact_block(n, k, NVFP4) == 32
         assert choice.linear_quantised(NVFP4, n, 0, k, 8) == ("gemv_nvfp4", "gate_up_n34816_k5120_m8_shift_u8")
+        assert choice.linear_quantised(NVFP4, n, 0, k, 9) == ("gemv_nvfp4", "gate_up_n34816_k5120_m16_r1u2_shift_u8")
+        assert choice.linear_quantised(NVFP4, n, 0, k, 32) == ("gemv_nvfp4", "gate_up_n34816_k5120_m32_r2u1_shift_u8")
         assert choice.linear_quantised(FP8, n, 0, k, 3) == ("gemv_fp8", "gate_up_n34816_k5120_m8")
         assert choice.linear_quantised(FP8, n, 0, k, 32) == ("gemv_fp8", "gate_up_n34816_k5120_m32_r2u1")
         from runtime.cuda.errors import KernelMissing

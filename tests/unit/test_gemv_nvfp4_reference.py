@@ -143,9 +143,34 @@ def test_variants_cover_the_nvfp4_layouts_of_the_27b_and_the_tiny_model():
     assert tiny.nvfp4_shapes() <= built and len(tiny.nvfp4_shapes()) == 6
     # About 16.3 GB a token at the 27B shape (the issue's roofline): every weight but the embedding.
     assert abs((big.total - big.globals["embed"].nbytes) / 1e9 - 16.29) < 0.01
-    assert all(v.requires == ("M >= 1", "M <= 8") for v in gemv_nvfp4.variants())
+    assert all(v.requires == ("M >= 1", f"M <= {v.config['MB']}") and v.config["MB"] in (8, 16, 32)
+               for v in gemv_nvfp4.variants())
     # Every shape in every form; the first form's keys carry no tag (the ones built before the forms).
     keys = {v.key for v in gemv_nvfp4.variants()}
     for name, n, nt, k in gemv_nvfp4.SHAPES:
         base = f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8"
         assert {base} | {f"{base}_{form}" for form in list(gemv_nvfp4.FORMS)[1:]} <= keys
+
+
+
+def test_the_prefetch_forms_are_the_kept_decodes_unrolled_by_8_plus_prefetches():
+    """The L2-prefetch forms (NVFP4 `pfD`: `shift_u8` plus prefetches; FP8 `cvt_u8_pfD`: `cvt`
+    unrolled by 8 plus prefetches) keep the decode of the form they extend, so they compute the
+    same sums in the same order (the GPU tests check it bit for bit), and every shape is built in
+    each of them."""
+    from cute_kernels import gemv_fp8
+
+    for family, base in ((gemv_nvfp4, "shift_u8"), (gemv_fp8, "cvt")):
+        assert set(family.PREFETCH) <= set(family.FORMS) and base not in family.PREFETCH
+        by_key = {v.key: v for v in family.variants()}
+        for form, ahead in family.PREFETCH.items():
+            assert ahead >= 2 and form.removesuffix("_h").endswith(f"pf{ahead}")
+            decode, unroll, rows = family.FORMS[form]
+            assert decode == family.FORMS[base][0] and unroll == 8
+            for name, n, nt, k in family.SHAPES:
+                stem = f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8"
+                kept = by_key[stem + ("" if base == next(iter(family.FORMS)) else f"_{base}")]
+                v = by_key[f"{stem}_{form}"]
+                assert v.config["decode"] == kept.config["decode"] and v.config["form"] == form
+                assert v.config["rows"] == (rows if nt == 0 else family.ROWS)
+    assert gemv_nvfp4.FORMS["pf4_h"][2] == gemv_nvfp4.ROWS // 2  # shift_h's grid: 8 rows a CTA

@@ -57,10 +57,14 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
 # the forms side by side; switch here to the fastest (each form passes the same numerics tests).
+# Untimed: the L2-prefetch forms (FP8 `cvt_u8_pf2` / `cvt_u8_pf4`, NVFP4 `pf2` / `pf4` / `pf8` / `pf4_h`:
+# the kept forms' instructions, bit for bit their numbers, plus prefetches of the codes a few steps
+# ahead). The FP8 wide variants exist in `cvt` only: an FP8 choice other than `cvt` runs exact rows
+# 8 at a time.
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
-# The row counts (MB) of the quantised GEMVs: 8 for every format, and the FP8 GEMV's wide widths
-# (cute_kernels/gemv_fp8.py WIDE, built in the `cvt` decode only, so another FP8 GEMV_FORMS choice
-# runs exact rows 8 at a time). NVFP4 stays at 8 rows a launch: no wide variants yet.
+# The row counts (MB) of the quantised GEMVs: 8 for every format, and the wide widths
+# (cute_kernels/gemv_fp8.py WIDE; FP8 builds them in the `cvt` decode only, NVFP4 in its
+# WIDE_FORMS `shift_u8` and `pf4`: another GEMV_FORMS choice runs exact rows 8 at a time).
 QUANTISED_GEMV_ROWS = (8, 16, 32)
 # The row-group form each wide FP8 width runs in (a `rRuU` tag of gemv_fp8.WIDE[MB]: R row groups of
 # 16 per CTA, U blocks in flight per warp). Their tests pass on the H200; the forms are not yet
@@ -70,6 +74,16 @@ QUANTISED_GEMV_ROWS = (8, 16, 32)
 # measurements favoured at m32. `python -m bench.kernels --only gemv_q` times every form; set the
 # fastest here.
 GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
+# The same choice for the wide NVFP4 widths (gemv_nvfp4.py, gemv_fp8.WIDE's forms): compiled, not
+# yet run on a GPU, so untimed; the FP8 picks. ptxas on the 27B shapes (`shift_u8`): m16 r1u2
+# 102-106 registers, r2u1 128 (gdn_in spills 8 bytes); m32 r1u1 118-128, r2u1 173-187.
+GEMV_NVFP4_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
+
+
+def quantised_row_forms(fmt: str) -> dict[int, str]:
+    """The row-group form per wide width of a quantised format (read at call time: tests switch
+    the module's dicts)."""
+    return GEMV_FP8_ROW_FORMS if fmt == FP8 else GEMV_NVFP4_ROW_FORMS
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
 # (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
@@ -320,12 +334,12 @@ class KernelChoice:
 
     def quantised_widths(self, fmt: str, n: int, nt: int, k: int) -> list[int]:
         """The row counts (MB) of the quantised GEMV compiled for a weight [n, k] with a BF16 tail
-        of nt rows in the runner's forms (`GEMV_FORMS`, and `GEMV_FP8_ROW_FORMS` past 8 rows),
+        of nt rows in the runner's forms (`GEMV_FORMS`, and `quantised_row_forms` past 8 rows),
         narrowest first: always 8 (`linear_quantised` refuses a shape without it)."""
         family = QUANTISED[fmt][0]
-        wide = [mb for mb in QUANTISED_GEMV_ROWS[1:] if fmt == FP8
-                and _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt],
-                          rform=GEMV_FP8_ROW_FORMS[mb]) is not None]
+        wide = [mb for mb in QUANTISED_GEMV_ROWS[1:]
+                if _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt],
+                         rform=quantised_row_forms(fmt)[mb]) is not None]
         return [QUANTISED_GEMV_ROWS[0]] + wide
 
     def linear_quantised(self, fmt: str, n: int, nt: int, k: int, m: int = 8) -> tuple[str, str]:
@@ -339,7 +353,7 @@ class KernelChoice:
         if mb is None:
             raise KernelMissing(f"no {family} kernel takes {m} rows of an {name} {n}x{k} weight; the widest "
                                 f"compiled takes {self.exact_block(n, k, fmt, nt)}")
-        match = {"rform": GEMV_FP8_ROW_FORMS[mb]} if mb > 8 else {}
+        match = {"rform": quantised_row_forms(fmt)[mb]} if mb > 8 else {}
         key = _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt], **match)
         if key is None:
             raise KernelMissing(

@@ -36,7 +36,7 @@ class StepShape:
     written at `slots[r]` (its snapshot slot). The GDN conv and recurrent step are their
     `verify` kernels, one launch each over all rows, with the decode kernels' arithmetic per
     token; every other launch takes all m rows too, and projections and the head run the decode
-    GEMV in blocks of up to 64 rows (`KernelChoice.exact_block`: 32 for FP8 weights, 8 for NVFP4;
+    GEMV in blocks of up to 64 rows (`KernelChoice.exact_block`: 32 for FP8 and NVFP4 weights;
     a row's numbers are the same in every GEMV width). So each position's numbers are those of a decode step (reading the
     snapshot the position before wrote), and each weight is read once per block.
 
