@@ -127,6 +127,14 @@ def wave_efficiency(form: str, m: int, n: int) -> float:
     return (-(-m // BM) * n / bn) / (-(-tiles // SMS) * SMS)
 
 
+def slot_block(off: int, j: int) -> int:
+    """Which of a tile's two weight-scale blocks (0 or 1) accumulator slot j of every consumer
+    thread lies in, for a tile starting `off` columns into its first block: slot j is in the
+    8-column group j // 4 of the m64nNk32 C layout (the thread's columns 2 (lane % 4) + j % 2 of the
+    group stay inside it, as every block edge is a multiple of 8 columns from the tile's start)."""
+    return (off + 8 * (j // 4)) // SCALE_BLOCK
+
+
 def _variant(name: str, n: int, nt: int, k: int, form_name: str) -> Variant:
     form = FORMS[form_name]
     bn = form.bn
@@ -299,9 +307,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             g_ws = cute.make_tensor(w_scale, cute.make_layout((last_block + 1, k_tiles), stride=(k_tiles, 1)))
             k_blocks = cute.size(t_ca, mode=[2])
             # A WGMMA accumulator holds 2 rows per thread: slot j is row r0 + 8 * ((j // 2) % 2) of
-            # the warpgroup's 64, in the 8-column group j // 4 (the m64nNk32 C layout: column pairs,
-            # then the row half, then 8-column steps), so each k-tile needs two activation scales
-            # per thread, and a slot's weight-scale block is (off + 8 * (j // 4)) // 128.
+            # the warpgroup's 64 (the m64nNk32 C layout: column pairs, then the row half, then
+            # 8-column steps), so each k-tile needs two activation scales per thread; its
+            # weight-scale block is `slot_block(off, j)`.
             r_lo, _ = coords[0]
             r_hi, _ = coords[2]
 
@@ -343,7 +351,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         for o in cutlass.range_constexpr(len(offsets)):
                             if off == offsets[o]:
                                 for j in cutlass.range_constexpr(cute.size(acc)):
-                                    if cutlass.const_expr((offsets[o] + 8 * (j // 4)) // SCALE_BLOCK):
+                                    if cutlass.const_expr(slot_block(offsets[o], j)):
                                         acc[j] = acc[j] + part[j] * (s1_hi if (j // 2) % 2 else s1_lo)
                                     else:
                                         acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
