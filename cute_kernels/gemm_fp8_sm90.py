@@ -32,6 +32,14 @@ module's docstring), with what FP8 block scaling changes:
 - registers: two fp32 fragments of BN / 2 values per thread (accumulator and partial); BN = 192
   takes 192 of them, so those forms run the producer at 24 registers and the consumers at 240
   (DeepGEMM's split); BN = 256 would need 256 for the fragments alone and is not built;
+- clusters (`c2` forms): two CTAs on M-tiles 2i and 2i + 1 of one N tile each TMA-load half of
+  the weight tile (bn / 2 rows: the manifest's box) and multicast it into both CTAs' stage, so
+  the weight bytes leave L2 once per pair. A stage's full barrier expects the x tile plus the whole
+  weight tile; its empty barrier takes one arrive per consumer warp of both CTAs (8 x 2), as each
+  producer writes into both. Both CTAs walk the same work items (a pair of M-tiles, then the next),
+  so their rings stay in step; when M has an odd number of tiles the second CTA of the last pair
+  computes an all-zero tile past M and stores nothing. The grid is whole clusters (132 = 66 x 2);
+  how many clusters of 2 the H200's GPCs co-schedule is not measured here;
 - edges: TMA reads rows past M and N and columns past K as zeros (a partial last k-block or
   N-block contributes nothing past the edge); rows past M read row M - 1's scale (their results
   are never stored). K must be a multiple of 16 (TMA strides) and N of 2 (paired stores);
@@ -75,6 +83,7 @@ class Form:
     bn: int  # N tile (columns of the output per CTA tile)
     stages: int  # shared-memory ring depth: (BM + bn) * BK bytes a stage
     regs: tuple[int, int]  # setmaxnreg of the producer and of the two consumer warpgroups
+    cluster: int = 1  # CTAs per cluster along M, sharing each weight tile by TMA multicast
 
     def offsets(self, n: int) -> list[int]:
         """Where the N tiles of an N-column weight start inside their first weight-scale block."""
@@ -83,10 +92,13 @@ class Form:
 
 # The tile forms every shape is built in; "bn128" is today's (untagged keys), the others are
 # tagged `_{form}`. Stages: as many as fit in 227 KiB (bn192: 5 x 40 KiB; the others 6 x 32 / 36 KiB).
+# `c2`: clusters of two CTAs on M-tiles 2i and 2i + 1 of the same N tile, each loading half of the
+# weight tile and multicasting it to both (half the weight traffic from L2).
 FORMS = {
     "bn128": Form(128, 6, (PRODUCER_REGS, CONSUMER_REGS)),
     "bn160": Form(160, 6, (24, 240)),
     "bn192": Form(192, 5, (24, 240)),
+    "bn192c2": Form(192, 5, (24, 240), cluster=2),
 }
 DEFAULT_FORM = "bn128"
 
@@ -122,9 +134,10 @@ def wave_efficiency(form: str, m: int, n: int) -> float:
     """The fraction of the persistent grid's tile slots (132 CTAs x its waves) that hold useful
     output columns, for an M x N output in a form: tile count rounding and the last partial N
     tile both count as waste."""
-    bn = FORMS[form].bn
-    tiles = -(-m // BM) * -(-n // bn)
-    return (-(-m // BM) * n / bn) / (-(-tiles // SMS) * SMS)
+    bn, c = FORMS[form].bn, FORMS[form].cluster
+    units = -(-m // (BM * c)) * -(-n // bn)  # cluster work items (c M-tiles of one N tile)
+    clusters = SMS // c
+    return (-(-m // BM) * n / bn) / (-(-units // clusters) * clusters * c)
 
 
 def slot_block(off: int, j: int) -> int:
@@ -150,23 +163,28 @@ def _variant(name: str, n: int, nt: int, k: int, form_name: str) -> Variant:
     num_n, kb, nwb = -(-n // bn), -(-k // BK), -(-n // SCALE_BLOCK)
     ld = n + nt
     enc_a = TmaEncode(dtype="UINT8", dims=(k, "M"), strides_bytes=(k,), box=(BK, BM), elem_strides=(1, 1))
-    enc_b = TmaEncode(dtype="UINT8", dims=(k, n), strides_bytes=(k,), box=(BK, bn), elem_strides=(1, 1))
+    c = form.cluster
+    # Each CTA of a cluster loads bn / c weight rows and multicasts them to all c.
+    enc_b = TmaEncode(dtype="UINT8", dims=(k, n), strides_bytes=(k,), box=(BK, bn // c), elem_strides=(1, 1))
     return Variant(
         family=FAMILY,
         key=key(name, n, nt, k, form_name),
         config={"N": n, "NT": nt, "K": k, "ld": ld, "form": form_name, "tile": [BM, bn, BK], "stages": form.stages,
-                "group_m": GROUP_M, "threads": THREADS, "regs": list(form.regs), "persistent_ctas": SMS},
+                "group_m": GROUP_M, "threads": THREADS, "regs": list(form.regs), "cluster": form.cluster,
+                "persistent_ctas": SMS},
         params=[tma("x_desc", "x", enc_a), i32("x_rows", "M"), tma("w_desc", "w", enc_b), ptr("x_scale"),
                 ptr("w_scale"), ptr("out"), i32("M")],
         tensors={"x": tensor("e4m3", "M", k), "w": tensor("e4m3", n, k), "x_scale": tensor("f32", "M", kb),
                  "w_scale": tensor("f32", nwb, kb), "out": tensor("bf16", "M", ld, role="out")},
         sizes=("M",),
         block=(THREADS, 1, 1),
-        grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})", 1, 1),
+        grid=(f"min(cdiv(M, {BM}) * {num_n}, {SMS})" if c == 1 else f"min(cdiv(M, {BM * c}) * {num_n * c}, {SMS})",
+              1, 1),
+        cluster=(c, 1, 1),
         requires=("M >= 1", f"M <= {(2**31 - 1) // max(ld, k)}"),
         arches=HOPPER,
         note=f"prefill fp8 xq[M,{k}] @ W[{n},{k}]^T, 1x128 / 128x128 block scales, tile {BM}x{bn}x{BK}, "
-             f"out stride {ld}",
+             f"out stride {ld}" + (f", clusters of {c} CTAs along M multicasting W" if c > 1 else ""),
         example_sizes={"M": 8192},
     )
 
@@ -208,6 +226,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     form = FORMS[variant.config["form"]]
     bn, stages = form.bn, form.stages
     producer_regs, consumer_regs = form.regs
+    cluster = form.cluster
     num_n = -(-n // bn)
     k_tiles = -(-k // BK)
     last_block = -(-n // SCALE_BLOCK) - 1
@@ -257,35 +276,51 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            # One arrive per consumer warp into every CTA of the cluster (each producer writes its
+            # half of the weight tile into all of them, so waits for all their consumers).
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8 * cluster),
+            tx_count=stage_bytes,  # x tile + the whole weight tile (its parts from every CTA)
+            cta_layout_vmnk=cute.make_layout((1, cluster, 1, 1)),
         )
         s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
 
         num_m = (m + BM - 1) // BM
-        num_tiles = num_m * num_n
+        # Work items: `cluster` consecutive M-tiles of one N tile; CTA `rank` of a cluster takes the
+        # rank-th (past M when M has fewer tiles: TMA reads zeros, nothing is stored). Both CTAs
+        # walk the same items, so their pipelines stay in step.
+        num_mc = num_m
+        if cutlass.const_expr(cluster > 1):
+            num_mc = (num_m + cluster - 1) // cluster
+        num_items = num_mc * num_n
         grid_size, _, _ = cute.arch.grid_dim()
         per_band = GROUP_M * num_n
+        first, step, rank = bid, grid_size, 0
+        if cutlass.const_expr(cluster > 1):
+            first, step, rank = bid // cluster, grid_size // cluster, bid % cluster
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-                for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
-                    m_tile, n_tile = tile_coords(t, num_m, per_band)
+                for t in cutlass.range(first, num_items, step, unroll=1):
+                    mc, n_tile = tile_coords(t, num_mc, per_band)
+                    m_tile = mc * cluster + rank
                     g_x = cute.local_tile(m_x, (BM, BK), (m_tile, None))
                     g_w = cute.local_tile(m_w, (bn, BK), (n_tile, None))
                     t_sx, t_gx = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
                                                        cute.group_modes(g_x, 0, 2))
-                    t_sw, t_gw = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
-                                                       cute.group_modes(g_w, 0, 2))
+                    t_sw, t_gw = cpasync.tma_partition(tma_w, rank, cute.make_layout(cluster),
+                                                       cute.group_modes(s_b, 0, 2), cute.group_modes(g_w, 0, 2))
                     for kt in cutlass.range(k_tiles, unroll=1):
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
                         cute.copy(tma_x, t_gx[(None, kt)], t_sx[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(cluster > 1):
+                            cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=cutlass.Int16((1 << cluster) - 1))
+                        else:
+                            cute.copy(tma_w, t_gw[(None, kt)], t_sw[(None, state.index)], tma_bar_ptr=bar)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
@@ -314,8 +349,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             r_hi, _ = coords[2]
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            for t in cutlass.range(bid, num_tiles, grid_size, unroll=1):
-                m_tile, n_tile = tile_coords(t, num_m, per_band)
+            for t in cutlass.range(first, num_items, step, unroll=1):
+                mc, n_tile = tile_coords(t, num_mc, per_band)
+                m_tile = mc * cluster + rank
                 row0 = m_tile * BM
                 col0 = n_tile * bn
                 row_lo = cutlass.min(row0 + r_lo, m - 1)
@@ -376,11 +412,17 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         tma_x, t_x = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(a_layout, (None, None, 0)), (BM, BK)
         )
-        tma_w, t_w = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(b_layout, (None, None, 0)), (bn, BK)
-        )
+        if cutlass.const_expr(cluster > 1):
+            tma_w, t_w = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), w,
+                                                     cute.slice_(b_layout, (None, None, 0)), (bn, BK),
+                                                     num_multicast=cluster)
+        else:
+            tma_w, t_w = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(b_layout, (None, None, 0)), (bn, BK)
+            )
         kernel(tma_x, t_x, tma_w, t_w, x_scale, w_scale, out, m).launch(
-            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream
+            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block),
+            **({"cluster": [cluster, 1, 1]} if cluster > 1 else {}), stream=stream
         )
 
     m_sym = cute.sym_int32(divisibility=1)

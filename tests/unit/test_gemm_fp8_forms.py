@@ -27,16 +27,22 @@ def test_todays_keys_keep_their_tile_and_every_shape_has_every_form():
     for key in TODAY:
         v = by_key[key]
         assert v.config["form"] == "bn128" and v.config["tile"] == [128, 128, 128] and v.config["stages"] == 6
-        assert v.config["regs"] == [40, 232]
+        assert v.config["regs"] == [40, 232] and v.config["cluster"] == 1 and v.cluster == (1, 1, 1)
     assert len(by_key) == len(gemm_fp8_sm90.SHAPES) * len(FORMS)
     for name, n, nt, k in gemm_fp8_sm90.SHAPES:
-        for form, tile, stages, regs in (("bn160", 160, 6, [24, 240]), ("bn192", 192, 5, [24, 240])):
+        for form, tile, stages, c in (("bn160", 160, 6, 1), ("bn192", 192, 5, 1), ("bn192c2", 192, 5, 2)):
             v = by_key[f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_{form}"]
-            assert v.config["tile"] == [128, tile, 128] and v.config["stages"] == stages and v.config["regs"] == regs
-            assert v.params[2].encode.box == (128, tile)  # the weight TMA box is the N tile
+            assert v.config["tile"] == [128, tile, 128] and v.config["stages"] == stages
+            assert v.config["regs"] == [24, 240] and v.cluster == (c, 1, 1)
+            # The weight TMA box: the N tile, split between the CTAs of a cluster (each loads its
+            # part and multicasts it; the compiled coordinates are n_tile * 192 + rank * 96).
+            assert v.params[2].encode.box == (128, tile // c)
             # The weight scales stay one per 128 x 128 block whatever the tile.
             assert v.tensors["w_scale"].shape == (-(-n // 128), -(-k // 128))
-            assert v.grid[0] == f"min(cdiv(M, 128) * {-(-n // tile)}, 132)"
+            # A cluster's CTAs share an N tile on consecutive M tiles: whole clusters on 132 SMs.
+            want = (f"min(cdiv(M, 128) * {-(-n // tile)}, 132)" if c == 1
+                    else f"min(cdiv(M, 256) * {-(-n // tile) * 2}, 132)")
+            assert v.grid[0] == want
             # (BM + BN) x BK bytes a stage, in the 227 KiB an H200 block may take.
             assert stages * (128 + tile) * 128 <= 227 * 1024 - 1024
 
@@ -102,6 +108,10 @@ def test_wave_efficiency_by_hand():
     assert gemm_fp8_sm90.wave_efficiency("bn160", 2048, 5120) == pytest.approx(512 / 528)
     assert gemm_fp8_sm90.wave_efficiency("bn192", 2048, 5120) == pytest.approx(16 * 5120 / 192 / 528)
     assert gemm_fp8_sm90.wave_efficiency("bn128", 8192, 34816) == pytest.approx(17408 / 17424)
+    # Clusters of 2: 8 pairs of M tiles x 27 N tiles = 216 items on 66 clusters: 4 waves of 66.
+    assert gemm_fp8_sm90.wave_efficiency("bn192c2", 2048, 5120) == pytest.approx(16 * 5120 / 192 / (4 * 132))
+    # 3 M tiles: the second pair is half empty.
+    assert gemm_fp8_sm90.wave_efficiency("bn192c2", 384, 192) == pytest.approx(3 / 132)
 
 
 def test_the_form_switch_picks_that_forms_gemm(monkeypatch, tiny_fp8_path):
@@ -129,7 +139,8 @@ def test_the_form_switch_picks_that_forms_gemm(monkeypatch, tiny_fp8_path):
             built = {v.key: v.config["form"] for v in gemm_fp8_sm90.variants()}
             assert {built[key] for key, _, _ in gemm} == {form}
             recs = [r for r in dev.launches[first:] if r.function.startswith("infx_gemm_fp8_sm90_tiny_gate_up")]
-            assert {r.grid for r in recs} == {(-(-1024 // FORMS[form].bn), 1, 1)}
+            c = FORMS[form].cluster  # 20 rows: one M tile (a cluster's second CTA takes the empty one)
+            assert {(r.grid, r.cluster) for r in recs} == {((-(-1024 // FORMS[form].bn) * c, 1, 1), (c, 1, 1))}
         finally:
             runner.close()
 
@@ -141,7 +152,7 @@ def test_the_bench_binds_every_form_of_every_27b_shape():
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
     for name, n, nt, k in gemm_fp8_sm90.SHAPES[:5]:
         forms = gemm_fp8_forms(name, n, nt, k)
-        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192"]
+        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192", "bn192c2"]
         assert forms[0][1] == TODAY[[s[0] for s in gemm_fp8_sm90.SHAPES].index(name)]
         for _, key in forms:
             kern = built_or_skip(lambda key=key: lib.kernel("gemm_fp8_sm90", key))

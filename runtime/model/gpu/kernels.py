@@ -73,9 +73,10 @@ GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 # The tile form of the FP8 prefill GEMM (cute_kernels/gemm_fp8_sm90.py FORMS; every shape is built in
 # every form, all giving the same numbers): "bn128", 128 x 128 tiles (measured on the H200: 0.67-0.75x
-# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, compiled but untimed
-# (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by side;
-# set the fastest here.
+# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, or "bn192c2", 128 x 192
+# tiles in clusters of two CTAs sharing each weight tile by TMA multicast: those three compiled but
+# untimed (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by
+# side; set the fastest here.
 GEMM_FP8_FORM = "bn128"
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
