@@ -121,7 +121,7 @@ def bench_gemm_fp8(b: Any, m: int) -> None:
     block-scaled GEMM alone in every tile form (`gemm_fp8_forms`; the runner's is
     `runtime/model/gpu/kernels.py: GEMM_FP8_FORM`), each against torch._scaled_mm (blockwise where
     this torch supports it, else rowwise; the row names which) in interleaved rounds, then the
-    activation quantisation alone. A row's case names the form, its wave efficiency over 132 SMs
+    activation quantisation alone in each of its forms. A GEMM row's case names the form, its wave efficiency over 132 SMs
     (`gemm_fp8_sm90.wave_efficiency`) and whether its output equals the first form's bit for bit
     (`same`; the forms compute the same sums in the same order)."""
     from cute_kernels import gemm_fp8_sm90, quantize_act
@@ -158,14 +158,26 @@ def bench_gemm_fp8(b: Any, m: int) -> None:
                      f"waves={gemm_fp8_sm90.wave_efficiency(form, m, n):.0%} same={same}", us, peer_us,
                      f"torch._scaled_mm {peer_name}", flops=2.0 * m * n * k)
         del x, w, out, first
-    for v in quantize_act.variants():
-        k = v.config["K"]
-        if k not in (5120, 6144, 17408):
-            continue
+    # The activation quantisation in each form (quantize_act.FORMS; the runner's is
+    # kernels.QUANTIZE_ACT_FORM), `same`: codes and scales equal to the first form's bit for bit.
+    for k in (5120, 6144, 17408):
         x = (torch.randn(m, k, device="cuda")).to(torch.bfloat16)
         q = torch.empty(m, k, device="cuda", dtype=torch.uint8)
         s = torch.empty(m, -(-k // 128), device="cuda")
-        kern = b.lib.kernel("quantize_act", v.key)
-        bound = [kern.bind({"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr()}, {"M": m})] * 4
-        us, _ = b.compare(b.ours(bound), None)
-        b.record("quantize_act", v.key, f"M={m} K={k}", us, None, "", m * k * 3 + m * (k // 128) * 4)
+        first = None
+        for v in quantize_act.variants():
+            if v.config["K"] != k:
+                continue
+            kern = b.lib.kernel("quantize_act", v.key)
+            bound = [kern.bind({"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr()}, {"M": m})] * 4
+            q.fill_(0xAB)
+            s.fill_(float("nan"))
+            torch.cuda.synchronize()
+            bound[0](b.stream)
+            b.stream.synchronize()
+            got = (q.clone(), s.clone().view(torch.int32))
+            first = got if first is None else first
+            same = bool(torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]))
+            us, _ = b.compare(b.ours(bound), None)
+            b.record("quantize_act", v.key, f"M={m} K={k} form={v.config['form']} same={same}", us, None, "",
+                     m * k * 3 + m * (k // 128) * 4)

@@ -98,6 +98,7 @@ FORMS = {
     "bn128": Form(128, 6, (PRODUCER_REGS, CONSUMER_REGS)),
     "bn160": Form(160, 6, (24, 240)),
     "bn192": Form(192, 5, (24, 240)),
+    "bn160c2": Form(160, 6, (24, 240), cluster=2),
     "bn192c2": Form(192, 5, (24, 240), cluster=2),
 }
 DEFAULT_FORM = "bn128"

@@ -52,9 +52,12 @@ def _codes(rng, *shape):
 # ---------------------------------------------------------------------------- quantize_act
 
 
+@pytest.mark.parametrize("form", list(quantize_act.FORMS))
 @pytest.mark.parametrize("k,m", [(320, 1), (320, 37), (5120, 200), (17408, 3)])
-def test_quantize_act_matches_reference_bit_for_bit(library, device, mem, stream, k, m):
-    key = next(v.key for v in quantize_act.variants() if v.config["K"] == k)
+def test_quantize_act_matches_reference_bit_for_bit(library, device, mem, stream, k, m, form):
+    """Every form (v8: two groups per warp, so with K = 320, 3 groups a row, half warps straddle
+    rows, and 37 x 3 items leave the last CTA partly empty)."""
+    key = next(v.key for v in quantize_act.variants() if v.config["K"] == k and v.config["form"] == form)
     rng = np.random.default_rng(k + m)
     # Magnitudes spread over 2^-12 .. 2^12 (per-group amax differ), one all-zero group, and a
     # row with one huge and otherwise tiny values (codes that flush to zero).

@@ -30,7 +30,8 @@ def test_todays_keys_keep_their_tile_and_every_shape_has_every_form():
         assert v.config["regs"] == [40, 232] and v.config["cluster"] == 1 and v.cluster == (1, 1, 1)
     assert len(by_key) == len(gemm_fp8_sm90.SHAPES) * len(FORMS)
     for name, n, nt, k in gemm_fp8_sm90.SHAPES:
-        for form, tile, stages, c in (("bn160", 160, 6, 1), ("bn192", 192, 5, 1), ("bn192c2", 192, 5, 2)):
+        for form, tile, stages, c in (("bn160", 160, 6, 1), ("bn192", 192, 5, 1), ("bn160c2", 160, 6, 2),
+                                      ("bn192c2", 192, 5, 2)):
             v = by_key[f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_{form}"]
             assert v.config["tile"] == [128, tile, 128] and v.config["stages"] == stages
             assert v.config["regs"] == [24, 240] and v.cluster == (c, 1, 1)
@@ -152,10 +153,56 @@ def test_the_bench_binds_every_form_of_every_27b_shape():
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
     for name, n, nt, k in gemm_fp8_sm90.SHAPES[:5]:
         forms = gemm_fp8_forms(name, n, nt, k)
-        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192", "bn192c2"]
+        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192", "bn160c2", "bn192c2"]
         assert forms[0][1] == TODAY[[s[0] for s in gemm_fp8_sm90.SHAPES].index(name)]
         for _, key in forms:
             kern = built_or_skip(lambda key=key: lib.kernel("gemm_fp8_sm90", key))
             bufs = {name: 0x100000 * (i + 1) for i, name in enumerate(("x", "w", "x_scale", "w_scale", "out"))}
             kern.bind(bufs, {"M": 8192})  # raises on a size rule, a missing buffer or alignment
             kern.bind(bufs, {"M": 2048})
+
+
+# ---------------------------------------------------------------------------- quantize_act forms
+
+
+def test_quantize_act_forms_keep_todays_keys_and_cover_every_item_once():
+    from cute_kernels import quantize_act
+
+    by_key = {v.key: v for v in quantize_act.variants()}
+    for name, k in quantize_act.SHAPES:
+        old, new = by_key[name], by_key[f"{name}_v8"]
+        assert old.config["form"] == "v4" and old.grid[0] == f"cdiv(M * {-(-k // 128)}, 8)"
+        assert new.config["form"] == "v8" and new.grid[0] == f"cdiv(M * {-(-k // 128)}, 64)"
+        assert old.params == new.params and old.tensors == new.tensors and new.block == (256, 1, 1)
+    # v8: warp w of CTA b, lane l, round u takes item (b * 8 + w) * 8 + 2 u + l // 16, columns
+    # group * 128 + (l % 16) * 8 .. + 8: every (item, column) once over the grid.
+    assert quantize_act.items_per_cta("v8") == 64 and quantize_act.items_per_cta("v4") == 8
+    m, k = 37, 320
+    kb = -(-k // 128)
+    seen = np.zeros((m * kb, kb * 128), np.int32)
+    for b in range(-(-m * kb // 64)):
+        for w in range(8):
+            for lane in range(32):
+                for u in range(4):
+                    item = (b * 8 + w) * 8 + 2 * u + lane // 16
+                    if item < m * kb:
+                        group = item % kb
+                        seen[item, group * 128 + (lane % 16) * 8:group * 128 + (lane % 16) * 8 + 8] += 1
+    for item in range(m * kb):
+        group = item % kb
+        assert (seen[item, group * 128:(group + 1) * 128] == 1).all() and seen[item].sum() == 128
+
+
+def test_the_quantize_act_switch_picks_that_form(monkeypatch, tiny_fp8_path):
+    from runtime.model.gpu import kernels
+    from runtime.model.gpu.weights import FP8
+
+    assert kernels.QUANTIZE_ACT_FORM == "v4"
+    runner = null_runner(tiny_fp8_path)
+    try:
+        assert runner.kernels.quantised_prefill(FP8, 1024, 0, 256).first == ("quantize_act", "k256")
+        monkeypatch.setattr(kernels, "QUANTIZE_ACT_FORM", "v8")
+        assert runner.kernels.quantised_prefill(FP8, 1024, 0, 256).first == ("quantize_act", "k256_v8")
+        assert runner.kernels.quantised_prefill(FP8, 256, 0, 512).first == ("quantize_act", "k512_v8")
+    finally:
+        runner.close()

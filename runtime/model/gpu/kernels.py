@@ -73,11 +73,16 @@ GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 # The tile form of the FP8 prefill GEMM (cute_kernels/gemm_fp8_sm90.py FORMS; every shape is built in
 # every form, all giving the same numbers): "bn128", 128 x 128 tiles (measured on the H200: 0.67-0.75x
-# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, or "bn192c2", 128 x 192
-# tiles in clusters of two CTAs sharing each weight tile by TMA multicast: those three compiled but
-# untimed (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by
+# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, or "bn160c2" / "bn192c2",
+# the same tiles in clusters of two CTAs sharing each weight tile by TMA multicast: those four compiled
+# but untimed (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by
 # side; set the fastest here.
 GEMM_FP8_FORM = "bn128"
+# The form of the FP8 prefill's activation quantisation (cute_kernels/quantize_act.py FORMS, the same
+# codes and scales bit for bit): "v4" (a warp per 128-column group, 8-byte loads; 41-43 % of the copy
+# bandwidth on the H200) or "v8" (half a warp per group, 16-byte loads, 4 group pairs in flight per
+# warp; compiled, untimed). `python -m bench.kernels --only gemm_fp8` times both.
+QUANTIZE_ACT_FORM = "v4"
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
 # (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
@@ -358,7 +363,7 @@ class KernelChoice:
         for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
         lib = self.library
         if fmt == FP8:
-            first = ("quantize_act", _find(lib, "quantize_act", K=k))
+            first = ("quantize_act", _find(lib, "quantize_act", K=k, form=QUANTIZE_ACT_FORM))
             gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k, form=GEMM_FP8_FORM))
         else:
             first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
