@@ -319,7 +319,7 @@ def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTION
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
                 ("gemv_q", lambda: bench_gemv_q(b)), ("gemm", lambda: bench_gemm(b, 8192)),
-                ("gemm_fp8", lambda: bench_gemm_fp8(b, 8192)),
+                ("gemm_fp8", lambda: bench_gemm_fp8(b, 8192)), ("gemm_fp8", lambda: bench_gemm_fp8(b, 2048)),
                 ("moe", lambda: _bench_moe(b)), ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
         if name not in only:

@@ -1,6 +1,7 @@
 """Two sections of `bench.kernels`: `--only gemv_q`, the quantised decode GEMVs (`gemv_fp8`,
 `gemv_nvfp4`) in every form they are built in (their FORMS: decode and unroll), side by side in
-one run; `--only gemm_fp8`, the FP8 prefill GEMM against torch._scaled_mm (`bench_gemm_fp8`).
+one run; `--only gemm_fp8`, the FP8 prefill GEMM in every tile form against torch._scaled_mm
+(`bench_gemm_fp8`).
 
 gemv_q:
 For each of the 27B's five shapes and M = 1, 8 and 32 (verification steps: 8 sequences of 1 + 3
@@ -108,40 +109,75 @@ def _scaled_mm_form(torch: Any, m: int, n: int, k: int) -> tuple[str, Any]:
     raise RuntimeError("this torch has no torch._scaled_mm for e4m3 operands")
 
 
+def gemm_fp8_forms(name: str, n: int, nt: int, k: int) -> list[tuple[str, str]]:
+    """(form, key) of a shape's FP8 GEMM in every tile form it is built in, today's first."""
+    from cute_kernels import gemm_fp8_sm90
+
+    return [(form, gemm_fp8_sm90.key(name, n, nt, k, form)) for form in gemm_fp8_sm90.FORMS]
+
+
 def bench_gemm_fp8(b: Any, m: int) -> None:
     """`bench.kernels --only gemm_fp8`: the FP8 prefill linear of each 27B shape at M = m: the
-    block-scaled GEMM alone against torch._scaled_mm (blockwise where this torch supports it, else
-    rowwise; the row names which), then the activation quantisation alone, and the BF16 GEMM of the
-    same shape (gemm_sm90, when built) for the speed-up over BF16."""
+    block-scaled GEMM alone in every tile form (`gemm_fp8_forms`; the runner's is
+    `runtime/model/gpu/kernels.py: GEMM_FP8_FORM`), each against torch._scaled_mm (blockwise where
+    this torch supports it, else rowwise; the row names which) in interleaved rounds, then the
+    activation quantisation alone in each of its forms. A GEMM row's case names the form, its wave efficiency over 132 SMs
+    (`gemm_fp8_sm90.wave_efficiency`) and whether its output equals the first form's bit for bit
+    (`same`; the forms compute the same sums in the same order)."""
     from cute_kernels import gemm_fp8_sm90, quantize_act
 
     torch = b.torch
     for name, n, nt, k in gemm_fp8_sm90.SHAPES:
         if name.startswith(("tiny", "test")):
             continue
-        key = f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}"
         kb = -(-k // 128)
         x = [torch.randint(0, 0x7E, (m, k), device="cuda", dtype=torch.uint8) for _ in range(2)]
         w = [torch.randint(0, 0x7E, (n, k), device="cuda", dtype=torch.uint8) for _ in range(2)]
         xs = torch.rand(m, kb, device="cuda") * 1e-3
         ws = torch.rand(-(-n // 128), kb, device="cuda") * 1e-3
         out = torch.empty(m, n + nt, device="cuda", dtype=torch.bfloat16)
-        kern = b.lib.kernel("gemm_fp8_sm90", key)
-        bound = [kern.bind({"x": x[i % 2].data_ptr(), "w": w[i % 2].data_ptr(), "x_scale": xs.data_ptr(),
-                            "w_scale": ws.data_ptr(), "out": out.data_ptr()}, {"M": m}) for i in range(4)]
         peer_name, call = _scaled_mm_form(torch, m, n, k)
-        us, peer_us = b.compare(b.ours(bound), b.peer([call] * 4))
-        b.record("gemm_fp8_sm90", key, f"M={m} N={n} K={k}", us, peer_us, f"torch._scaled_mm {peer_name}",
-                 flops=2.0 * m * n * k)
-        del x, w, out
-    for v in quantize_act.variants():
-        k = v.config["K"]
-        if k not in (5120, 6144, 17408):
-            continue
+        peer = b.peer([call] * 4)
+        first = None
+        for form, key in gemm_fp8_forms(name, n, nt, k):
+            if ("gemm_fp8_sm90", key) not in b.lib:
+                print(f"gemm_fp8: gemm_fp8_sm90/{key} not built, skipped", flush=True)
+                continue
+            kern = b.lib.kernel("gemm_fp8_sm90", key)
+            bound = [kern.bind({"x": x[i % 2].data_ptr(), "w": w[i % 2].data_ptr(), "x_scale": xs.data_ptr(),
+                                "w_scale": ws.data_ptr(), "out": out.data_ptr()}, {"M": m}) for i in range(4)]
+            out.fill_(float("nan"))
+            torch.cuda.synchronize()
+            bound[0](b.stream)
+            b.stream.synchronize()
+            got = out[:, :n].clone().view(torch.int16)  # a copy: the next form writes over out
+            first = got if first is None else first
+            same = bool(torch.equal(got, first))
+            us, peer_us = b.compare(b.ours(bound), peer)
+            b.record("gemm_fp8_sm90", key, f"M={m} N={n} K={k} form={form} "
+                     f"waves={gemm_fp8_sm90.wave_efficiency(form, m, n):.0%} same={same}", us, peer_us,
+                     f"torch._scaled_mm {peer_name}", flops=2.0 * m * n * k)
+        del x, w, out, first
+    # The activation quantisation in each form (quantize_act.FORMS; the runner's is
+    # kernels.QUANTIZE_ACT_FORM), `same`: codes and scales equal to the first form's bit for bit.
+    for k in (5120, 6144, 17408):
         x = (torch.randn(m, k, device="cuda")).to(torch.bfloat16)
         q = torch.empty(m, k, device="cuda", dtype=torch.uint8)
         s = torch.empty(m, -(-k // 128), device="cuda")
-        kern = b.lib.kernel("quantize_act", v.key)
-        bound = [kern.bind({"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr()}, {"M": m})] * 4
-        us, _ = b.compare(b.ours(bound), None)
-        b.record("quantize_act", v.key, f"M={m} K={k}", us, None, "", m * k * 3 + m * (k // 128) * 4)
+        first = None
+        for v in quantize_act.variants():
+            if v.config["K"] != k:
+                continue
+            kern = b.lib.kernel("quantize_act", v.key)
+            bound = [kern.bind({"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr()}, {"M": m})] * 4
+            q.fill_(0xAB)
+            s.fill_(float("nan"))
+            torch.cuda.synchronize()
+            bound[0](b.stream)
+            b.stream.synchronize()
+            got = (q.clone(), s.clone().view(torch.int32))
+            first = got if first is None else first
+            same = bool(torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]))
+            us, _ = b.compare(b.ours(bound), None)
+            b.record("quantize_act", v.key, f"M={m} K={k} form={v.config['form']} same={same}", us, None, "",
+                     m * k * 3 + m * (k // 128) * 4)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from cute_kernels import gemm_fp8_sm90, gemm_sm90, quantize_act
-from cute_kernels.bf16 import round_bf16
+from cute_kernels.bf16 import round_bf16, to_bits
 from runtime.artifact.formats import e4m3_to_f32
 
 from .conftest import assert_close_to_baseline
@@ -52,9 +52,12 @@ def _codes(rng, *shape):
 # ---------------------------------------------------------------------------- quantize_act
 
 
+@pytest.mark.parametrize("form", list(quantize_act.FORMS))
 @pytest.mark.parametrize("k,m", [(320, 1), (320, 37), (5120, 200), (17408, 3)])
-def test_quantize_act_matches_reference_bit_for_bit(library, device, mem, stream, k, m):
-    key = next(v.key for v in quantize_act.variants() if v.config["K"] == k)
+def test_quantize_act_matches_reference_bit_for_bit(library, device, mem, stream, k, m, form):
+    """Every form (v8: two groups per warp, so with K = 320, 3 groups a row, half warps straddle
+    rows, and 37 x 3 items leave the last CTA partly empty)."""
+    key = next(v.key for v in quantize_act.variants() if v.config["K"] == k and v.config["form"] == form)
     rng = np.random.default_rng(k + m)
     # Magnitudes spread over 2^-12 .. 2^12 (per-group amax differ), one all-zero group, and a
     # row with one huge and otherwise tiny values (codes that flush to zero).
@@ -205,3 +208,62 @@ def test_gemm_fp8_agrees_with_torch_scaled_mm(library, device, stream):
     # One bf16 rounding each (2^-9 relative) plus accumulation-order differences near cancellation.
     bad = (got - want).abs() > want.abs() * 2.0**-7 + want.abs().mean() * 2.0**-10
     assert int(bad.sum()) == 0, f"{int(bad.sum())} of {m * n} outputs differ from torch._scaled_mm"
+
+
+# ---------------------------------------------------------------------------- gemm_fp8_sm90 tile forms
+# Every form (gemm_fp8_sm90.FORMS: 128 x 128 tiles, today's, and the 160- / 192-column ones whose N
+# tiles span two weight-scale blocks) runs the same 4 WGMMAs per k-tile for each output and the same
+# fp32 promotion in the same k order, so each must equal today's form bit for bit, besides the
+# float64 bounds above.
+WIDE_FORMS = [form for form in gemm_fp8_sm90.FORMS if form != gemm_fp8_sm90.DEFAULT_FORM]
+
+
+def _run_forms(library, device, mem, stream, name, n, nt, k, xq, x_scale, wq, w_scale):
+    """{form: the [M + 1, N + NT] output read back} of every form on the same inputs."""
+    m = xq.shape[0]
+    got = {}
+    for form in gemm_fp8_sm90.FORMS:
+        out = _run_fp8(library, device, mem, stream, gemm_fp8_sm90.key(name, n, nt, k, form),
+                       xq, x_scale, wq, w_scale, n + nt)
+        got[form] = mem.read_bf16(out, (m + 1, n + nt))
+    return got
+
+
+@pytest.mark.parametrize("name", ["test", "test_wide"])
+@pytest.mark.parametrize("m", [1, 127, 129, 1000])
+def test_gemm_fp8_forms_ragged(library, device, mem, stream, name, m):
+    """The ragged shapes (N = 328 / 680, K = 320: partial blocks at both edges; test_wide's tiles
+    start at every offset of both wide forms and its last 160-column tile's second block lies
+    past N) at odd M, every form against float64 and bit for bit against today's."""
+    _, n, nt, k = next(s for s in gemm_fp8_sm90.SHAPES if s[0] == name)
+    rng = np.random.default_rng(1000 * m + n)
+    xq, x_scale, wq, w_scale = _fp8_case(rng, m, n, k)
+    got = _run_forms(library, device, mem, stream, name, n, nt, k, xq, x_scale, wq, w_scale)
+    base = got[gemm_fp8_sm90.DEFAULT_FORM]
+    for form, out in got.items():
+        assert np.isnan(out[m]).all(), f"{form} wrote past M"
+        _check(out[:m], xq, x_scale, wq, w_scale, f"gemm_fp8 {name} {form} M={m}")
+        np.testing.assert_array_equal(to_bits(out[:m]), to_bits(base[:m]), err_msg=f"{form} vs today's")
+
+
+@pytest.mark.parametrize("name", ["gdn_in", "o_proj", "attn_qkv", "gate_up", "down"])
+def test_gemm_fp8_forms_model_shapes(library, device, mem, stream, name):
+    """The 27B's shapes at M = 8192 (the prefill chunk of the issue's target): every form's whole
+    output equal to today's bit for bit and finite, the BF16 tail columns untouched, the row past
+    M untouched; the exact products of each form on rows at tile edges and on the 128-column
+    blocks around a 160- and a 192-column tile edge and at both ends."""
+    m = 8192
+    _, n, nt, k = next(s for s in gemm_fp8_sm90.SHAPES if s[0] == name)
+    rng = np.random.default_rng(n + k)
+    xq, x_scale, wq, w_scale = _fp8_case(rng, m, n, k)
+    got = _run_forms(library, device, mem, stream, name, n, nt, k, xq, x_scale, wq, w_scale)
+    base = got[gemm_fp8_sm90.DEFAULT_FORM]
+    rows = np.array([0, 1, 127, 128, 4095, 4096, m - 129, m - 2, m - 1])
+    # Column blocks 0, 1 (tile edges at 160 and 192 inside block 1), 2 and 3 (edges at 320 and 384),
+    # the middle and the last (where a 192-column tile ends past N on N = 5120).
+    blocks = sorted({0, 1, 2, 3, n // 256, -(-n // 128) - 1})
+    cols = np.concatenate([np.arange(b * 128, min(n, b * 128 + 128)) for b in blocks])
+    for form, out in got.items():
+        assert np.isfinite(out[:m, :n]).all() and np.isnan(out[m]).all() and np.isnan(out[:, n:]).all(), form
+        np.testing.assert_array_equal(to_bits(out[:m, :n]), to_bits(base[:m, :n]), err_msg=f"{form} vs today's")
+        _check(out[rows][:, cols], xq[rows], x_scale[rows], wq[cols], w_scale[blocks], f"gemm_fp8 {name} {form}")

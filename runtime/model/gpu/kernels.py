@@ -85,6 +85,19 @@ def quantised_row_forms(fmt: str) -> dict[int, str]:
     the module's dicts)."""
     return GEMV_FP8_ROW_FORMS if fmt == FP8 else GEMV_NVFP4_ROW_FORMS
 
+# The tile form of the FP8 prefill GEMM (cute_kernels/gemm_fp8_sm90.py FORMS; every shape is built in
+# every form, all giving the same numbers): "bn128", 128 x 128 tiles (measured on the H200: 0.67-0.75x
+# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, or "bn160c2" / "bn192c2",
+# the same tiles in clusters of two CTAs sharing each weight tile by TMA multicast: those four compiled
+# but untimed (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by
+# side; set the fastest here.
+GEMM_FP8_FORM = "bn128"
+# The form of the FP8 prefill's activation quantisation (cute_kernels/quantize_act.py FORMS, the same
+# codes and scales bit for bit): "v4" (a warp per 128-column group, 8-byte loads; 41-43 % of the copy
+# bandwidth on the H200) or "v8" (half a warp per group, 16-byte loads, 4 group pairs in flight per
+# warp; compiled, untimed). `python -m bench.kernels --only gemm_fp8` times both.
+QUANTIZE_ACT_FORM = "v4"
+
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
 # (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
 # or "split", the CUDA-core `attention.split`. Both write the same partials for `attention.combine`
@@ -367,13 +380,13 @@ class KernelChoice:
     def quantised_prefill(self, fmt: str, n: int, nt: int, k: int) -> QuantisedPrefill | None:
         """The prefill kernels of a weight [n, k] of a quantised format with a BF16 tail of nt rows
         (`layers.Forward.quantised_gemm`), written with the row stride n + nt: FP8, the activation
-        quantisation and the block-scaled FP8 GEMM (W8A8); NVFP4, the weight decoded to BF16 and
+        quantisation and the block-scaled FP8 GEMM (W8A8, in the `GEMM_FP8_FORM` tile form); NVFP4, the weight decoded to BF16 and
         the BF16 GEMM (W4A16); the tail by the BF16 GEMM. None when one of them was not compiled
         for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
         lib = self.library
         if fmt == FP8:
-            first = ("quantize_act", _find(lib, "quantize_act", K=k))
-            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k))
+            first = ("quantize_act", _find(lib, "quantize_act", K=k, form=QUANTIZE_ACT_FORM))
+            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k, form=GEMM_FP8_FORM))
         else:
             first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
             gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt, out="bf16"))
