@@ -10,7 +10,9 @@ the fused projection `x`, bf16 `out [M, Hq * D]`), so the runner launches either
   contiguous), fp32 accumulators, 128-byte swizzled shared-memory tiles as WGMMA reads them;
 - each consumer warpgroup owns 64 query rows; the form `wg2` runs two (128-row tiles, 256
   threads, the tile FA3 uses at d = 256), the form `wg1` one (64-row tiles, 128 threads: half the
-  shared memory and the simplest schedule, the fallback if `wg2` misbehaves);
+  shared memory and the simplest schedule, the fallback if `wg2` misbehaves); the form `wg2p` is
+  `wg2` with the softmax of one tile under the previous tile's PV product (its own module,
+  `_attention_wgmma_overlap.py`, which says how; bf16 pages only);
 - K and V tiles (one 64-key page each) are double-buffered: all threads issue the cp.async of
   tile j + 1 before computing on tile j (the copy overlaps both products and the softmax); a
   page id comes from the table per tile, so the copies follow the paging with no descriptor.
@@ -25,8 +27,8 @@ and a fully masked row in a later tile adds exp2(-inf) = 0 with a rescale factor
 value does not depend on its tile-mates).
 
 Not yet: a producer warp with TMA over the page pool and mbarrier rings (kernel-playbook 6.1),
-the next tile's QKᵀ issued under the current softmax, and skipping a warpgroup's fully masked
-tile.
+ping-pong between the two warpgroups, and skipping a warpgroup's fully masked tile (`wg2p`
+overlaps a tile's softmax with the previous PV product within each warpgroup).
 """
 
 from typing import Any
