@@ -23,11 +23,11 @@ recurrent kernel with each head's rows over several CTAs), `fused` (the decode k
 (each in turn, same runner and weights). `--attn` picks the prefill attention path the same way:
 `flash` (the tensor-core `attention_prefill` kernel, what the runner uses), `split` (split-KV +
 combine) or `both`. When torch is importable, each compiled prefill attention kernel alone (the
-mma.sync `attention_prefill` and every form of `attention_wgmma`) is timed against torch SDPA
-(flash backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads for
-SDPA), and when fla is importable the GDN prefill kernels alone against fla's
-`chunk_gated_delta_rule` on the same inputs (`--gdn-tokens`). Writes `prefill.json` and prints
-Markdown tables. `--sweep-chunks` also times each prompt prefilled the way the engine feeds a
+mma.sync `attention_prefill` and every form of `attention_wgmma`, bf16 pages; the forms over key
+splits of `BENCH_KEY_SPLIT` keys followed by the combine) is timed against torch SDPA (flash
+backend) on the same Q/K/V (`--attn-tokens` causal queries; K/V repeated to Hq heads for SDPA),
+and when fla is importable the GDN prefill kernels alone against fla's `chunk_gated_delta_rule`
+on the same inputs (`--gdn-tokens`). Writes `prefill.json` and prints Markdown tables. `--sweep-chunks` also times each prompt prefilled the way the engine feeds a
 `--prefill-chunk` of each size (one runner call per chunk, each size at most `--chunk`), which is
 how the server's default chunk is chosen.
 """
@@ -166,14 +166,20 @@ def gdn_vs_fla(runner: Any, n: int) -> dict[str, Any]:
             "torch": torch.__version__}
 
 
-def prefill_attention_kernels(runner: Any) -> list[tuple[str, str]]:
-    """(family, key) of every compiled prefill attention kernel for the runner's shape: the
-    mma.sync `attention_prefill` and each form of `attention_wgmma`."""
+def prefill_attention_kernels(runner: Any, key_split: bool = False) -> list[tuple[str, str]]:
+    """(family, key) of every compiled prefill attention kernel over bf16 pages for the runner's
+    shape: the mma.sync `attention_prefill` and each form of `attention_wgmma`; key_split: the
+    `attention_wgmma` forms over key splits instead (they write the combine's partials)."""
     c, lib = runner.config, runner.library
     shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     return sorted((fam, key) for (fam, key), e in lib.manifest.kernels.items()
                   if fam in ("attention_prefill", "attention_wgmma") and e.config.get("kind") == "fwd"
+                  and e.config.get("kv", "bf16") == "bf16" and bool(e.config.get("kv_split")) == key_split
                   and (e.config["Hq"], e.config["Hkv"], e.config["D"]) == shape)
+
+
+# Keys per split when `attention_vs_sdpa` times the forms over key splits (4 splits at 8K).
+BENCH_KEY_SPLIT = 2048
 
 
 def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
@@ -237,8 +243,33 @@ def attention_vs_sdpa(runner: Any, n: int) -> dict[str, Any]:
         ours_o = out.view(n, hq, d).float() / gate
         ours[f"{family}/{key}"] = {"us": us, "tflops": flops / us / 1e6,
                                    "rel_diff_vs_sdpa": float((ours_o - want).norm() / want.norm())}
-    return {"tokens": n, "kernels": ours, "sdpa_flash_us": sdpa, "sdpa_tflops": flops / sdpa / 1e6,
-            "flops": flops, "torch": torch.__version__}
+    # The forms over key splits, each followed by the combine (which applies the gate).
+    splits = -(-n // BENCH_KEY_SPLIT)
+    o_part = torch.empty(n, hq, splits, d, device="cuda", dtype=torch.float32)
+    lse = torch.empty(n, hq, splits, device="cuda", dtype=torch.float32)
+    combine = runner.library.kernel("attention", k.combine).bind(
+        {"o_part": o_part.data_ptr(), "lse": lse.data_ptr(), "pos": meta.data_ptr(), "x": x.data_ptr(),
+         "out": out.data_ptr()}, {"M": n, "S": splits, "min_split": BENCH_KEY_SPLIT})
+    over_splits = {}
+    for family, key in prefill_attention_kernels(runner, key_split=True):
+        launch = runner.library.kernel(family, key).bind(
+            {"q": q.data_ptr(), "k_pages": kp.data_ptr(), "v_pages": vp.data_ptr(), "table": table.data_ptr(),
+             "qseq": zeros.data_ptr(), "pos": meta.data_ptr(), "o_part": o_part.data_ptr(), "lse": lse.data_ptr()},
+            {"M": n, "maxp": npg, "R": 1, "NP": npg, "S": splits, "split": BENCH_KEY_SPLIT})
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+
+        def both(stream: Any, launch: Any = launch) -> None:
+            launch(stream)
+            combine(stream)
+
+        us = median_event_seconds(dev, s, both) * 1e6
+        s.synchronize()
+        ours_o = out.view(n, hq, d).float() / gate
+        over_splits[f"{family}/{key}"] = {"us": us, "tflops": flops / us / 1e6, "split": BENCH_KEY_SPLIT,
+                                          "rel_diff_vs_sdpa": float((ours_o - want).norm() / want.norm())}
+    return {"tokens": n, "kernels": ours, "key_splits": over_splits, "sdpa_flash_us": sdpa,
+            "sdpa_tflops": flops / sdpa / 1e6, "flops": flops, "torch": torch.__version__}
 
 
 def use_attn(runner: Any, mode: str, key: Any) -> None:
@@ -363,6 +394,8 @@ def render(data: dict[str, Any]) -> str:
                   "| kernel | ms | TFLOP/s | relative difference vs SDPA |", "|---|---:|---:|---:|"]
         lines += [f"| ours {name} (gate fused) | {r['us'] / 1e3:.2f} | {r['tflops']:.0f} | {r['rel_diff_vs_sdpa']:.1e} |"
                   for name, r in vs["kernels"].items()]
+        lines += [f"| ours {name} over {r['split']}-key splits + combine | {r['us'] / 1e3:.2f} | {r['tflops']:.0f} | "
+                  f"{r['rel_diff_vs_sdpa']:.1e} |" for name, r in vs.get("key_splits", {}).items()]
         lines.append(f"| torch SDPA flash (torch {vs['torch']}) | {vs['sdpa_flash_us'] / 1e3:.2f} | "
                      f"{vs['sdpa_tflops']:.0f} | |")
     elif vs:

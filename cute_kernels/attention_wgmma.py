@@ -10,7 +10,9 @@ the fused projection `x`, bf16 `out [M, Hq * D]`), so the runner launches either
   contiguous), fp32 accumulators, 128-byte swizzled shared-memory tiles as WGMMA reads them;
 - each consumer warpgroup owns 64 query rows; the form `wg2` runs two (128-row tiles, 256
   threads, the tile FA3 uses at d = 256), the form `wg1` one (64-row tiles, 128 threads: half the
-  shared memory and the simplest schedule, the fallback if `wg2` misbehaves);
+  shared memory and the simplest schedule, the fallback if `wg2` misbehaves); the form `wg2p` is
+  `wg2` with the softmax of one tile under the previous tile's PV product (its own module,
+  `_attention_wgmma_overlap.py`, which says how; bf16 pages only);
 - K and V tiles (one 64-key page each) are double-buffered: all threads issue the cp.async of
   tile j + 1 before computing on tile j (the copy overlaps both products and the softmax); a
   page id comes from the table per tile, so the copies follow the paging with no descriptor.
@@ -25,8 +27,8 @@ and a fully masked row in a later tile adds exp2(-inf) = 0 with a rescale factor
 value does not depend on its tile-mates).
 
 Not yet: a producer warp with TMA over the page pool and mbarrier rings (kernel-playbook 6.1),
-the next tile's QKᵀ issued under the current softmax, and skipping a warpgroup's fully masked
-tile.
+ping-pong between the two warpgroups, and skipping a warpgroup's fully masked tile (`wg2p`
+overlaps a tile's softmax with the previous PV product within each warpgroup).
 """
 
 from typing import Any
@@ -43,7 +45,10 @@ BN = PAGE  # keys per tile: one KV page
 STAGES = 2  # K/V tiles in flight: the one computed on and the next
 WG_ROWS = 64  # query rows per consumer warpgroup (the WGMMA M)
 LOG2E = attention.LOG2E
-FORMS = {"wg2": 2, "wg1": 1}  # form -> consumer warpgroups
+FORMS = {"wg2": 2, "wg1": 1, "wg2p": 2}  # form -> consumer warpgroups
+# Forms whose schedule overlaps a tile's softmax with the previous tile's PV product (kernel in
+# _attention_wgmma_overlap.py; `wg2`'s tiles and arithmetic, bf16 pages only).
+OVERLAP_FORMS = ("wg2p",)
 
 # The d = 256 shapes of cute_kernels/attention.py (Qwen3.6-27B, Qwen3.6-35B-A3B); the tiny model
 # keeps the mma.sync kernel.
@@ -71,7 +76,8 @@ def _fwd(name: str, hq: int, hkv: int, d: int, form: str, kv: str) -> Variant:
         grid=(hq, f"cdiv(M, {bm})", 1),
         requires=("M >= 1", "maxp >= 1", "R >= 1", "NP >= 1", f"cdiv(M, {bm}) <= 65535"),
         arches=HOPPER,
-        note=f"WGMMA causal prefill attention ({wgs} warpgroups, {bm}-row tiles, double-buffered K/V), "
+        note=f"WGMMA causal prefill attention ({wgs} warpgroups, {bm}-row tiles, double-buffered K/V"
+             f"{', softmax under the previous PV' if form in OVERLAP_FORMS else ''}), "
              f"paged {kv} K/V, gate fused, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": 8192, "maxp": 128, "R": 1, "NP": 128},
     )
@@ -104,14 +110,15 @@ def _fwd_kv_split(name: str, hq: int, hkv: int, d: int, form: str) -> Variant:
         requires=("M >= 1", "maxp >= 1", "R >= 1", "NP >= 1", f"cdiv(M, {bm}) <= 65535", "S >= 1", "S <= 65535",
                   f"split >= {BN}", f"split % {BN} == 0"),
         arches=HOPPER,
-        note=f"WGMMA causal prefill attention over key splits ({wgs} warpgroups, {bm}-row tiles), split "
+        note=f"WGMMA causal prefill attention over key splits ({wgs} warpgroups, {bm}-row tiles"
+             f"{', softmax under the previous PV' if form in OVERLAP_FORMS else ''}), split "
              f"partials for attention.combine, paged K/V, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": 1024, "maxp": 4096, "R": 1, "NP": 4096, "S": 8, "split": 32768},
     )
 
 
-# Forms compiled over key splits: the default one (runtime/model/gpu/kernels.py picks `wg2`).
-KV_SPLIT_FORMS = ("wg2",)
+# Forms compiled over key splits: the runner's (runtime/model/gpu/kernels.py PREFILL_ATTENTION_FORM).
+KV_SPLIT_FORMS = ("wg2", "wg2p")
 
 
 def variants() -> list[Variant]:
@@ -165,6 +172,9 @@ def reference(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table_row
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
+    if variant.config["form"] in OVERLAP_FORMS:
+        from . import _attention_wgmma_overlap
+        return _attention_wgmma_overlap.build(variant)
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90

@@ -1,4 +1,6 @@
-"""The WGMMA prefill attention kernels (`attention_wgmma`, forms wg2 and wg1) against NumPy.
+"""The WGMMA prefill attention kernels (`attention_wgmma`, forms wg2, wg1 and wg2p) against NumPy,
+and the overlapped form wg2p against wg2 (same tiles and arithmetic in the same order: outputs and
+key-split partials bit for bit).
 
 A chunk of t query rows at positions start..start+t-1 (start = the keys already cached before
 it) attends causally to keys 0..pos[m] stored in shuffled pages; page rows outside the sequence
@@ -74,17 +76,11 @@ def _case(cases, name, start, t):
     return cases[key]
 
 
-# The two forms of a case run back to back (its inputs and references are computed once).
-@pytest.mark.parametrize("name,start,t,form", [(name, start, t, form) for name in SHAPES for start in STARTS
-                                               for t in LENGTHS for form in sorted(aw.FORMS)])
-def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, form):
-    try:
-        kernel = library.kernel("attention_wgmma", f"fwd_{name}_{form}")
-    except KernelMissing as exc:
-        pytest.skip(f"not built: {exc}")
+def _run(library, mem, c, stream, name, form, t):
+    """The fused kernel of `form` on case c: its output rows [t + 1, Hq * D] (the last unwritten)."""
+    kernel = library.kernel("attention_wgmma", f"fwd_{name}_{form}")
     cfg = _cfg(name, form)
     hq, d = cfg["Hq"], cfg["D"]
-    c = _case(cases, name, start, t)
     q, pages_k, pages_v, _, pos, x = c["args"]
     table = c["table"]
     out = mem.poisoned((t + 1) * hq * d)
@@ -92,7 +88,35 @@ def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, fo
         "q": mem.bf16(q), "k_pages": mem.bf16(pages_k), "v_pages": mem.bf16(pages_v), "table": mem.i32(table),
         "qseq": mem.i32(np.full(t, c["seq_row"])), "pos": mem.i32(pos), "x": mem.bf16(x), "out": out},
         {"M": t, "maxp": table.shape[1], "R": table.shape[0], "NP": c["npages"]})
-    _check(mem.read_bf16(out, (t + 1, hq * d)), c, f"wgmma prefill attention {form} {name} start={start} t={t}")
+    return mem.read_bf16(out, (t + 1, hq * d))
+
+
+# The forms of a case run back to back (its inputs and references are computed once).
+@pytest.mark.parametrize("name,start,t,form", [(name, start, t, form) for name in SHAPES for start in STARTS
+                                               for t in LENGTHS for form in sorted(aw.FORMS)])
+def test_wgmma_prefill_attention(library, mem, stream, cases, name, start, t, form):
+    try:
+        library.kernel("attention_wgmma", f"fwd_{name}_{form}")
+    except KernelMissing as exc:
+        pytest.skip(f"not built: {exc}")
+    c = _case(cases, name, start, t)
+    _check(_run(library, mem, c, stream, name, form, t), c, f"wgmma prefill attention {form} {name} start={start} t={t}")
+
+
+# wg2p changes only the schedule (cute_kernels/_attention_wgmma_overlap.py): every output bit as wg2's.
+@pytest.mark.parametrize("name,start,t", [(name, start, t) for name in SHAPES for start in STARTS
+                                          for t in LENGTHS + (2, 127, 129, 257)])
+def test_overlapped_form_equals_wg2_bit_for_bit(library, mem, stream, cases, name, start, t):
+    try:
+        for form in ("wg2", "wg2p"):
+            library.kernel("attention_wgmma", f"fwd_{name}_{form}")
+    except KernelMissing as exc:
+        pytest.skip(f"not built: {exc}")
+    c = _case(cases, name, start, t)
+    base = _run(library, mem, c, stream, name, "wg2", t)
+    got = _run(library, mem, c, stream, name, "wg2p", t)
+    differ = np.flatnonzero((got.view(np.uint32) != base.view(np.uint32)).any(axis=1))
+    assert not differ.size, f"wg2p {name} start={start} t={t}: rows {differ[:8].tolist()} differ from wg2"
 
 
 def _check(got: np.ndarray, c: dict, what: str) -> None:
@@ -109,23 +133,16 @@ def _check(got: np.ndarray, c: dict, what: str) -> None:
                           f"{row_base[bad[:8]].tolist()}")
 
 
-# Over key splits (`fwd_*_wg2_kvsplit` + the attention family's combine): split lengths of one
-# page, an odd number of pages and several tiles, so rows see 1..80 splits; the partials start as
-# NaN, so a split the combine reads but the kernel did not write shows up.
-@pytest.mark.parametrize("name,start,t,split", [(name, start, t, split) for name in SHAPES
-                                                for start, t in ((0, 300), (1000, 65), (5000, 1), (5000, 130))
-                                                for split in (64, 448, 1024)])
-def test_wgmma_over_key_splits_then_combine(library, mem, stream, cases, name, start, t, split):
-    try:
-        kernel = library.kernel("attention_wgmma", f"fwd_{name}_wg2_kvsplit")
-        combine = library.kernel("attention", f"combine_{name}")
-    except KernelMissing as exc:
-        pytest.skip(f"not built: {exc}")
-    cfg = _cfg(name, "wg2")
+def _run_key_splits(library, mem, stream, c, name, form, t, split):
+    """The form's kernel over `split`-key splits, then the combine, on case c: (o_part, lse, out)
+    as read back (partials the kernel did not write stay NaN)."""
+    kernel = library.kernel("attention_wgmma", f"fwd_{name}_{form}_kvsplit")
+    combine = library.kernel("attention", f"combine_{name}")
+    cfg = _cfg(name, form)
     hq, d = cfg["Hq"], cfg["D"]
-    c = _case(cases, name, start, t)
     q, pages_k, pages_v, _, pos, x = c["args"]
     table = c["table"]
+    start = int(pos[0])
     splits = -(-(start + t) // split)
     o_part = mem.poisoned(2 * t * hq * splits * d)
     lse = mem.poisoned(2 * t * hq * splits)
@@ -137,5 +154,31 @@ def test_wgmma_over_key_splits_then_combine(library, mem, stream, cases, name, s
     out = mem.poisoned((t + 1) * hq * d)
     combine.launch(stream, {"o_part": o_part, "lse": lse, "pos": rows["pos"], "x": mem.bf16(x), "out": out},
                    {"M": t, "S": splits, "min_split": split})
-    _check(mem.read_bf16(out, (t + 1, hq * d)), c,
-           f"wgmma prefill attention over {split}-key splits {name} start={start} t={t}")
+    return (mem.read_f32(o_part, np.empty((t, hq, splits, d), np.float32)),
+            mem.read_f32(lse, np.empty((t, hq, splits), np.float32)), mem.read_bf16(out, (t + 1, hq * d)))
+
+
+# Over key splits (`fwd_*_{form}_kvsplit` + the attention family's combine): split lengths of one
+# page, an odd number of pages and several tiles, so rows see 1..80 splits; the partials start as
+# NaN, so a split the combine reads but the kernel did not write shows up. wg2p's partials must
+# equal wg2's bit for bit (NaN where neither wrote).
+@pytest.mark.parametrize("name,start,t,split,form", [(name, start, t, split, form) for name in SHAPES
+                                                     for start, t in ((0, 300), (1000, 65), (5000, 1), (5000, 130),
+                                                                      (2000, 257))
+                                                     for split in (64, 448, 1024) for form in aw.KV_SPLIT_FORMS])
+def test_wgmma_over_key_splits_then_combine(library, mem, stream, cases, name, start, t, split, form):
+    try:
+        library.kernel("attention_wgmma", f"fwd_{name}_{form}_kvsplit")
+        library.kernel("attention", f"combine_{name}")
+        if form != "wg2":
+            library.kernel("attention_wgmma", f"fwd_{name}_wg2_kvsplit")
+    except KernelMissing as exc:
+        pytest.skip(f"not built: {exc}")
+    c = _case(cases, name, start, t)
+    o_part, lse, out = _run_key_splits(library, mem, stream, c, name, form, t, split)
+    _check(out, c, f"wgmma prefill attention {form} over {split}-key splits {name} start={start} t={t}")
+    if form != "wg2":
+        base_o, base_lse, base_out = _run_key_splits(library, mem, stream, c, name, "wg2", t, split)
+        for what, got, base in (("o_part", o_part, base_o), ("lse", lse, base_lse), ("out", out, base_out)):
+            assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (
+                f"{form} over {split}-key splits {name} start={start} t={t}: {what} differs from wg2's")

@@ -51,7 +51,10 @@ def test_variants_cover_both_large_shapes_in_both_forms():
                    (16, 2, 256, "wg2", 128, 256, "bf16", False), (16, 2, 256, "wg1", 64, 128, "bf16", False),
                    (24, 4, 256, "wg2", 128, 256, "fp8", False), (24, 4, 256, "wg2", 128, 256, "int8", False),
                    (16, 2, 256, "wg2", 128, 256, "fp8", False), (16, 2, 256, "wg2", 128, 256, "int8", False),
-                   (24, 4, 256, "wg2", 128, 256, "bf16", True), (16, 2, 256, "wg2", 128, 256, "bf16", True)}
+                   (24, 4, 256, "wg2", 128, 256, "bf16", True), (16, 2, 256, "wg2", 128, 256, "bf16", True),
+                   # the overlapped form: bf16 pages, fused and over key splits
+                   (24, 4, 256, "wg2p", 128, 256, "bf16", False), (16, 2, 256, "wg2p", 128, 256, "bf16", False),
+                   (24, 4, 256, "wg2p", 128, 256, "bf16", True), (16, 2, 256, "wg2p", 128, 256, "bf16", True)}
     for v in attention_wgmma.variants():  # the runner swaps it for attention_prefill: same buffers
         if v.config.get("kv_split"):
             continue  # its buffers: the next test
@@ -69,6 +72,19 @@ def test_variants_cover_both_large_shapes_in_both_forms():
             assert v.tensors["k_pages"] == split.tensors["k_pages"] == v.tensors["v_pages"]
             pb = 64 * v.config["Hkv"] * (256 + 4)
             assert v.tensors["k_pages"].shape == (f"NP * {pb}",) and v.tensors["k_pages"].dtype == "u8"
+
+
+def test_the_overlapped_form_has_wg2s_tiles_and_launch():
+    """wg2p replaces wg2 one for one: same tile, threads, stages, buffers, grid and constraints;
+    only its key and note differ."""
+    by_key = {v.key: v for v in attention_wgmma.variants()}
+    overlapped = [v for v in by_key.values() if v.config["form"] == "wg2p"]
+    assert len(overlapped) == 4
+    for v in overlapped:
+        twin = by_key[v.key.replace("_wg2p", "_wg2")]
+        assert {**v.config, "form": "wg2"} == twin.config
+        assert (v.params, v.tensors, v.sizes, v.block, v.grid, v.requires) == (
+            twin.params, twin.tensors, twin.sizes, twin.block, twin.grid, twin.requires)
 
 
 def test_the_key_split_form_writes_the_split_kernels_partials():

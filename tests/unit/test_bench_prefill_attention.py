@@ -19,12 +19,20 @@ def test_every_prefill_attention_kernel_of_the_shape_is_timed_and_nothing_else()
         ("attention_prefill", "fwd_q24_kv4_d256", shape),
         ("attention_wgmma", "fwd_q24_kv4_d256_wg2", {**shape, "form": "wg2"}),
         ("attention_wgmma", "fwd_q24_kv4_d256_wg1", {**shape, "form": "wg1"}),
+        ("attention_wgmma", "fwd_q24_kv4_d256_wg2p", {**shape, "form": "wg2p", "kv": "bf16"}),
+        ("attention_wgmma", "fwd_q24_kv4_d256_wg2_fp8", {**shape, "form": "wg2", "kv": "fp8"}),
+        ("attention_wgmma", "fwd_q24_kv4_d256_wg2_kvsplit", {**shape, "form": "wg2", "kv_split": True}),
+        ("attention_wgmma", "fwd_q24_kv4_d256_wg2p_kvsplit", {**shape, "form": "wg2p", "kv_split": True}),
         ("attention_wgmma", "fwd_q16_kv2_d256_wg2", {"kind": "fwd", "Hq": 16, "Hkv": 2, "D": 256}),
         ("attention", "split_q24_kv4_d256", {"kind": "split", "Hq": 24, "Hkv": 4, "D": 256}),
     ])
     assert prefill_attention_kernels(runner) == [("attention_prefill", "fwd_q24_kv4_d256"),
                                                  ("attention_wgmma", "fwd_q24_kv4_d256_wg1"),
-                                                 ("attention_wgmma", "fwd_q24_kv4_d256_wg2")]
+                                                 ("attention_wgmma", "fwd_q24_kv4_d256_wg2"),
+                                                 ("attention_wgmma", "fwd_q24_kv4_d256_wg2p")]
+    # The forms over key splits take other buffers: timed apart, each with the combine.
+    assert prefill_attention_kernels(runner, key_split=True) == [("attention_wgmma", "fwd_q24_kv4_d256_wg2_kvsplit"),
+                                                                 ("attention_wgmma", "fwd_q24_kv4_d256_wg2p_kvsplit")]
 
 
 def test_the_table_lists_each_kernel_beside_sdpa():
@@ -32,12 +40,15 @@ def test_the_table_lists_each_kernel_beside_sdpa():
           "torch": "2.9", "kernels": {"attention_prefill/fwd_q24_kv4_d256": {"us": 2560.0, "tflops": 322.1,
                                                                             "rel_diff_vs_sdpa": 3e-3},
                                       "attention_wgmma/fwd_q24_kv4_d256_wg2": {"us": 1500.0, "tflops": 549.8,
-                                                                              "rel_diff_vs_sdpa": 3e-3}}}
+                                                                              "rel_diff_vs_sdpa": 3e-3}},
+          "key_splits": {"attention_wgmma/fwd_q24_kv4_d256_wg2p_kvsplit": {"us": 1600.0, "tflops": 515.4, "split": 2048,
+                                                                          "rel_diff_vs_sdpa": 4e-3}}}
     text = render({"matrix_rate_tflops": 700.0, "shape": "qwen3.6-27b", "router": "balanced", "chunk": 2048,
                    "runs": {}, "attention_vs_sdpa": vs})
     assert "| ours attention_wgmma/fwd_q24_kv4_d256_wg2 (gate fused) | 1.50 | 550 | 3.0e-03 |" in text
     assert "| ours attention_prefill/fwd_q24_kv4_d256 (gate fused) | 2.56 | 322 | 3.0e-03 |" in text
     assert "| torch SDPA flash (torch 2.9) | 2.70 | 305 | |" in text
+    assert "| ours attention_wgmma/fwd_q24_kv4_d256_wg2p_kvsplit over 2048-key splits + combine | 1.60 | 515 | 4.0e-03 |" in text
     assert "0.82 TFLOP" in text
 
 

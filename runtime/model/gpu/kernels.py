@@ -112,6 +112,13 @@ DECODE_ATTENTION_FORM = "mma"
 # kernel. Off until the lead has run tests/gpu/test_pdl_cuda.py on the H200 (compiled, never run on
 # a GPU yet); `python -m bench.decode --pdl on` / `python -m bench.step_breakdown --pdl on` time it.
 PDL = False
+# Prefill attention's `attention_wgmma` form (fused, and over key splits where that form was
+# compiled over them): "wg2" (the two-warpgroup kernel in lock step, 474 TFLOP/s at 8K causal on
+# the H200, 27B heads) or "wg2p" (the same tiles and arithmetic with the softmax of one tile under
+# the PV product of the previous one, cute_kernels/_attention_wgmma_overlap.py): compiled, NOT yet
+# run or timed on the H200; bf16 KV only (quantised KV keeps "wg2"). `python -m bench.prefill
+# --attn-tokens 8192` times every form.
+PREFILL_ATTENTION_FORM = "wg2"
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
@@ -267,13 +274,14 @@ class KernelChoice:
             # one; None (the split-KV path) when neither was. Both take the same buffers. Quantised
             # KV: only the WGMMA kernel reads it (the mma.sync one is bf16 only).
             shape = {"kind": "fwd", "Hq": hq, "Hkv": hkv, "D": d, "x_stride": self.attn_stride}
-            wgmma = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=None, **shape)
+            form = PREFILL_ATTENTION_FORM if kv == "bf16" else "wg2"  # wg2p reads bf16 pages only
+            wgmma = _find(lib, "attention_wgmma", form=form, kv=kv, kv_split=None, **shape)
             mma_sync = _find(lib, "attention_prefill", **shape) if kv == "bf16" else None
             self.prefill_attn = ("attention_wgmma", wgmma) if wgmma else \
                 ("attention_prefill", mma_sync) if mma_sync else None
             # Chunks past the first key split take the WGMMA kernel over key splits + the combine
             # (`Storage.prefill_kv_split`), where compiled with the fused one.
-            self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=True, **shape) \
+            self.prefill_attn_split = _find(lib, "attention_wgmma", form=form, kv=kv, kv_split=True, **shape) \
                 if wgmma else None
 
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).
