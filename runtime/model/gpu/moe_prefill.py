@@ -63,9 +63,8 @@ class MoePrefill:
             keys["dequant_gate_up"] = find(library, family, K=h)
             keys["dequant_down"] = find(library, family, K=inter)
         elif expert_format != "bf16":
-            keys["dequant_gate_up"] = find(library, "dequant_weights", format=expert_format, K=h,
-                                           BR=min(FP8_BLOCK, inter))
-            keys["dequant_down"] = find(library, "dequant_weights", format=expert_format, K=inter, BR=FP8_BLOCK)
+            keys["dequant_gate_up"] = find(library, family, format=expert_format, K=h, BR=min(FP8_BLOCK, inter))
+            keys["dequant_down"] = find(library, family, format=expert_format, K=inter, BR=FP8_BLOCK)
         if not all(keys.values()):
             return None
         bm = library.manifest.kernels[("moe_grouped", keys["perm"])].config["BM"]
