@@ -4,7 +4,10 @@ One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the
 + SwiGLU, down + routing weight + combine) at decode row counts, in every form compiled: the
 split form (logits, route, up, down) and each decode form (logits_wide; route_up with F features
 a CTA, or route then up_wide; down_wide with R rows a warp; runtime/model/gpu/kernels.py
-MOE_DECODE_FORM picks one). Then each kernel alone, so the table shows where a layer's time goes.
+MOE_DECODE_FORM picks one). Then each kernel alone, so the table shows where a layer's time goes,
+and the quantised experts' kernels (`up_fp8` / `down_fp8`, `up_nvfp4` / `down_nvfp4`: the split
+form's gate/up and down over FP8 and NVFP4 stacks of random codes) alone on the same routing,
+their rates counting the stacks' bytes (codes, scales and NVFP4's per-row globals).
 
 Each of 8 graph reps has its own hidden rows and its own routing buffers, so the experts read
 change from rep to rep and L2 cannot serve them; the rate counts the distinct experts each rep's
@@ -46,8 +49,20 @@ def kind_of(key: str) -> str:
     return key.split("_h")[0].split("_e")[0]
 
 
+QUANTISED = {"fp8": ("up_fp8", "down_fp8"), "nvfp4": ("up_nvfp4", "down_nvfp4")}  # format -> its kinds
+
+
 def launch_args(key: str, bufs: dict[str, int], weights: dict[str, int]) -> dict[str, int]:
-    """The buffers of a moe/<key> launch over one rep's buffers (the kind decides them)."""
+    """The buffers of a moe/<key> launch over one rep's buffers (the kind decides them). The
+    quantised kinds read `weights[f"{stack}_{fmt}"]` and its `_scale` (and NVFP4's `_gscale`)."""
+    kind = kind_of(key)
+    for fmt, (up, down) in QUANTISED.items():
+        if kind in (up, down):
+            stack = "gate_up" if kind == up else "down"
+            plain = launch_args(key.replace(kind, "up" if kind == up else "down", 1), bufs, weights)
+            parts = ("", "_scale", "_gscale") if fmt == "nvfp4" else ("", "_scale")
+            names = {"": "w", "_scale": "scale", "_gscale": "gscale"}
+            return {**plain, **{names[part]: weights[f"{stack}_{fmt}{part}"] for part in parts}}
     return {
         "logits": {"x": bufs["x"], "w": weights["router"], "out": bufs["logits"]},
         "logits_wide": {"x": bufs["x"], "w": weights["router"], "out": bufs["logits"]},
@@ -82,6 +97,8 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
     weights = {"router": router.data_ptr(), "w_sg": w_sg.data_ptr(), "gate_up": gate_up.data_ptr(),
                "down": down.data_ptr()}
     expert_bytes = 3 * inter * h * 2
+    stacks, quantised = quantised_stacks(torch, h, e, inter)
+    weights.update({name: t.data_ptr() for name, t in stacks.items()})
     layer_forms = forms(h, e)
     for m in rows:
         tensors = [{"x": _bf16(torch, m, h),
@@ -115,4 +132,42 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
                      "down": "down", "down_wide": "down"}.get(kind_of(key))
             us, _ = b.compare(b.ours([_bind(b, key, rep, weights, m) for rep in reps]), None)
             b.record("moe", key, case, us, None, "", nbytes[share] if share else 0.0)
+        for key, nbytes_q in quantised.items():
+            us, _ = b.compare(b.ours([_bind(b, key, rep, weights, m) for rep in reps]), None)
+            b.record("moe", key, case, us, None, "", (experts + 1) * nbytes_q)
         del tensors
+
+
+def quantised_stacks(torch: Any, h: int, e: int, inter: int) -> tuple[dict[str, Any], dict[str, float]]:
+    """Random FP8 and NVFP4 expert stacks of the shape (tensors named as `launch_args` reads them:
+    `gate_up_fp8`, `gate_up_fp8_scale`, ..., `down_nvfp4_gscale`) and, per quantised kernel key of
+    the shape, the bytes one expert's part of its stack holds. Codes are random bytes (FP8 ones
+    without the NaN codes), block scales e4m3 codes near 1, globals and FP8 scales small."""
+    from cute_kernels import moe
+
+    keys = {v.config["kind"]: v for v in moe.variants()
+            if v.config["kind"] in sum(QUANTISED.values(), ())
+            and (v.config["H"], v.config["E"], v.config["I"]) == (h, e, inter)}
+    stacks: dict[str, Any] = {}
+    per_expert: dict[str, float] = {}
+    for fmt, (up, down) in QUANTISED.items():
+        for kind, stack in ((up, "gate_up"), (down, "down")):
+            v = keys[kind]
+            total = 0
+            for part, name in (("", "w"), ("_scale", "scale"), ("_gscale", "gscale")):
+                if name not in v.tensors:
+                    continue
+                spec = v.tensors[name]
+                shape = tuple(int(d) for d in spec.shape)
+                if spec.dtype == "f32":
+                    t = torch.full(shape, 2.0 ** -8, device="cuda", dtype=torch.float32)
+                elif spec.dtype == "e4m3" and name == "w":
+                    t = torch.randint(0, 0x7F, shape, device="cuda", dtype=torch.uint8)
+                elif spec.dtype == "e4m3":
+                    t = torch.randint(0x30, 0x40, shape, device="cuda", dtype=torch.uint8)
+                else:
+                    t = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8)
+                stacks[f"{stack}_{fmt}{part}"] = t
+                total += t.numel() * t.element_size()
+            per_expert[v.key] = total / (e + 1)
+    return stacks, per_expert

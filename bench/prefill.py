@@ -8,8 +8,8 @@
 `--format` gives the projections the format of Qwen's FP8 release or of `tools.convert --recipe
 nvfp4` (as `bench.decode --format`; BF16 by default): FP8 prefill pieces of more than 16 rows run
 the activation quantisation and the block-scaled FP8 GEMM, NVFP4 ones the NVFP4 path
-(`layers.Forward.linear`); MoE experts in FP8 are dequantised a layer at a time before the grouped
-GEMMs (cute_kernels/dequant_weights.py). The FLOP rate is still reported against the BF16 matrix
+(`layers.Forward.linear`); MoE experts in FP8 or NVFP4 are dequantised a layer at a time before
+the grouped GEMMs (cute_kernels/dequant_weights.py, dequant_nvfp4.py). The FLOP rate is still reported against the BF16 matrix
 ceiling.
 
 For each prompt length it prefills one fresh sequence (chunked by `--chunk`) twice and reports

@@ -26,8 +26,10 @@ FAMILY = "dequant_nvfp4"
 THREADS = 256
 COLUMNS = 32  # per thread: one `e2m1_row`
 
-# The K of the NVFP4 linears (gemv_nvfp4 / gemv_fp8 SHAPES): 27B 5120, 6144, 17408; tiny 256, 128, 512.
-KS = (5120, 6144, 17408, 128, 256, 512)
+# The K of the NVFP4 linears (gemv_nvfp4 / gemv_fp8 SHAPES): 27B 5120, 6144, 17408; tiny 256, 128, 512;
+# and of the NVFP4 MoE expert stacks (moe_prefill.py): 35B-A3B / 80B-A3B gate/up 2048 (down 512), tiny
+# gate/up 256, down 64.
+KS = (5120, 6144, 17408, 128, 256, 512, 2048, 64)
 
 
 def _variant(k: int) -> Variant:

@@ -56,6 +56,11 @@ FP8 expert stacks (e4m3 codes, fp32 scales per `block_rows` x 128) have `up_fp8`
 (cute_kernels/moe_fp8_kernels.py): `up` and `down` with each 8-code vector decoded in registers
 and its fp32 partial sum scaled; the routing kernels are shared. No staged decode form reads FP8
 yet.
+
+NVFP4 expert stacks (packed e2m1 codes, an e4m3 scale per 16 columns, an fp32 global per row)
+have `up_nvfp4` and `down_nvfp4` (cute_kernels/moe_nvfp4_kernels.py, references in
+cute_kernels/moe_nvfp4.py): `up` and `down` with each 32-column chunk decoded exactly to bf16 in
+registers and the row's global scale applied to the fp32 dot product.
 """
 
 from typing import Any
@@ -144,7 +149,8 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                 ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
     ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
         _up_wide(name, key, shape, uf) for uf in ROUTE_UP_FEATURES] + [
-        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS] + _fp8(name, key, shape, down_rows)
+        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS] + _fp8(name, key, shape, down_rows) + \
+        _nvfp4(name, key, shape, down_rows)
 
 
 def fp8_block_rows(inter: int) -> int:
@@ -178,6 +184,46 @@ def _fp8(name: str, key: str, shape: dict, down_rows: int) -> list[Variant]:
                   "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
                   "out": tensor("bf16", "M", h, role="out")},
                  ("M", h // fd, 1), 32 * WARPS, f"fp8 expert down x routing weight, summed over {p} slots in order"),
+    ]
+
+
+def nvfp4_lanes(k: int) -> int:
+    """Lanes sharing one NVFP4 dot product over K columns (a lane reads 32-column chunks)."""
+    lanes = min(32, k // 32)
+    if k % 32 or (k // 32) % lanes or 32 % lanes:
+        raise ValueError(f"moe: a row of {k} nvfp4 values does not split into 32-column chunks over a power of two "
+                         "of lanes")
+    return lanes
+
+
+def _nvfp4(name: str, key: str, shape: dict, down_rows: int) -> list[Variant]:
+    """`up_nvfp4` and `down_nvfp4` (cute_kernels/moe_nvfp4_kernels.py): `up` and `down` reading
+    NVFP4 expert stacks (codes [rows, K / 2], e4m3 scales [rows, K / 16], fp32 globals [rows]).
+    A warp takes at least one row per lane group (the tiny shape's narrow rows split over few
+    lanes), so its features a CTA (up) and rows a warp (down) round up to that."""
+    h, e, inter, p = shape["H"], shape["E"], shape["I"], shape["P"]
+    features = WARPS * max(UP_FEATURES // WARPS, 32 // nvfp4_lanes(h))
+    rows = max(down_rows, 32 // nvfp4_lanes(inter))
+    if inter % features or h % (WARPS * rows):
+        raise ValueError(f"moe shape {name}: nvfp4 experts with {features} features a CTA or {rows} rows a warp "
+                         f"do not tile I={inter}, H={h}")
+    gu_rows, dn_rows = (e + 1) * 2 * inter, (e + 1) * h
+    return [
+        _variant(name, "up_nvfp4", key, {**shape, "features": features},
+                 [ptr("x"), ptr("w"), ptr("scale"), ptr("gscale"), ptr("ids"), ptr("act"), i32("M")],
+                 {"x": tensor("bf16", "M", h), "w": tensor("u8", gu_rows, h // 2),
+                  "scale": tensor("e4m3", gu_rows, h // 16), "gscale": tensor("f32", gu_rows),
+                  "ids": tensor("i32", "M", p), "act": tensor("bf16", "M", p, inter, role="out")},
+                 (f"M * {p}", inter // features, 1), 32 * WARPS,
+                 f"nvfp4 expert gate/up + SwiGLU, {p} slots per row, I={inter}"),
+        _variant(name, "down_nvfp4", key, {**shape, "rows_per_warp": rows},
+                 [ptr("act"), ptr("w"), ptr("scale"), ptr("gscale"), ptr("ids"), ptr("wts"), ptr("out"), i32("M")],
+                 {"act": tensor("bf16", "M", p, inter), "w": tensor("u8", dn_rows, inter // 2),
+                  "scale": tensor("e4m3", dn_rows, inter // 16), "gscale": tensor("f32", dn_rows),
+                  "ids": tensor("i32", "M", p), "wts": tensor("f32", "M", p),
+                  "out": tensor("bf16", "M", h, role="out")},
+                 ("M", h // (WARPS * rows), 1), 32 * WARPS,
+                 f"nvfp4 expert down x routing weight, summed over {p} slots in order"),
     ]
 
 
@@ -280,6 +326,10 @@ def reference(x: np.ndarray, router: np.ndarray, w_sg: np.ndarray, gate_up: np.n
 
 
 def build(variant: Variant) -> tuple[Any, list[Any]]:
+    if variant.config["kind"] in ("up_nvfp4", "down_nvfp4"):
+        from .moe_nvfp4_kernels import build as build_nvfp4
+
+        return build_nvfp4(variant)
     if variant.config["kind"] in ("up_fp8", "down_fp8"):
         from .moe_fp8_kernels import build as build_fp8
 

@@ -112,6 +112,19 @@ def tiny_moe_fp8_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_nvfp4_path(tmp_path_factory):
+    """Qwen3.5-MoE tiny model converted with the NVFP4 recipe: every expert (the shared one too;
+    a fused gate|up expert keeps a global per half) and projection NVFP4, the router, shared-expert
+    gate, in_proj_a / in_proj_b and lm_head bf16."""
+    from tools import convert
+    from tools.make_tiny import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny-moe-nvfp4")
+    hf = make_hf_dir(root / "hf", family="moe", seed=0, vocab="small")
+    return convert.convert(hf, root / "tiny-moe-nvfp4.infernix", convert.Recipe("nvfp4"), name="tiny-moe-nvfp4")
+
+
+@pytest.fixture(scope="session")
 def tiny_next_fp8_path(tmp_path_factory):
     """Qwen3-Next tiny model converted with the FP8 recipe (as `tiny_moe_fp8_path`)."""
     from tools import convert

@@ -50,3 +50,26 @@ def test_every_launch_passes_exactly_its_kernels_buffers():
     assert launch_args("route_up_h2048_e256_k8_i512_f8", bufs, weights)["w"] == weights["gate_up"]
     assert launch_args("down_wide_h2048_e256_k8_i512_r1", bufs, weights)["w"] == weights["down"]
     assert launch_args("route_h2048_e256_k8_i512", bufs, weights)["w_sg"] == weights["w_sg"]
+
+
+def test_the_quantised_expert_launches_pass_their_stacks_and_scales():
+    """up_fp8 / down_fp8 / up_nvfp4 / down_nvfp4 bind exactly their kernels' buffers, each reading
+    its format's stack, its scales and (NVFP4) its globals."""
+    from bench.moe_forms import QUANTISED
+    from runtime.cuda.kernels import KernelLibrary
+    from runtime.cuda.null import NullDevice
+
+    lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
+    bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out"))}
+    names = [f"{stack}_{fmt}{part}" for fmt in QUANTISED for stack in ("gate_up", "down")
+             for part in ("", "_scale", "_gscale")]
+    weights = {name: 0x100000 * (i + 1) for i, name in enumerate(("router", "w_sg", "gate_up", "down", *names))}
+    for fmt, kinds in QUANTISED.items():
+        for kind, stack in zip(kinds, ("gate_up", "down")):
+            key = f"{kind}_h2048_e256_k8_i512"
+            args = launch_args(key, bufs, weights)
+            assert set(args) == set(lib.manifest.kernels[("moe", key)].tensors), key
+            assert (args["w"], args["scale"]) == (weights[f"{stack}_{fmt}"], weights[f"{stack}_{fmt}_scale"])
+            if fmt == "nvfp4":
+                assert args["gscale"] == weights[f"{stack}_nvfp4_gscale"]
+            built_or_skip(lambda: lib.kernel("moe", key)).bind(args, {"M": 8})

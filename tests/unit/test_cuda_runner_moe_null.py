@@ -228,7 +228,7 @@ def test_what_the_moe_path_refuses_is_named():
     with pytest.raises(NotImplementedError, match=r"shared expert's width \(48\) differs .* \(64\)"):
         WeightLayout.plan(_moe_config(shared_expert_intermediate_size=48))
     # Routed experts fp8 beside a bf16 shared expert: one stack has one format.
-    with pytest.raises(NotImplementedError, match=r"are \['fp8_e4m3', 'bf16', 'bf16'\]; .* all in bf16 or all in fp8"):
+    with pytest.raises(NotImplementedError, match=r"are \['fp8_e4m3', 'bf16', 'bf16'\]; .* all in bf16, all in fp8_e4m3 or all in nvfp4"):
         WeightLayout.plan(_moe_config(), lambda name: FP8 if "experts." in name else "bf16")
     with pytest.raises(NotImplementedError, match=r"\['layers.0.mlp.gate.weight'\] are \['fp8_e4m3'\]; .* router"):
         WeightLayout.plan(_moe_config(), lambda name: FP8 if name.endswith("mlp.gate.weight") else "bf16")

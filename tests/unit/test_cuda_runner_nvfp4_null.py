@@ -174,16 +174,19 @@ def test_a_missing_nvfp4_shape_names_it_and_the_build_command(runner):
         runner.kernels.linear_quantised(NVFP4, 384, 16, 256)
 
 
-def test_nvfp4_moe_experts_are_refused_by_name():
+def test_nvfp4_moe_experts_are_planned_and_a_mix_is_refused_by_name():
+    """The NVFP4 recipe's MoE model plans with NVFP4 experts (tests/unit/test_cuda_runner_moe_nvfp4_null.py
+    runs it); routed NVFP4 experts beside a BF16 shared expert are refused, naming the tensors."""
     from runtime.model.config import ModelConfig
-    from runtime.model.gpu.weights import WeightLayout, nvfp4_recipe_format
+    from runtime.model.gpu.weights import NVFP4, WeightLayout, nvfp4_recipe_format
     from tools.make_tiny import tiny_text_config
 
     ids = {"<|endoftext|>": 0, "<|image_pad|>": 1, "<|video_pad|>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4}
     config = ModelConfig.from_dict(tiny_text_config("moe", 512, ids, tie=False)["text_config"])
-    with pytest.raises(NotImplementedError, match=r"experts\.gate_up_proj', .* are \['nvfp4', 'nvfp4', 'nvfp4'\]; "
-                                                  r".* all in bf16 or all in fp8_e4m3"):
-        WeightLayout.plan(config, nvfp4_recipe_format)
+    assert WeightLayout.plan(config, nvfp4_recipe_format).expert_format == NVFP4
+    with pytest.raises(NotImplementedError, match=r"experts\.gate_up_proj', .* are \['nvfp4', 'bf16', 'bf16'\]; "
+                                                  r".* all in bf16, all in fp8_e4m3 or all in nvfp4"):
+        WeightLayout.plan(config, lambda name: "bf16" if "shared_expert" in name else nvfp4_recipe_format(name))
 
 
 def test_synthetic_nvfp4_weights_fill_codes_scales_and_globals(runner):

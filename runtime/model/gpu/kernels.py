@@ -15,8 +15,8 @@ MoE layers run the `moe` family at every row count (its kernels take any M): its
 after the split form's routing where they were compiled (`moe_prefill`), and take their router
 logits from an FP32-out `gemm_sm90` variant where one was compiled for the router's shape
 (`moe_router_gemm`). FP8 experts (`expert_format`) run the split form with `up_fp8` /
-`down_fp8` at every row count, and prefill dequantises each layer's stacks before the grouped
-GEMMs.
+`down_fp8` at every row count, NVFP4 experts with `up_nvfp4` / `down_nvfp4`, and prefill
+dequantises each layer's stacks before the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -178,10 +178,12 @@ class KernelChoice:
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         # FP8 experts: `up_fp8` / `down_fp8` in place of `up` / `down` at every row count (no
-        # decode form reads fp8 yet), and the grouped GEMMs on a dequantised copy for prefill.
-        self.moe_up_fp8 = self.moe_down_fp8 = None
-        if self.expert_format not in ("bf16", FP8):
-            raise NotImplementedError(f"MoE experts in {self.expert_format}: CudaRunner reads bf16 and {FP8} experts")
+        # decode form reads fp8 yet), and the grouped GEMMs on a dequantised copy for prefill;
+        # NVFP4 experts the same with `up_nvfp4` / `down_nvfp4`.
+        self.moe_up_fp8 = self.moe_down_fp8 = self.moe_up_nvfp4 = self.moe_down_nvfp4 = None
+        if self.expert_format not in ("bf16", FP8, NVFP4):
+            raise NotImplementedError(f"MoE experts in {self.expert_format}: CudaRunner reads bf16, {FP8} and {NVFP4} "
+                                      "experts")
         if MOE_MLP in c.mlp_types:
             shape = {"H": h, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
             self.moe_logits = _need(lib, "moe", "the MoE router", kind="logits", H=h, E=c.num_experts)
@@ -191,6 +193,9 @@ class KernelChoice:
             if self.expert_format == FP8:
                 self.moe_up_fp8 = _need(lib, "moe", "the fp8 MoE experts' gate/up", kind="up_fp8", **shape)
                 self.moe_down_fp8 = _need(lib, "moe", "the fp8 MoE experts' down", kind="down_fp8", **shape)
+            elif self.expert_format == NVFP4:
+                self.moe_up_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' gate/up", kind="up_nvfp4", **shape)
+                self.moe_down_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' down", kind="down_nvfp4", **shape)
             elif MOE_DECODE_FORM is not None:
                 gate_up, features, form = MOE_DECODE_FORM
                 self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=h,
@@ -415,7 +420,8 @@ class KernelChoice:
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
-                  ("gemm_sm90", self.moe_router_gemm), ("moe", self.moe_up_fp8), ("moe", self.moe_down_fp8)]
+                  ("gemm_sm90", self.moe_router_gemm), ("moe", self.moe_up_fp8), ("moe", self.moe_down_fp8),
+                  ("moe", self.moe_up_nvfp4), ("moe", self.moe_down_nvfp4)]
         if self.moe_prefill:
             chosen += self.moe_prefill.required()
         if self.prefill_attn:

@@ -336,20 +336,23 @@ class Forward:
         summed in another order, so a logit may differ in its last bits from the logits kernel's
         and a near-tie may route differently from the same row at decode; the routing of given
         logits is the same kernel. FP8 expert stacks take the split form with `up_fp8` /
-        `down_fp8` at every row count, and such rows the grouped GEMMs on a dequantised copy
-        (`gpu.moe_prefill`)."""
+        `down_fp8` at every row count (NVFP4 ones with `up_nvfp4` / `down_nvfp4`), and such rows
+        the grouped GEMMs on a dequantised copy (`gpu.moe_prefill`)."""
         k, buf, m = self.kernels, self.storage.buf, shape.m
         route = {"ids": buf["moe_ids"], "wts": buf["moe_wts"]}
         decode = k.moe_down_wide is not None and m <= MOE_DECODE_ROWS
         gate_up, experts_down = self.w(layer["experts_gate_up"]), self.w(layer["experts_down"])
-        # FP8 stacks: their kernels take the block scales too (`KernelChoice.moe_up_fp8`).
-        fp8 = layer["experts_gate_up"].format == FP8
+        # FP8 stacks: their kernels take the block scales too (`KernelChoice.moe_up_fp8`); NVFP4
+        # stacks the block scales and the per-row globals (`KernelChoice.moe_up_nvfp4`).
+        fmt = layer["experts_gate_up"].format
+        quantised = fmt in (FP8, NVFP4)
         up_key, down_key, scales = k.moe_up, k.moe_down, ({}, {})
-        if fp8:
+        if quantised:
             base = self.storage.weights_base
-            up_key, down_key = k.moe_up_fp8, k.moe_down_fp8
-            scales = ({"scale": base + layer["experts_gate_up"].scale_offset},
-                      {"scale": base + layer["experts_down"].scale_offset})
+            up_key, down_key = (k.moe_up_fp8, k.moe_down_fp8) if fmt == FP8 else (k.moe_up_nvfp4, k.moe_down_nvfp4)
+            scales = tuple({"scale": base + slot.scale_offset,
+                            **({"gscale": base + slot.gscale_offset} if fmt == NVFP4 else {})}
+                           for slot in (layer["experts_gate_up"], layer["experts_down"]))
         logits = {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}
         if not decode and not shape.exact_rows and k.moe_router_gemm:
             # Many rows of a prefill chunk or MTP catch-up: the logits by the GEMM (fp32, the same
@@ -364,9 +367,9 @@ class Forward:
         else:
             self.launch(out, "moe", k.moe_route, {"logits": buf["moe_logits"], "x": buf["h"],
                                                   "w_sg": self.w(layer["shared_gate"]), **route}, {"M": m})
-            # FP8 stacks are dequantised whole for the grouped path: a step of a few rows reads
-            # their experts through `up_fp8` / `down_fp8` instead.
-            if not shape.exact_rows and k.moe_prefill and not decode and not (fp8 and m <= MOE_DECODE_ROWS):
+            # Quantised stacks are dequantised whole for the grouped path: a step of a few rows
+            # reads their experts through `up_fp8` / `down_fp8` (`up_nvfp4` / `down_nvfp4`) instead.
+            if not shape.exact_rows and k.moe_prefill and not decode and not (quantised and m <= MOE_DECODE_ROWS):
                 # Many rows of a prefill chunk or an MTP catch-up (not `exact`): sorted by expert and
                 # run through grouped GEMMs (`gpu.moe_prefill`); the same routing, slot order and
                 # final rounding as the split form.

@@ -14,6 +14,8 @@ rows [C, H].
 FP8 experts (`weights.FP8` stacks): the layer's two stacks are first dequantised into a BF16
 scratch (`moe_dequant`, one layer's experts: gate/up then down) by cute_kernels/dequant_weights.py,
 and the grouped GEMMs read that; the extra traffic and the rounding are in that module's docstring.
+NVFP4 experts (`weights.NVFP4` stacks) the same through cute_kernels/dequant_nvfp4.py (code x block
+scale x the row's global, rounded once to bf16; 0.56 bytes a weight read, 2 written).
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ class MoePrefill:
     bm: int
     slots: int  # P: k routed slots + the shared one
     experts: int  # E + 1 segments
-    dequant_gate_up: str | None = None  # FP8 experts: the `dequant_weights` keys of the two stacks
+    dequant_gate_up: str | None = None  # quantised experts: the dequantising keys of the two stacks
     dequant_down: str | None = None
+    dequant_family: str = "dequant_weights"  # FP8: dequant_weights; NVFP4: dequant_nvfp4
 
     @classmethod
     def find(cls, library: Any, find: Any, config: Any, expert_format: str = "bf16") -> MoePrefill | None:
         """The variants for the model's MoE shape, or None (prefill then takes the decode
         kernels) when any of them was not compiled. expert_format "fp8_e4m3": the dequantising
         kernels of both stacks too (the stacks' rows per scale row as `WeightLayout._moe` lays
-        them out: min(128, I) for gate/up, 128 for down)."""
-        from runtime.model.gpu.weights import FP8_BLOCK
+        them out: min(128, I) for gate/up, 128 for down); "nvfp4": `dequant_nvfp4` of both stacks'
+        K."""
+        from runtime.model.gpu.weights import FP8_BLOCK, NVFP4
 
         h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
         inter = config.moe_intermediate_size
@@ -54,17 +58,20 @@ class MoePrefill:
         keys["gate_up"] = find(library, "moe_grouped", kind="gemm", proj="gate_up", E1=e + 1, N=2 * inter, K=h)
         keys["down"] = find(library, "moe_grouped", kind="gemm", proj="down", E1=e + 1, N=h, K=inter)
         keys["silu"] = find(library, "silu_mul", I=inter)
-        if expert_format != "bf16":
-            keys["dequant_gate_up"] = find(library, "dequant_weights", format=expert_format, K=h,
-                                           BR=min(FP8_BLOCK, inter))
-            keys["dequant_down"] = find(library, "dequant_weights", format=expert_format, K=inter, BR=FP8_BLOCK)
+        family = "dequant_nvfp4" if expert_format == NVFP4 else "dequant_weights"
+        if expert_format == NVFP4:
+            keys["dequant_gate_up"] = find(library, family, K=h)
+            keys["dequant_down"] = find(library, family, K=inter)
+        elif expert_format != "bf16":
+            keys["dequant_gate_up"] = find(library, family, format=expert_format, K=h, BR=min(FP8_BLOCK, inter))
+            keys["dequant_down"] = find(library, family, format=expert_format, K=inter, BR=FP8_BLOCK)
         if not all(keys.values()):
             return None
         bm = library.manifest.kernels[("moe_grouped", keys["perm"])].config["BM"]
-        return cls(**keys, bm=bm, slots=k + 1, experts=e + 1)
+        return cls(**keys, bm=bm, slots=k + 1, experts=e + 1, dequant_family=family)
 
     def required(self) -> list[tuple[str, str]]:
-        dequant = [("dequant_weights", key) for key in (self.dequant_gate_up, self.dequant_down) if key]
+        dequant = [(self.dequant_family, key) for key in (self.dequant_gate_up, self.dequant_down) if key]
         return [("moe_grouped", self.perm), ("moe_grouped", self.gather), ("moe_grouped", self.gate_up),
                 ("silu_mul", self.silu), ("moe_grouped", self.down), ("moe_grouped", self.combine), *dequant]
 
@@ -94,12 +101,13 @@ class MoePrefill:
             base = forward.storage.weights_base
             gate_up_slot, down_slot = layer["experts_gate_up"], layer["experts_down"]
             gate_up, down = buf["moe_dequant"], buf["moe_dequant"] + gate_up_slot.shape[0] * gate_up_slot.shape[1] * 2
-            forward.launch(out, "dequant_weights", self.dequant_gate_up,
-                           {"w": forward.w(gate_up_slot), "scale": base + gate_up_slot.scale_offset, "out": gate_up},
-                           {"R": gate_up_slot.shape[0]})
-            forward.launch(out, "dequant_weights", self.dequant_down,
-                           {"w": forward.w(down_slot), "scale": base + down_slot.scale_offset, "out": down},
-                           {"R": down_slot.shape[0]})
+            for key, slot, dst in ((self.dequant_gate_up, gate_up_slot, gate_up), (self.dequant_down, down_slot, down)):
+                args = {"w": forward.w(slot), "scale": base + slot.scale_offset, "out": dst}
+                if self.dequant_family == "dequant_nvfp4":  # the per-row globals; rows are its size N
+                    forward.launch(out, self.dequant_family, key, {**args, "gscale": base + slot.gscale_offset},
+                                   {"N": slot.shape[0]})
+                else:
+                    forward.launch(out, self.dequant_family, key, args, {"R": slot.shape[0]})
         forward.launch(out, "moe_grouped", self.perm, {"ids": route["ids"], "pos": buf["moe_pos"],
                                                        "src": buf["moe_src"], "tiles": buf["moe_tiles"]}, rows)
         forward.launch(out, "moe_grouped", self.gather, {"x": buf["h"], "src": buf["moe_src"],

@@ -9,10 +9,12 @@ kernels read (`Slot.format`): BF16, or for the projections FP8 (`fp8_e4m3`: e4m3
 fp32 128 x 128 block scales of all its parts stacked, read by `cute_kernels/gemv_fp8.py`) or NVFP4
 (`nvfp4`: packed e2m1 codes, the e4m3 scale per 16 columns, then one fp32 global scale per row,
 each part's global repeated over its rows, read by `cute_kernels/gemv_nvfp4.py`); an artifact
-tensor in any other format is refused by name. MoE expert stacks are BF16 or FP8 (every expert of
-every layer, the shared one included; its scale rows cover `Slot.block_rows` rows, 128 or an
-expert half narrower than that), read by the `moe` family's `up_fp8` / `down_fp8` and, for
-prefill, dequantised by `dequant_weights`; the router and shared-expert gate are BF16. A fused
+tensor in any other format is refused by name. MoE expert stacks are BF16, FP8 or NVFP4 (every
+expert of every layer, the shared one included; FP8 scale rows cover `Slot.block_rows` rows, 128
+or an expert half narrower than that; NVFP4 stacks are plain `nvfp4` slots, each expert tensor's
+global scale repeated over its rows), read by the `moe` family's `up_fp8` / `down_fp8` or
+`up_nvfp4` / `down_nvfp4` and, for prefill, dequantised by `dequant_weights` / `dequant_nvfp4`;
+the router and shared-expert gate are BF16. A fused
 projection whose parts differ in format is a quantised slot followed by a BF16 `tail` slot
 (Qwen's FP8 releases and the nvfp4 recipe keep the GDN `in_proj_b` / `in_proj_a` in BF16 after
 `in_proj_qkv` / `in_proj_z`; the quantised GEMVs read both).
@@ -60,8 +62,8 @@ def fp8_recipe_format(name: str) -> str:
 def nvfp4_recipe_format(name: str) -> str:
     """The format `tools.convert --recipe nvfp4` gives a projection weight, as ModelOpt's NVFP4
     recipes do (for `--synthetic-weights` without an NVFP4 artifact): NVFP4 except the GDN
-    `in_proj_a` / `in_proj_b`, the lm_head and a MoE layer's router and shared-expert gate. (A MoE
-    model's experts are NVFP4 then, which CudaRunner refuses: its MoE kernels read BF16 and FP8.)"""
+    `in_proj_a` / `in_proj_b`, the lm_head and a MoE layer's router and shared-expert gate (its
+    experts, the shared one included, are NVFP4)."""
     keep = ("in_proj_a.weight", "in_proj_b.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
     return "bf16" if name.endswith(keep) else NVFP4
 
@@ -248,12 +250,12 @@ class WeightLayout:
         for role, named in parts.items():
             # The MTP head's tensors are BF16 (as `_projection` reads them).
             formats = {"bf16" if name.startswith(MTP_PREFIX) else self.format_of(name) for name, _ in named}
-            allowed = ("bf16", FP8) if role.startswith("experts") else ("bf16",)
+            allowed = ("bf16", *QUANTIZED) if role.startswith("experts") else ("bf16",)
             if len(formats) > 1 or not formats <= set(allowed):
                 raise NotImplementedError(
                     f"MoE tensors {[name for name, _ in named]} are {[self.format_of(name) for name, _ in named]}; "
                     f"CudaRunner reads the router and shared-expert gate in bf16 and the experts (the shared one "
-                    f"included) all in bf16 or all in {FP8}")
+                    f"included) all in bf16, all in {FP8} or all in {NVFP4}")
             k = inter if role == "experts_down" else h
             fmt = formats.pop()
             # An fp8 scale row covers 128 rows of one row group (an expert's gate or up half, or
@@ -332,7 +334,9 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
                 device.memcpy_htod(scale_offset, scales, stream)
                 scale_offset += scales.nbytes
             if slot.format == NVFP4:
-                scale_offset, gscale_offset = _upload_nvfp4_scales(source, name, entry.row_groups, rows, slot,
+                    # A part's row groups: the tensor's (one per expert and half for a fused gate|up stack).
+                groups = rows // (entry.shape[-2] // entry.row_groups)
+                scale_offset, gscale_offset = _upload_nvfp4_scales(source, name, groups, rows, slot,
                                                                    device, scale_offset, gscale_offset, stream)
             raw = source.raw(name)
             expect = int(np.prod(slot.shape[1:])) * rows if rows else int(np.prod(slot.shape))
@@ -349,9 +353,11 @@ def upload_artifact(layout: WeightLayout, component: Any, device: Any, base: int
 
 def _upload_nvfp4_scales(source: Any, name: str, row_groups: int, rows: int, slot: Slot, device: Any,
                          scale_offset: int, gscale_offset: int, stream: Any) -> tuple[int, int]:
-    """Copy one nvfp4 part's e4m3 block scales [rows, K / 16] as stored and its global scales
-    (one per row group) repeated over the group's rows; returns the next part's two offsets."""
+    """Copy one nvfp4 part's e4m3 block scales [rows, K / 16] as stored (an expert stack's
+    [E, rows / E, K / 16] as its rows) and its global scales (one per row group) repeated over the
+    group's rows; returns the next part's two offsets."""
     scales = np.ascontiguousarray(source.raw(name, "scale"), dtype=np.uint8)
+    scales = scales.reshape(-1, scales.shape[-1])
     if scales.shape != (rows, slot.scale_shape[1]):
         raise ValueError(f"tensor {name} has block scales {scales.shape}, {rows} x {slot.shape[1]} needs "
                          f"{(rows, slot.scale_shape[1])}")
