@@ -105,7 +105,8 @@ DEFAULT_FORM = "bn128"
 
 # (name, N, NT, K): the FP8 linears of Qwen3.6-27B in Qwen's FP8 recipe (`weights.fp8_recipe_format`:
 # every projection but the GDN in_proj_b / in_proj_a, which follow gdn_in as a 96-row BF16 tail, and the
-# lm_head) and of the tiny fp8 test model (tools/make_tiny.py), the same shapes as gemv_fp8; then two
+# lm_head), of the A3B models' attention and GDN projections and of the tiny fp8 test model
+# (tools/make_tiny.py), the same shapes as gemv_fp8; then two
 # ragged ones for tests (N, K not multiples of 128: partial blocks at both edges; test_wide's N tiles
 # start at every offset a 160- or 192-column tile has in its scale block, and its last 160-column
 # tile's second block lies past N).
@@ -115,6 +116,10 @@ SHAPES = [
     ("attn_qkv", 14336, 0, 5120),
     ("gate_up", 34816, 0, 5120),
     ("down", 5120, 0, 17408),
+    # Qwen3.5/3.6-35B-A3B and Qwen3-Next-80B-A3B (hidden 2048; their MoE MLPs are the moe family's).
+    ("a3b_gdn_in", 12288, 64, 2048),
+    ("a3b_o_proj", 2048, 0, 4096),
+    ("a3b_attn_qkv", 9216, 0, 2048),
     ("tiny_gdn_in", 384, 8, 256),
     ("tiny_gdn_out", 256, 0, 128),
     ("tiny_attn_qkv", 768, 0, 256),

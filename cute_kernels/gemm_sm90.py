@@ -93,6 +93,8 @@ STRIDED_SHAPES = [
     ("gdn_in_tail", 96, 5120, 16480),
     ("tiny_gdn_in_tail", 8, 256, 392),
     ("gdn_in_head", 16384, 5120, 16480),
+    ("a3b_gdn_in_tail", 64, 2048, 12352),
+    ("a3b_gdn_in_head", 12288, 2048, 12352),
     ("tiny_gdn_in_head", 384, 256, 392),
 ]
 

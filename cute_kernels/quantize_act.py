@@ -43,9 +43,10 @@ DEFAULT_FORM = "v4"
 
 # (name, K): the K of every FP8 linear of the 27B (gemv_fp8 / gemm_fp8_sm90 shapes: 5120 for
 # gdn_in / attn_qkv / gate_up, 6144 for o_proj and the GDN out_proj, 17408 for down) and of the
-# tiny fp8 model (256, 128 for its GDN out_proj, 512 for down), and 320 for tests (a partial group).
-SHAPES = [("k5120", 5120), ("k6144", 6144), ("k17408", 17408), ("k128", 128), ("k256", 256), ("k512", 512),
-          ("k320", 320)]
+# tiny fp8 model (256, 128 for its GDN out_proj, 512 for down), of the A3B models (2048; 4096 for
+# o_proj), and 320 for tests (a partial group).
+SHAPES = [("k5120", 5120), ("k6144", 6144), ("k17408", 17408), ("k2048", 2048), ("k4096", 4096), ("k128", 128),
+          ("k256", 256), ("k512", 512), ("k320", 320)]
 
 
 def groups(k: int) -> int:

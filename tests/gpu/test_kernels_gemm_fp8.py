@@ -53,7 +53,7 @@ def _codes(rng, *shape):
 
 
 @pytest.mark.parametrize("form", list(quantize_act.FORMS))
-@pytest.mark.parametrize("k,m", [(320, 1), (320, 37), (5120, 200), (17408, 3)])
+@pytest.mark.parametrize("k,m", [(320, 1), (320, 37), (5120, 200), (17408, 3), (2048, 129), (4096, 5)])
 def test_quantize_act_matches_reference_bit_for_bit(library, device, mem, stream, k, m, form):
     """Every form (v8: two groups per warp, so with K = 320, 3 groups a row, half warps straddle
     rows, and 37 x 3 items leave the last CTA partly empty)."""
@@ -157,7 +157,8 @@ def test_gemm_fp8_with_bf16_tail(library, device, mem, stream):
 
 
 @pytest.mark.parametrize("name,m", [("gdn_in", 1000), ("o_proj", 8192), ("attn_qkv", 300), ("gate_up", 300),
-                                    ("down", 300)])
+                                    ("down", 300), ("a3b_gdn_in", 1000), ("a3b_o_proj", 300),
+                                    ("a3b_attn_qkv", 8192)])
 def test_gemm_fp8_model_shapes(library, device, mem, stream, name, m):
     """Every output is checked for being finite and written; the exact products on 9 rows (first,
     last, a tile edge) and three 128-column blocks (first, middle, last)."""
@@ -246,10 +247,10 @@ def test_gemm_fp8_forms_ragged(library, device, mem, stream, name, m):
         np.testing.assert_array_equal(to_bits(out[:m]), to_bits(base[:m]), err_msg=f"{form} vs today's")
 
 
-@pytest.mark.parametrize("name", ["gdn_in", "o_proj", "attn_qkv", "gate_up", "down"])
+@pytest.mark.parametrize("name", ["gdn_in", "o_proj", "attn_qkv", "gate_up", "down", "a3b_gdn_in"])
 def test_gemm_fp8_forms_model_shapes(library, device, mem, stream, name):
-    """The 27B's shapes at M = 8192 (the prefill chunk of the issue's target): every form's whole
-    output equal to today's bit for bit and finite, the BF16 tail columns untouched, the row past
+    """The 27B's shapes (and the A3B GDN's) at M = 8192 (the prefill chunk of the issue's target):
+    every form's whole output equal to today's bit for bit and finite, the BF16 tail columns untouched, the row past
     M untouched; the exact products of each form on rows at tile edges and on the 128-column
     blocks around a 160- and a 192-column tile edge and at both ends."""
     m = 8192

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cute_kernels import gemm_fp8_sm90, quantize_act
+from runtime.model.gpu import kernels
 from runtime.model.gpu.weights import FP8
 from runtime.model.runner import DecodeItem, PrefillChunk
 
@@ -87,11 +89,15 @@ def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):
     assert len(quant) == len(gemm) == 16 and all(m == 20 for _, _, m in quant + gemm)
     buf, base = runner.storage.buf, runner.storage.weights_base
     gdn = runner.layout.layers[0]
-    assert quant[0] == ("k256", [buf["h"], buf["fp8_x"], buf["fp8_scale"]], 20)
+    # The runner's forms (kernels.QUANTIZE_ACT_FORM, kernels.GEMM_FP8_FORM) name the variants.
+    form = kernels.QUANTIZE_ACT_FORM
+    suffix = "" if form == quantize_act.DEFAULT_FORM else f"_{form}"
+    assert quant[0] == (f"k256{suffix}", [buf["h"], buf["fp8_x"], buf["fp8_scale"]], 20)
     # Pointer parameters x_scale, w_scale, out (x and w travel as TMA descriptors).
-    assert gemm[0] == ("tiny_gdn_in_n384_t8_k256", [buf["fp8_scale"], base + gdn["w_in"].scale_offset, buf["proj"]],
-                       20)
-    assert quant[1][0] == "k128" and gemm[1][0] == "tiny_gdn_out_n256_k128"
+    assert gemm[0] == (gemm_fp8_sm90.key("tiny_gdn_in", 384, 8, 256, kernels.GEMM_FP8_FORM),
+                       [buf["fp8_scale"], base + gdn["w_in"].scale_offset, buf["proj"]], 20)
+    assert quant[1][0] == f"k128{suffix}"
+    assert gemm[1][0] == gemm_fp8_sm90.key("tiny_gdn_out", 256, 0, 128, kernels.GEMM_FP8_FORM)
     assert gemm[1][1] == [buf["fp8_scale"], base + gdn["out_proj"].scale_offset, buf["delta"]]
     tails = [t for t in family_launches(new, "gemm") if "_tail_" in t[0]]
     assert [(key, ptrs[-1], m) for key, ptrs, m in tails] == [("tiny_gdn_in_tail_n8_k256_ld392", buf["proj"] + 384 * 2,

@@ -57,10 +57,12 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
 # the forms side by side; switch here to the fastest (each form passes the same numerics tests).
-# Untimed: the L2-prefetch forms (FP8 `cvt_u8_pf2` / `cvt_u8_pf4`, NVFP4 `pf2` / `pf4` / `pf8` / `pf4_h`:
-# the kept forms' instructions, bit for bit their numbers, plus prefetches of the codes a few steps
-# ahead). The FP8 wide variants exist in `cvt` only: an FP8 choice other than `cvt` runs exact rows
-# 8 at a time.
+# The L2-prefetch forms (FP8 `cvt_u8_pf2` / `cvt_u8_pf4`, NVFP4 `pf2` / `pf4` / `pf8` / `pf4_h`: the
+# kept forms' instructions, bit for bit their numbers, plus prefetches of the codes a few steps ahead)
+# are slower on the H200 on every 27B and A3B shape (NVFP4 gate_up M=1: shift_u8 0.53 of the copy
+# bandwidth, pf2 0.39, pf8 0.26; FP8 gdn_in: cvt 0.80, cvt_u8_pf2 0.64): the hardware prefetcher
+# already streams these reads. The FP8 wide variants exist in `cvt` only: an FP8 choice other than
+# `cvt` runs exact rows 8 at a time.
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # The row counts (MB) of the quantised GEMVs: 8 for every format, and the wide widths
 # (cute_kernels/gemv_fp8.py WIDE; FP8 builds them in the `cvt` decode only, NVFP4 in its
@@ -68,15 +70,15 @@ GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 QUANTISED_GEMV_ROWS = (8, 16, 32)
 # The row-group form each wide FP8 width runs in (a `rRuU` tag of gemv_fp8.WIDE[MB]: R row groups of
 # 16 per CTA, U blocks in flight per warp). Their tests pass on the H200; the forms are not yet
-# timed one against another. A row's numbers are those of the m8 variant in every form. Picked
-# from ptxas (no spills): m16 r1u2 80 registers (three CTAs per SM), r2u1 155; m32 r1u1 104-128,
-# r2u1 178 (one CTA per SM) but half the L2 reads of the activations, which the BF16 GEMV's
-# measurements favoured at m32. `python -m bench.kernels --only gemv_q` times every form; set the
-# fastest here.
+# timed one against another. A row's numbers are those of the m8 variant in every form. ptxas (no
+# spills): m16 r1u2 80 registers (three CTAs per SM), r2u1 155; m32 r1u1 104-128, r2u1 178 (one CTA per
+# SM) but half the L2 reads of the activations. Timed on the H200 (`python -m bench.kernels --only
+# gemv_q`, the five 27B shapes summed): m16 r1u2 is the faster m16, m32 r2u1 the faster m32 (at 32
+# rows 298 us against r1u1's 396).
 GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
-# The same choice for the wide NVFP4 widths (gemv_nvfp4.py, gemv_fp8.WIDE's forms): compiled, not
-# yet run on a GPU, so untimed; the FP8 picks. ptxas on the 27B shapes (`shift_u8`): m16 r1u2
-# 102-106 registers, r2u1 128 (gdn_in spills 8 bytes); m32 r1u1 118-128, r2u1 173-187.
+# The same choice for the wide NVFP4 widths (gemv_nvfp4.py, gemv_fp8.WIDE's forms), timed the same
+# way: the same picks win (`shift_u8` at 32 rows: r2u1 303 us, r1u1 389). ptxas on the 27B shapes:
+# m16 r1u2 102-106 registers, r2u1 128 (gdn_in spills 8 bytes); m32 r1u1 118-128, r2u1 173-187.
 GEMV_NVFP4_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 
 
@@ -86,17 +88,17 @@ def quantised_row_forms(fmt: str) -> dict[int, str]:
     return GEMV_FP8_ROW_FORMS if fmt == FP8 else GEMV_NVFP4_ROW_FORMS
 
 # The tile form of the FP8 prefill GEMM (cute_kernels/gemm_fp8_sm90.py FORMS; every shape is built in
-# every form, all giving the same numbers): "bn128", 128 x 128 tiles (measured on the H200: 0.67-0.75x
-# torch._scaled_mm at M = 8192), or "bn160" / "bn192", 128 x 160 / 192 tiles, or "bn160c2" / "bn192c2",
-# the same tiles in clusters of two CTAs sharing each weight tile by TMA multicast: those four compiled
-# but untimed (not yet run on a GPU). `python -m bench.kernels --only gemm_fp8` times every form side by
-# side; set the fastest here.
-GEMM_FP8_FORM = "bn128"
+# every form, all giving the same numbers bit for bit): "bn128", 128 x 128 tiles, "bn160" / "bn192",
+# 128 x 160 / 192 tiles, "bn160c2" / "bn192c2", the same tiles in clusters of two CTAs sharing each
+# weight tile by TMA multicast. On the H200 at M = 8192 (`python -m bench.kernels --only gemm_fp8`,
+# the five 27B shapes): bn128 8,719 us in all, bn160 8,471 (0.72-0.76x torch._scaled_mm), bn192c2
+# and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes.
+GEMM_FP8_FORM = "bn160"
 # The form of the FP8 prefill's activation quantisation (cute_kernels/quantize_act.py FORMS, the same
-# codes and scales bit for bit): "v4" (a warp per 128-column group, 8-byte loads; 41-43 % of the copy
-# bandwidth on the H200) or "v8" (half a warp per group, 16-byte loads, 4 group pairs in flight per
-# warp; compiled, untimed). `python -m bench.kernels --only gemm_fp8` times both.
-QUANTIZE_ACT_FORM = "v4"
+# codes and scales bit for bit): "v4" (a warp per 128-column group, 8-byte loads) or "v8" (half a warp
+# per group, 16-byte loads, 4 group pairs in flight per warp). On the H200 at M = 8192 (`python -m
+# bench.kernels --only gemm_fp8`): v4 45-49 % of the copy bandwidth, v8 56-65 %.
+QUANTIZE_ACT_FORM = "v8"
 
 # Decode attention's split kernel (`KernelChoice.decode_split`): "mma", the tensor-core form
 # (cute_kernels/attention_decode_mma.py, a variant per most query tokens per sequence it serves),
@@ -109,16 +111,15 @@ DECODE_ATTENTION_FORM = "mma"
 
 # Programmatic dependent launch in decode and verification plans (runtime/model/gpu/pdl.py): each
 # kernel built with `pdl` starts while its predecessor drains and waits for its output in the
-# kernel. Off until the lead has run tests/gpu/test_pdl_cuda.py on the H200 (compiled, never run on
-# a GPU yet); `python -m bench.decode --pdl on` / `python -m bench.step_breakdown --pdl on` time it.
-PDL = False
+# kernel. On the H200 (`python -m bench.decode --pdl off,on`, context 1024): the 27B's graph step
+# 15.08 -> 14.79 ms at batch 1 (1.02x), the 35B-A3B's 2.64 -> 2.51 ms (1.05x).
+PDL = True
 # Prefill attention's `attention_wgmma` form (fused, and over key splits where that form was
-# compiled over them): "wg2" (the two-warpgroup kernel in lock step, 474 TFLOP/s at 8K causal on
-# the H200, 27B heads) or "wg2p" (the same tiles and arithmetic with the softmax of one tile under
-# the PV product of the previous one, cute_kernels/_attention_wgmma_overlap.py): compiled, NOT yet
-# run or timed on the H200; bf16 KV only (quantised KV keeps "wg2"). `python -m bench.prefill
-# --attn-tokens 8192` times every form.
-PREFILL_ATTENTION_FORM = "wg2"
+# compiled over them): "wg2" (the two-warpgroup kernel in lock step) or "wg2p" (the same tiles and
+# arithmetic with the softmax of one tile under the PV product of the previous one,
+# cute_kernels/_attention_wgmma_overlap.py); bf16 KV only (quantised KV keeps "wg2"). On the H200,
+# 8K causal, 27B heads (`python -m bench.prefill --attn-tokens 8192`): wg2 474 TFLOP/s, wg2p 490.
+PREFILL_ATTENTION_FORM = "wg2p"
 
 
 def _find(library: Any, family: str, **match: Any) -> str | None:
