@@ -1,5 +1,6 @@
-"""The runner's prefill attention choice: the WGMMA kernel's wg2 form where it was built for the
-model's shape, launched with the same buffers as the mma.sync kernel it replaces."""
+"""The runner's prefill attention choice: the WGMMA kernel in the runner's form
+(`PREFILL_ATTENTION_FORM`, wg2p) where built for the model's shape, launched with the same buffers
+as the mma.sync kernel it replaces."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 from runtime.model.shapes import shape_config
 
 
-@pytest.mark.parametrize("shape,key", [("qwen3.6-27b", "fwd_q24_kv4_d256_wg2"),
-                                       ("qwen3.6-35b-a3b", "fwd_q16_kv2_d256_wg2")])
+@pytest.mark.parametrize("shape,key", [("qwen3.6-27b", "fwd_q24_kv4_d256_wg2p"),
+                                       ("qwen3.6-35b-a3b", "fwd_q16_kv2_d256_wg2p")])
 def test_prefill_attention_is_the_wgmma_kernel_where_built(shape, key):
     from runtime.cuda.kernels import KernelLibrary
     from runtime.cuda.manifest import ManifestError
@@ -27,7 +28,7 @@ def test_prefill_attention_is_the_wgmma_kernel_where_built(shape, key):
     assert kernels.prefill_attn == ("attention_wgmma", key)
     assert ("attention_wgmma", key) in kernels.required()
     wgmma = library.manifest.kernels[("attention_wgmma", key)]
-    mma_sync = library.manifest.kernels[("attention_prefill", key.removesuffix("_wg2"))]
+    mma_sync = library.manifest.kernels[("attention_prefill", key.removesuffix("_wg2p"))]
     assert [p.name for p in wgmma.params] == [p.name for p in mma_sync.params]
 
 
