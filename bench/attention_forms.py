@@ -4,15 +4,18 @@ against torch SDPA (flash, GQA) on the same number of K/V bytes, as a share of t
 bandwidth measured in the same run.
 
     python -m bench.attention_forms --out DIR [--shape q24_kv4_d256] [--batches 1,8]
-        [--contexts 1024,32768,131072,256000] [--splits 0] [--tokens 1]
+        [--contexts 1024,32768,131072,256000] [--splits 0] [--tokens 1] [--kv-dtype bf16,fp8,int8]
 
-Each (batch, context): every sequence at position `context` (it sees context + 1 keys) over its own
-consecutive pages of one K/V pool, the split plan the runner would take for that context
+Each (batch, context, KV format): every sequence at position `context` (it sees context + 1 keys)
+over its own consecutive pages of one K/V pool in that format (`runtime.model.kv_format`; each
+form's variants for it), the split plan the runner would take for that context
 (`storage.default_decode_splits` with the device's SM count and `DECODE_MIN_SPLIT`; `--splits N`
 forces N), `--tokens T` query tokens per sequence (verification: the mma form serves them in one
 CTA; the split form takes them as rows). K/V hold a constant (decode time does not depend on the
-values). Bandwidth = K/V bytes read / kernel time. Writes `attention_forms.json` and prints a
-Markdown table. `bench.decode` runs the same comparison inside the model (`bench/decode_attention.py`).
+values). Bandwidth = K/V bytes read (quantised pages: codes and scales) / kernel time; a
+quantised row also gives its mma form's speed over the bf16 row's of the same run. Writes
+`attention_forms.json` and prints a Markdown table. `bench.decode` runs the same comparison
+inside the model (`bench/decode_attention.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.timing import median_event_seconds
+from runtime.model.kv_format import check_format, page_bytes
 
 PAGE = 64
 
@@ -55,7 +59,7 @@ def _sdpa_us(batch: int, tokens: int, n: int, hq: int, hkv: int, d: int) -> floa
 
 
 def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, context: int, tokens: int,
-            splits: int) -> dict[str, Any]:
+            splits: int, kv: str = "bf16") -> dict[str, Any]:
     from cute_kernels import attention, attention_decode_mma
     from runtime.model.gpu.storage import DECODE_MIN_SPLIT, default_decode_splits
 
@@ -67,7 +71,7 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
     splits = splits or default_decode_splits(hkv, context + 64, device.sm_count)
     import numpy as np
 
-    row_bytes = hkv * d * 2
+    row_bytes = page_bytes(kv, hkv, d) // PAGE  # one token's K (or V) bytes over the KV heads
     pool = batch * maxp * PAGE * row_bytes
     bufs = []
 
@@ -77,8 +81,11 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
 
     try:
         kp, vp = alloc(pool), alloc(pool)
-        device.memset_d16(kp, 0x3C00, pool // 2, stream)  # 0.0078: finite and the same everywhere
-        device.memset_d16(vp, 0x3C00, pool // 2, stream)
+        for pages in (kp, vp):
+            if kv == "bf16":
+                device.memset_d16(pages, 0x3C00, pool // 2, stream)  # 0.0078: finite and the same everywhere
+            else:
+                device.memset_d8(pages, 0x3C, pool, stream)  # codes 1.5 (fp8) / 60 (int8), scales 0.0115
         q, x = alloc(m * hq * d * 2), alloc(m * stride * 2)
         device.memset_d16(q, 0x3C00, m * hq * d, stream)
         device.memset_d16(x, 0x3C00, m * stride, stream)
@@ -98,11 +105,12 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
             {"o_part": o_part, "lse": lse, "pos": pbuf, "x": x, "out": out},
             {"M": m, "S": splits, "min_split": DECODE_MIN_SPLIT})
         tmax = min(t for t in attention_decode_mma.TOKENS if t >= tokens)
-        forms = {"split": library.kernel("attention", f"split_{shape}").bind(rows, sizes),
-                 "mma": library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}").bind(
+        suffix = "" if kv == "bf16" else f"_{kv}"
+        forms = {"split": library.kernel("attention", f"split_{shape}{suffix}").bind(rows, sizes),
+                 "mma": library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}{suffix}").bind(
                      rows, {**sizes, "T": tokens})}
         kv_bytes = batch * (n + tokens - 1) * row_bytes * 2
-        row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context, "tokens": tokens,
+        row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context, "tokens": tokens, "kv_dtype": kv,
                                "splits": splits, "min_split": DECODE_MIN_SPLIT, "kv_bytes": kv_bytes}
         for form, split in forms.items():
             def work(st: Any, split: Any = split) -> None:
@@ -122,18 +130,25 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
 
 
 def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
+    """The table; "mma vs bf16 KV": the bf16 row's mma time (same shape, batch, context, T) over
+    this row's, the speed-up of reading the quantised pages ("-" without that row)."""
     lines = [f"Copy bandwidth in the same run: **{copy_tb_s:.2f} TB/s** (read + write).", "",
-             ("| shape | batch | context | T | splits | split us (+combine) | mma us (+combine) | SDPA us "
-              "| split of copy bw | mma of copy bw | SDPA of copy bw | mma split kernel alone us |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             ("| shape | batch | context | T | KV | splits | split us (+combine) | mma us (+combine) | SDPA us "
+              "| split of copy bw | mma of copy bw | SDPA of copy bw | mma split kernel alone us | mma vs bf16 KV |"),
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    bf16_mma = {(r["shape"], r["batch"], r["context"], r["tokens"]): r["mma_us"] for r in rows
+                if r.get("kv_dtype", "bf16") == "bf16"}
     for r in rows:
         def share(key: str, r: dict[str, Any] = r) -> str:
             return f"{100 * r['kv_bytes'] / r[key] / 1e6 / copy_tb_s:.0f}%" if key in r else "-"
 
+        kv = r.get("kv_dtype", "bf16")
+        base = bf16_mma.get((r["shape"], r["batch"], r["context"], r["tokens"]))
+        speed = f"{base / r['mma_us']:.2f}x" if base and kv != "bf16" else "-"
         sdpa = f"{r['sdpa_us']:.1f}" if "sdpa_us" in r else "-"
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {r['splits']} "
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {kv} | {r['splits']} "
                      f"| {r['split_us']:.1f} | {r['mma_us']:.1f} | {sdpa} | {share('split_us')} | {share('mma_us')} "
-                     f"| {share('sdpa_us')} | {r['mma_split_only_us']:.1f} |")
+                     f"| {share('sdpa_us')} | {r['mma_split_only_us']:.1f} | {speed} |")
     return "\n".join(lines)
 
 
@@ -145,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="1024,32768,131072,256000")
     ap.add_argument("--splits", type=int, default=0, help="splits per row (0: the runner's plan)")
     ap.add_argument("--tokens", type=int, default=1, help="query tokens per sequence (verification)")
+    ap.add_argument("--kv-dtype", default="bf16", help="KV page formats to time, comma-separated (bf16,fp8,int8)")
     args = ap.parse_args(argv)
+    formats = [check_format(f) for f in args.kv_dtype.split(",")]
     from bench.decode import copy_bandwidth
     from runtime.cuda.device import CudaDevice
     from runtime.cuda.kernels import KernelLibrary
@@ -157,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            rows.append(measure(library, device, stream, args.shape, batch, context, args.tokens, args.splits))
-            print(json.dumps(rows[-1]), flush=True)
+            for kv in formats:
+                rows.append(measure(library, device, stream, args.shape, batch, context, args.tokens, args.splits,
+                                    kv))
+                print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"copy_bandwidth_tb_s": bw, "device": device.describe(), "rows": rows,
             "command": "python -m bench.attention_forms " + " ".join(argv if argv is not None else sys.argv[1:])}

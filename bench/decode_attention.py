@@ -82,7 +82,7 @@ def attention_vs_sdpa(runner: Any, batch: int, context: int, page_tables: list[l
         {"o_part": st.buf["o_part"], "lse": st.buf["lse"], "pos": st.meta_ptr("pos"), "x": x.data_ptr(),
          "out": out.data_ptr()}, {"M": bucket, "S": st.decode_splits, "min_split": st.decode_min_split})
     forms = {"split": ("attention", k.split, {})}
-    if 1 in k.decode_mma and runner.kv_dtype == "bf16":  # the mma form reads bf16 pages only
+    if 1 in k.decode_mma:  # the mma form over the pool's format, where compiled
         forms["mma"] = ("attention_decode_mma", k.decode_mma[1], {"T": 1})
     timed: dict[str, Any] = {}
     for form, (family, key, tokens) in forms.items():

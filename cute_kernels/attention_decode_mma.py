@@ -23,12 +23,20 @@ as `split_*`) and O += P V, P in bf16 registers as the A operand. After the last
 slices of an m-tile merge through shared memory in slice order (a fixed order: a sequence's
 numbers do not depend on the other sequences of the batch).
 
-`kv_format` (FP8/INT8 pages) is not implemented: bf16 pages only.
+FP8 / INT8 pages (`runtime.model.kv_format`; the `*_fp8` / `*_int8` variants): the same kernel
+over half the bytes. A tile's code bytes and per token-head scales stream into a deeper staging
+ring (`KVQ_STAGES`) and stay codes in shared memory; each warp converts the codes of its key
+slice in registers into its B operands (exactly: every code is a bf16 value), the K scale
+multiplies the score and the V scale the softmax weight before its bf16 rounding
+(`_decode_mma_kvq.py`, which describes the permuted fragments this takes).
 """
 
 from typing import Any
 
 import numpy as np
+
+from runtime.model.kv_format import FORMATS as KV_FORMATS
+from runtime.model.kv_format import page_bytes
 
 from . import attention
 from .bf16 import round_bf16
@@ -38,7 +46,11 @@ FAMILY = "attention_decode_mma"
 PAGE = attention.PAGE
 KS = 2  # warps over the keys of a tile, 16 keys each
 BN = 16 * KS  # keys per pipeline stage
-STAGES = 3  # tiles in flight per CTA
+STAGES = 3  # tiles in flight per CTA (bf16 pages)
+# Tiles in flight over quantised pages: a tile is half the bytes, so one more stage keeps as many
+# bytes in flight and still fits 3 CTAs per SM at T = 1 (73 KB at D = 256); the key slices'
+# merge of a T = 8 CTA (64 rows x D fp32) needs the 4 stages' room.
+KVQ_STAGES = 4
 LOG2E = attention.LOG2E
 TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
 
@@ -52,18 +64,24 @@ def m_tiles(hq: int, hkv: int, tmax: int) -> int:
     return 1 << (tiles - 1).bit_length()
 
 
-def _mma(name: str, hq: int, hkv: int, d: int, tmax: int) -> Variant:
+def stage_count(kv: str) -> int:
+    """Tiles in flight per CTA over pages of format kv."""
+    return STAGES if kv == "bf16" else KVQ_STAGES
+
+
+def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str) -> Variant:
     mt = m_tiles(hq, hkv, tmax)
     threads = 32 * mt * KS
+    suffix = "" if kv == "bf16" else f"_{kv}"  # the bf16 keys predate the formats
     return Variant(
         family=FAMILY,
-        key=f"mma_{name}_t{tmax}",
+        key=f"mma_{name}_t{tmax}{suffix}",
         config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": KS, "BN": BN,
-                "stages": STAGES, "threads": threads, "pdl": True},
+                "stages": stage_count(kv), "threads": threads, "kv": kv, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
-            **attention.paged_query_tensors(hq, hkv, d),
+            **attention.paged_query_tensors(hq, hkv, d, kv),
             "o_part": tensor("f32", "M", hq, "S", d, role="out"),
             "lse": tensor("f32", "M", hq, "S", role="out"),
         },
@@ -73,35 +91,52 @@ def _mma(name: str, hq: int, hkv: int, d: int, tmax: int) -> Variant:
         requires=("M >= 1", "T >= 1", f"T <= {tmax}", "M % T == 0", "S >= 1", "S <= 65535", "min_split >= 1",
                   "maxp >= 1", "R >= 1", "NP >= 1"),
         arches=HOPPER,
-        note=f"tensor-core split-KV decode attention (mma.sync, cp.async x{STAGES}), up to {tmax} tokens per "
-             f"sequence, GQA {hq}/{hkv}, D={d}",
+        # The page layout of the quantised formats is kv_format's (outside this package).
+        extra_sources=() if kv == "bf16" else ("runtime/model/kv_format.py",),
+        note=f"tensor-core split-KV decode attention over {kv} KV (mma.sync, cp.async x{stage_count(kv)}), up to "
+             f"{tmax} tokens per sequence, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": tmax, "T": tmax, "S": 32, "min_split": 128, "maxp": 128, "R": 1, "NP": 128},
     )
 
 
 def variants() -> list[Variant]:
     out = []
-    for name, hq, hkv, d in _SHAPES:
-        for tmax in TOKENS:
-            mt = m_tiles(hq, hkv, tmax)
-            # The key slices' merge reuses the K/V stages' shared memory.
-            if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * STAGES * BN * 2:
-                raise ValueError(f"attention_decode_mma {name} t{tmax}: shape does not tile")
-            out.append(_mma(name, hq, hkv, d, tmax))
+    for kv in KV_FORMATS:
+        # Bytes per K/V value in the stages (codes: 1); quantised pages must keep each tile's code
+        # rows 16-byte aligned for cp.async (whole pages of codes + scales).
+        width = 2 if kv == "bf16" else 1
+        for name, hq, hkv, d in _SHAPES:
+            if kv != "bf16" and page_bytes(kv, hkv, d) % 16:
+                raise ValueError(f"attention_decode_mma {name} {kv}: pages are not 16-byte multiples")
+            for tmax in TOKENS:
+                mt = m_tiles(hq, hkv, tmax)
+                # The key slices' merge (fp32 rows) reuses the K/V stages' shared memory.
+                if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * stage_count(kv) * BN * width:
+                    raise ValueError(f"attention_decode_mma {name} t{tmax} {kv}: shape does not tile")
+                out.append(_mma(name, hq, hkv, d, tmax, kv))
     return out
 
 
 def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, splits: int, min_split: int,
-              *, exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
+              *, exact: bool = True, k_scales: np.ndarray | None = None,
+              v_scales: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One query row's split partials: q [Hq, D] at position pos over its keys k_rows, v_rows
     [>= pos + 1, Hkv, D] (in sequence order). Returns (o_part [Hq, n, D], lse [Hq, n]) for the
     n splits that hold keys (`attention.split_length`), lse the log2-sum-exp of the scores
     scaled by D^-0.5 * log2(e), as `split_*` writes them. exact=False: the kernel's precision
     model (fp32; the weights P rounded to bf16 for P V, the tensor-core operand, while their sum
-    stays fp32), the same-precision baseline of its tests."""
+    stays fp32), the same-precision baseline of its tests.
+
+    Quantised pages: k_rows / v_rows the decoded codes and k_scales / v_scales [rows, Hkv] their
+    token-heads' scales (value = code * scale). The kernel's model then scales the score
+    (q . code) by the K scale times D^-0.5 * log2(e), and rounds each weight times its V scale
+    to bf16 (the row sum stays the sum of the unscaled weights)."""
     ft = np.float64 if exact else np.float32
     hq, d = q.shape
     r = hq // k_rows.shape[1]
+    ones = np.ones(k_rows.shape[:2])
+    k_scales = ones if k_scales is None else k_scales
+    v_scales = ones if v_scales is None else v_scales
     split = int(attention.split_length(pos, splits, min_split))
     n = (pos + split) // split
     o = np.empty((hq, n, d), ft)
@@ -109,10 +144,11 @@ def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, s
     for s in range(n):
         lo, hi = s * split, min((s + 1) * split, pos + 1)
         for h in range(hq):
-            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * ft(d ** -0.5 * LOG2E)
+            k_scale = k_scales[lo:hi, h // r].astype(ft) * ft(d ** -0.5 * LOG2E)
+            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * k_scale
             p = np.exp2(sc - sc.max())
-            pv = p if exact else round_bf16(p)
-            o[h, s] = (pv @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
+            pv = p * v_scales[lo:hi, h // r].astype(ft)
+            o[h, s] = ((pv if exact else round_bf16(pv)) @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
             lse[h, s] = sc.max() + np.log2(p.sum())
     return o, lse
 
@@ -142,11 +178,13 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import warp
 
-    from . import _attention_tiles, _dsl, _pdl
+    from . import _attention_tiles, _decode_mma_kvq, _dsl, _pdl
 
     cfg = variant.config
     hq, hkv, d, mtiles, ks_n, bn, stages = (cfg[k] for k in ("Hq", "Hkv", "D", "MT", "KS", "BN", "stages"))
-    threads = cfg["threads"]
+    threads, kv = cfg["threads"], cfg["kv"]
+    quant = kv != "bf16"
+    width = d // 2 if quant else d  # 16-bit elements per staged K/V row (quantised: code pairs)
     group = hq // hkv
     rows_cta = mtiles * 16
     scale_log2 = d ** -0.5 * LOG2E
@@ -185,12 +223,16 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 end = cutlass.max(end, hi)
 
         # ---- shared memory: Q, then K and V stages (one buffer: the merge reuses it), 128-byte
-        # rows swizzled for ldmatrix
+        # rows swizzled for ldmatrix; quantised pages: code stages and their scales
         atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (rows_cta, d), (0, 1)), byte_alignment=1024)
-        sKV = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (bn, d, 2 * stages), (0, 1, 2)),
-                                   byte_alignment=1024)
+        if cutlass.const_expr(quant):
+            sKV = smem.allocate_tensor(bf16, _decode_mma_kvq.staging_layout(bn, d, stages), byte_alignment=1024)
+            s_scale = smem.allocate_tensor(f32, cute.make_layout((bn, 2 * stages)), byte_alignment=16)
+        else:
+            sKV = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (bn, d, 2 * stages), (0, 1, 2)),
+                                       byte_alignment=1024)
         s_stat = smem.allocate_tensor(f32, cute.make_layout((2, ks_n, rows_cta)), byte_alignment=16)
 
         # PDL (cute_kernels/_pdl.py): the key range came from the step's metadata; q and the
@@ -198,11 +240,14 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         _pdl.wait()
         if start < end:
             ntiles = (end - start + bn - 1) // bn
-            kv = (tid, sKV, k_pages, v_pages, trow, start, end, kvh)
+            pages = (k_pages, v_pages, trow, start, end, kvh)
             shape = (threads, hkv, d, bn, stages)
 
             for s in cutlass.range_constexpr(stages - 1):
-                _attention_tiles.load_kv_tile(*kv, s, s, *shape)
+                if cutlass.const_expr(quant):
+                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, *pages, s, s, kv, *shape)
+                else:
+                    _attention_tiles.load_kv_tile(tid, sKV, *pages, s, s, *shape)
                 cute.arch.cp_async_commit_group()
 
             # Q rows (token t = i // group, head kvh * group + i % group), zeros past the tokens.
@@ -217,7 +262,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     src = q + (cutlass.Int64(t * nseq + b) * hq + kvh * group + i % group) * d + col
                     qbuf.store(cute.make_tensor(src, v8).load())
                 for e in cutlass.range_constexpr(8):
-                    sQ[i, col + e] = qbuf[e]
+                    if cutlass.const_expr(quant):
+                        sQ[i, _decode_mma_kvq.q_column(col + e)] = qbuf[e]  # the K fragments' dim order
+                    else:
+                        sQ[i, col + e] = qbuf[e]
 
             # ---- one warp's tensor-core tiles: S [16, 16] = Q_mt K_ks^T, O [16, d] += P V_ks
             mma = cute.make_tiled_mma(warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)), (1, 1, 1),
@@ -230,10 +278,14 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
             sQw = cute.local_tile(sQ, (16, d), (mt, 0))
             tSrQ = thr.make_fragment_A(thr.partition_A(sQw))
-            tSrK = thr.make_fragment_B(thr.partition_B(_k_tile(sKV, 0, ks, d)))
-            tOrVt = thr.make_fragment_B(thr.partition_B(_vt_tile(sKV, 0, ks, d, bn, stages)))
+            # Quantised pages: tSrK / tOrVt receive code bytes, converted into k_frag / v_frag.
+            tSrK = thr.make_fragment_B(thr.partition_B(_k_tile(sKV, 0, ks, width)))
+            tOrVt = thr.make_fragment_B(thr.partition_B(_vt_tile(sKV, 0, ks, width, bn, stages)))
             tSsQ, tSrQv = thr_la.partition_S(sQw), thr_la.retile(tSrQ)
             tSrKv, tOrVtv = thr_lb.retile(tSrK), thr_lv.retile(tOrVt)
+            if cutlass.const_expr(quant):  # B fragments of one k16 x n16 tile
+                k_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sQw, (16, 16), (0, 0))))
+                v_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sQw, (16, 16), (0, 0))))
             acc_o = cute.make_rmem_tensor(thr.partition_shape_C((16, d)), f32)
             acc_o.fill(0.0)
             acc_o_mn = _attention_tiles.acc_rows_cols(acc_o)
@@ -265,24 +317,38 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 stage = it % stages
                 cute.arch.cp_async_wait_group(stages - 2)
                 cute.arch.sync_threads()  # tile it landed for all; every warp is done with tile it - 1
-                _attention_tiles.load_kv_tile(*kv, it + stages - 1, (it + stages - 1) % stages, *shape)
+                if cutlass.const_expr(quant):
+                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, *pages, it + stages - 1,
+                                              (it + stages - 1) % stages, kv, *shape)
+                else:
+                    _attention_tiles.load_kv_tile(tid, sKV, *pages, it + stages - 1, (it + stages - 1) % stages,
+                                                  *shape)
                 cute.arch.cp_async_commit_group()
                 if busy:
                     acc_s = cute.make_rmem_tensor(thr.partition_shape_C((16, 16)), f32)
                     acc_s.fill(0.0)
-                    tSsK = thr_lb.partition_S(_k_tile(sKV, stage, ks, d))
-                    for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
-                        cute.copy(ld_a, tSsQ[None, None, k], tSrQv[None, None, k])
-                        cute.copy(ld_b, tSsK[None, None, k], tSrKv[None, None, k])
-                        cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-                    # Scores in the exp2 domain, keys outside a row's range at -inf; a row with no
-                    # key yet keeps max -inf and subtracts 0 (its weights are all 0).
+                    tSsK = thr_lb.partition_S(_k_tile(sKV, stage, ks, width))
+                    if cutlass.const_expr(quant):
+                        cute.copy(ld_b, tSsK, tSrKv)  # all the slice's codes: 8 ldmatrix in flight
+                        _decode_mma_kvq.scores(mma, acc_s, tSrK, k_frag, ld_a, tSsQ, tSrQ, tSrQv, kv, d)
+                    else:
+                        for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
+                            cute.copy(ld_a, tSsQ[None, None, k], tSrQv[None, None, k])
+                            cute.copy(ld_b, tSsK[None, None, k], tSrKv[None, None, k])
+                            cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                    # Scores in the exp2 domain (quantised: times each key's K scale), keys
+                    # outside a row's range at -inf; a row with no key yet keeps max -inf and
+                    # subtracts 0 (its weights are all 0).
                     s_mn = _attention_tiles.acc_rows_cols(acc_s)
                     n0 = start + it * bn + ks * 16
+                    key_scale = [f32(scale_log2)] * ncols
+                    if cutlass.const_expr(quant):
+                        for c in cutlass.range_constexpr(ncols):
+                            key_scale[c] = s_scale[ks * 16 + tScS[0, c][1], stage] * f32(scale_log2)
                     for r in cutlass.range_constexpr(nrows):
                         for c in cutlass.range_constexpr(ncols):
                             key = n0 + tScS[0, c][1]
-                            sc = s_mn[r, c] * f32(scale_log2)
+                            sc = s_mn[r, c] * key_scale[c]
                             if key < row_lo[r] or key >= row_hi[r]:
                                 sc = f32(ninf)
                             s_mn[r, c] = sc
@@ -299,12 +365,22 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         row_max[r] = new_max
                         s_mn[r, None] = pr
                         acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+                    if cutlass.const_expr(quant):
+                        # The V scale goes into the weight before its bf16 rounding; the row sum
+                        # above added the unscaled weights.
+                        for c in cutlass.range_constexpr(ncols):
+                            value_scale = s_scale[ks * 16 + tScS[0, c][1], stages + stage]
+                            for r in cutlass.range_constexpr(nrows):
+                                s_mn[r, c] = s_mn[r, c] * value_scale
                     r_p = cute.make_rmem_tensor(acc_s.layout, bf16)
                     r_p.store(acc_s.load().to(bf16))
                     t_p = _attention_tiles.acc_as_a_operand(r_p)
-                    tOsVt = thr_lv.partition_S(_vt_tile(sKV, stage, ks, d, bn, stages))
+                    tOsVt = thr_lv.partition_S(_vt_tile(sKV, stage, ks, width, bn, stages))
                     cute.copy(ld_v, tOsVt[None, None, 0], tOrVtv[None, None, 0])
-                    cute.gemm(mma, acc_o, t_p[None, None, 0], tOrVt[None, None, 0], acc_o)
+                    if cutlass.const_expr(quant):
+                        _decode_mma_kvq.weighted_values(mma, acc_o, t_p, tOrVt, v_frag, kv, d)
+                    else:
+                        cute.gemm(mma, acc_o, t_p[None, None, 0], tOrVt[None, None, 0], acc_o)
             cute.arch.cp_async_wait_group(0)
             _pdl.launch_dependents()  # the keys are done: only the slices' merge is left
             cute.arch.sync_threads()  # the stages are free: the merge reuses them
@@ -344,7 +420,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                             value = acc_o_mn[r, c] * w0
                             for j in cutlass.range_constexpr(1, ks_n):
                                 value = value + s_o[j - 1, i, col] * wj[j - 1]
-                            cute.make_tensor(o_part + base * d + col, one)[0] = value * inv
+                            dim = col
+                            if cutlass.const_expr(quant):
+                                dim = _decode_mma_kvq.out_column(col)
+                            cute.make_tensor(o_part + base * d + dim, one)[0] = value * inv
                         if lane % 4 == 0:
                             cute.make_tensor(lse + base, one)[0] = best + cute.math.log2(total)
 

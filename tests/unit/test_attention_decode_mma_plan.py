@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cute_kernels import attention, attention_decode_mma
+from runtime.model import kv_format as kf
 from runtime.model.shapes import shape_config
 
 
@@ -18,21 +19,48 @@ def test_m_tiles_cover_heads_times_tokens_in_a_power_of_two(hq, hkv, tmax, tiles
 
 
 def test_variants_are_drop_ins_for_split_plus_the_token_count():
-    split = {v.key.removeprefix("split_"): v for v in attention.variants()
-             if v.config["kind"] == "split" and v.config["kv"] == "bf16"}  # the mma form reads bf16 pages
+    """A variant per (shape, KV format, most tokens): the bf16 keys as before, `_fp8` / `_int8`
+    after the token count, each the drop-in of `attention.split` over the same pages."""
+    names = {(hq, hkv, d): name for name, hq, hkv, d, _ in attention._SHAPES}
+    split = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["kv"]): v for v in attention.variants()
+             if v.config["kind"] == "split"}
+    assert {kv for *_, kv in split} == {"bf16", "fp8", "int8"}
     mma = attention_decode_mma.variants()
-    assert sorted(v.key for v in mma) == sorted(f"mma_{name}_t{t}" for name in split for t in (1, 8))
+    want = [f"mma_{names[tuple(shape)]}_t{t}" + ("" if kv == "bf16" else f"_{kv}") for *shape, kv in split for t in (1, 8)]
+    assert sorted(v.key for v in mma) == sorted(want)
     for v in mma:
-        name = v.key.removeprefix("mma_").rsplit("_t", 1)[0]
-        ref = split[name]
+        c = v.config
+        ref = split[(c["Hq"], c["Hkv"], c["D"], c["kv"])]
         # Same buffers and sizes, plus T (tokens per sequence) after M.
         assert [p.name for p in v.params] == [p.name for p in ref.params][:9] + ["T"] + [p.name for p in ref.params][9:]
         assert v.tensors == ref.tensors
-        assert v.grid == (f"M // T * {v.config['Hkv']}", "S", 1)
-        assert v.block == (32 * v.config["MT"] * v.config["KS"], 1, 1)
-        assert f"T <= {v.config['tmax']}" in v.requires and "M % T == 0" in v.requires
-        # The K/V copies tile the stage (8 threads per 64 columns, BN rows).
-        assert v.config["BN"] % (v.block[0] // 8) == 0
+        assert v.grid == (f"M // T * {c['Hkv']}", "S", 1)
+        assert v.block == (32 * c["MT"] * c["KS"], 1, 1)
+        assert f"T <= {c['tmax']}" in v.requires and "M % T == 0" in v.requires
+        # The K/V copies tile the stage in BN rows: bf16, 8 threads per 64 columns; quantised,
+        # 8 threads per 128 code bytes (4 per row at D = 64).
+        per_row = 8 if c["kv"] == "bf16" else min(8, c["D"] // 16)
+        assert c["BN"] % (v.block[0] // per_row) == 0
+        assert c["stages"] == (attention_decode_mma.STAGES if c["kv"] == "bf16" else attention_decode_mma.KVQ_STAGES)
+        # Quantised: the page layout's file is in the fingerprint; pages keep code rows 16-byte aligned.
+        if c["kv"] != "bf16":
+            assert "runtime/model/kv_format.py" in v.extra_sources
+            assert kf.page_bytes(c["kv"], c["Hkv"], c["D"]) % 16 == 0 and kf.scale_offset(c["Hkv"], c["D"]) % 16 == 0
+
+
+def test_quantised_variants_fit_three_ctas_per_sm_at_one_token():
+    """The shared memory a quantised T = 1 CTA takes (Q rows, the code staging ring, the scales):
+    3 CTAs per H200 SM (228 KB, 1 KB reserved per CTA), so more bytes are in flight per SM than
+    with the bf16 form's 2; and the T = 8 merge (fp32 rows of the other key slice) fits the ring."""
+    for v in attention_decode_mma.variants():
+        c = v.config
+        if c["kv"] == "bf16":
+            continue
+        rows, ring = 16 * c["MT"], 2 * c["stages"] * c["BN"] * c["D"]
+        smem = rows * c["D"] * 2 + ring + 2 * c["stages"] * c["BN"] * 4 + 1024  # + the buffers' alignment
+        assert (c["KS"] - 1) * rows * c["D"] * 4 <= ring, v.key
+        if c["tmax"] == 1:
+            assert 3 * (smem + 1024) <= 228 * 1024, (v.key, smem)
 
 
 def test_reference_partials_combine_to_the_attention_reference():
@@ -57,7 +85,29 @@ def test_reference_partials_combine_to_the_attention_reference():
     assert lse[0, 0] == pytest.approx(np.log2(np.exp2(sc).sum()), rel=1e-12)
 
 
-def _choice(shape):
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantised_reference_is_the_reference_over_dequantised_values(fmt):
+    """Codes + per token-head scales give the fp64 reference of code * scale; the kernel's model
+    (exact=False: the K scale on the score, the V scale on the weight before its bf16 rounding)
+    stays within the bf16 rounding of the weights of it."""
+    rng = np.random.default_rng(2)
+    hq, hkv, d, n = 6, 2, 32, 700
+    q = rng.standard_normal((hq, d))
+    raw = [rng.standard_normal((n, hkv, d)) * np.exp2(rng.integers(-4, 5, (n, hkv, 1))) for _ in range(2)]
+    (kc, ks), (vc, vs) = (kf.quantise(x.astype(np.float32), fmt) for x in raw)
+    decode = kf.e4m3_decode if fmt == "fp8" else (lambda c: c.view(np.int8).astype(np.float64))
+    args = (q, decode(kc), decode(vc), n - 1, 5, 64)
+    o, lse = attention_decode_mma.reference(*args, k_scales=ks, v_scales=vs)
+    want_o, want_lse = attention_decode_mma.reference(q, kf.dequantise(kc, ks, fmt), kf.dequantise(vc, vs, fmt),
+                                                      n - 1, 5, 64)
+    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    model_o, model_lse = attention_decode_mma.reference(*args, k_scales=ks, v_scales=vs, exact=False)
+    assert np.abs(model_o - o).max() <= 2.0 ** -8 * np.abs(o).max()
+    np.testing.assert_allclose(model_lse, lse, rtol=1e-5, atol=1e-5)
+
+
+def _choice(shape, kv="bf16"):
     from runtime.cuda.kernels import KernelLibrary
     from runtime.cuda.manifest import ManifestError
     from runtime.cuda.null import NullDevice
@@ -70,7 +120,7 @@ def _choice(shape):
         pytest.skip(f"kernels not built: {exc}")
     if not any(fam == "attention_decode_mma" for fam, _ in library.manifest.kernels):
         pytest.skip("attention_decode_mma was not built")
-    return KernelChoice(library, ModelConfig.from_dict(shape_config(shape)))
+    return KernelChoice(library, ModelConfig.from_dict(shape_config(shape)), kv_dtype=kv)
 
 
 @pytest.mark.parametrize("shape,name", [("qwen3.6-27b", "q24_kv4_d256"), ("qwen3.6-35b-a3b", "q16_kv2_d256")])
@@ -86,3 +136,16 @@ def test_decode_split_picks_the_fewest_tokens_that_fit(shape, name):
     assert kernels.decode_split(1) == ("attention", f"split_{name}")
     with pytest.raises(ValueError, match="unknown decode attention form 'wgmma'"):
         kernels.use_decode_attention("wgmma")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("shape,name", [("qwen3.6-27b", "q24_kv4_d256"), ("qwen3.6-35b-a3b", "q16_kv2_d256")])
+def test_quantised_kv_takes_the_mma_variants_of_its_format(shape, name, fmt):
+    kernels = _choice(shape, fmt)
+    if not any(key.endswith(f"_{fmt}") for _, key in kernels.library.manifest.kernels):
+        pytest.skip(f"the {fmt} attention_decode_mma variants were not built")
+    assert kernels.decode_split(1) == ("attention_decode_mma", f"mma_{name}_t1_{fmt}")
+    assert kernels.decode_split(8) == ("attention_decode_mma", f"mma_{name}_t8_{fmt}")
+    assert kernels.decode_split(9) == ("attention", f"split_{name}_{fmt}")
+    assert ("attention_decode_mma", f"mma_{name}_t1_{fmt}") in kernels.required()
+    assert not any(key in (f"mma_{name}_t1", f"mma_{name}_t8") for _, key in kernels.required())

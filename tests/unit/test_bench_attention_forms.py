@@ -11,9 +11,26 @@ def test_attention_forms_table_gives_each_form_its_share_of_the_copy_bandwidth()
            "kv_bytes": 134_219_776, "split_us": 100.0, "mma_us": 40.0, "sdpa_us": 50.0, "split_split_only_us": 95.0,
            "mma_split_only_us": 36.5}
     text = attention_forms.render([row], copy_tb_s=4.0)
-    # 134.2 MB in 100 / 40 / 50 us: 1.34 / 3.36 / 2.68 TB/s of 4.0.
-    assert "| q24_kv4_d256 | 1 | 32768 | 1 | 198 | 100.0 | 40.0 | 50.0 | 34% | 84% | 67% | 36.5 |" in text
+    # 134.2 MB in 100 / 40 / 50 us: 1.34 / 3.36 / 2.68 TB/s of 4.0 (a row without kv_dtype is bf16).
+    assert "| q24_kv4_d256 | 1 | 32768 | 1 | bf16 | 198 | 100.0 | 40.0 | 50.0 | 34% | 84% | 67% | 36.5 | - |" in text
     assert text.startswith("Copy bandwidth in the same run: **4.00 TB/s**")
+
+
+def test_attention_forms_table_gives_a_quantised_rows_mma_speed_over_the_bf16_rows():
+    """FP8 pages (520 bytes per token-head, K and V, against bf16's 1024): the same context in
+    25 us where bf16 took 40 is 1.60x; a quantised row without its bf16 row gets "-"."""
+    base = {"shape": "q24_kv4_d256", "batch": 1, "context": 32768, "tokens": 1, "splits": 198, "min_split": 128,
+            "sdpa_us": 50.0, "split_split_only_us": 95.0}
+    rows = [{**base, "kv_dtype": "bf16", "kv_bytes": 134_219_776, "split_us": 100.0, "mma_us": 40.0,
+             "mma_split_only_us": 36.5},
+            {**base, "kv_dtype": "fp8", "kv_bytes": 68_157_440, "split_us": 120.0, "mma_us": 25.0,
+             "mma_split_only_us": 22.0},
+            {**base, "batch": 8, "kv_dtype": "int8", "kv_bytes": 545_259_520, "split_us": 900.0, "mma_us": 170.0,
+             "mma_split_only_us": 160.0}]
+    text = attention_forms.render(rows, copy_tb_s=4.0)
+    # 68.2 MB in 120 / 25 us: 0.57 / 2.73 TB/s of 4.0.
+    assert "| q24_kv4_d256 | 1 | 32768 | 1 | fp8 | 198 | 120.0 | 25.0 | 50.0 | 14% | 68% | 34% | 22.0 | 1.60x |" in text
+    assert "| q24_kv4_d256 | 8 | 32768 | 1 | int8 | 198 | 900.0 | 170.0 |" in text and text.endswith("| 160.0 | - |")
 
 
 def test_decode_attention_table_leaves_a_form_not_compiled_blank():

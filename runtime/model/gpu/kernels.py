@@ -105,7 +105,9 @@ QUANTIZE_ACT_FORM = "v8"
 # or "split", the CUDA-core `attention.split`. Both write the same partials for `attention.combine`
 # and follow the same split plan; `python -m bench.decode --attention-form` times either. A step
 # with more tokens per sequence than any mma variant serves (a split-KV prefill chunk) runs `split`.
-# "mma" by default: 1.9-2.5x the CUDA-core form on the H200 (27B heads), its tests passed there.
+# Each KV format has its own mma variants (`mma_*_fp8` / `mma_*_int8` read the quantised pages;
+# compiled, NOT yet run on a GPU: tests/gpu/test_attention_decode_mma_kvq.py). "mma" by default:
+# 1.9-2.5x the CUDA-core form on the H200 over bf16 KV (27B heads), its tests passed there.
 DECODE_ATTENTION_FORMS = ("mma", "split")
 DECODE_ATTENTION_FORM = "mma"
 
@@ -271,9 +273,10 @@ class KernelChoice:
             self.combine = _need(lib, "attention", "attention combine", kind="combine", Hq=hq, Hkv=hkv, D=d)
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
             self.decode_attention_form = DECODE_ATTENTION_FORM
-            # The tensor-core form reads bf16 pages only: quantised KV keeps the split kernel.
+            # The tensor-core form's variants over the pool's format (bf16, or the FP8 / INT8
+            # pages it reads as codes + scales); where none was compiled, `split` serves.
             self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
-                               if fam == "attention_decode_mma" and self.kv_dtype == "bf16"
+                               if fam == "attention_decode_mma" and entry.config["kv"] == kv
                                and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
