@@ -36,6 +36,10 @@ def _decode(runner: Any, spec: Any, batch: int, prompt_len: int, new: int, seed:
                    for i, p in enumerate(prompts)]
         finals = [list(stream)[-1] for stream in streams]
         counters = dict(engine.counters)
+    for f in finals:  # a failed request would time nothing (its decode_s is 0): say why instead
+        if f.error or f.stats is None or f.stats.output_tokens < 2:
+            raise RuntimeError(f"request {f.request_id} ended with {f.stats.output_tokens if f.stats else 0} "
+                               f"tokens ({f.finish_reason}): {f.error or 'no error given'}")
     per_token = [f.stats.decode_s / (f.stats.output_tokens - 1) for f in finals]
     return {"ms_per_token": 1e3 * float(np.mean(per_token)), "drafted": counters.get("spec_drafted_tokens", 0),
             "rounds": counters.get("spec_rounds", 0), "tokens": sum(f.stats.output_tokens for f in finals)}

@@ -105,11 +105,16 @@ QUANTIZE_ACT_FORM = "v8"
 # or "split", the CUDA-core `attention.split`. Both write the same partials for `attention.combine`
 # and follow the same split plan; `python -m bench.decode --attention-form` times either. A step
 # with more tokens per sequence than any mma variant serves (a split-KV prefill chunk) runs `split`.
-# Each KV format has its own mma variants (`mma_*_fp8` / `mma_*_int8` read the quantised pages;
-# compiled, NOT yet run on a GPU: tests/gpu/test_attention_decode_mma_kvq.py). "mma" by default:
-# 1.9-2.5x the CUDA-core form on the H200 over bf16 KV (27B heads), its tests passed there.
+# "mma" by default: 1.9-2.5x the CUDA-core form on the H200 over bf16 KV (27B heads), its tests
+# passed there.
 DECODE_ATTENTION_FORMS = ("mma", "split")
 DECODE_ATTENTION_FORM = "mma"
+# Each KV format has its own mma variants (`mma_*_fp8` / `mma_*_int8` read the quantised pages).
+# Timed on the H200 (`python -m bench.attention_forms --kv-dtype bf16,fp8,int8 --contexts 250000`,
+# 27B heads, batch 1): 1.45x (fp8) and 1.52x (int8) the bf16-KV mma kernel, 68-71 % of the copy
+# bandwidth; but tests/gpu/test_attention_decode_mma_kvq.py has not yet run there, so quantised KV
+# keeps the CUDA-core `split` form until it passes: then set True.
+QUANTISED_KV_MMA = False
 
 # Programmatic dependent launch in decode and verification plans (runtime/model/gpu/pdl.py): each
 # kernel built with `pdl` starts while its predecessor drains and waits for its output in the
@@ -274,9 +279,11 @@ class KernelChoice:
             self.attn_stride = lib.manifest.kernels[("attention", self.prep)].config["x_stride"]
             self.decode_attention_form = DECODE_ATTENTION_FORM
             # The tensor-core form's variants over the pool's format (bf16, or the FP8 / INT8
-            # pages it reads as codes + scales); where none was compiled, `split` serves.
+            # pages it reads as codes + scales, while QUANTISED_KV_MMA is on); where none is taken,
+            # `split` serves.
             self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
                                if fam == "attention_decode_mma" and entry.config["kv"] == kv
+                               and (kv == "bf16" or QUANTISED_KV_MMA)
                                and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
@@ -290,7 +297,10 @@ class KernelChoice:
                 ("attention_prefill", mma_sync) if mma_sync else None
             # Chunks past the first key split take the WGMMA kernel over key splits + the combine
             # (`Storage.prefill_kv_split`), where compiled with the fused one.
-            self.prefill_attn_split = _find(lib, "attention_wgmma", form=form, kv=kv, kv_split=True, **shape) \
+            # Over key splits always wg2: wg2p's partials there agree with wg2's output bit for bit
+            # but its lse by 1 ulp in places (tests/gpu/test_attention_wgmma.py on the H200), and it
+            # was no faster (330 TFLOP/s against 323 over 2,048-key splits at 8K).
+            self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=True, **shape) \
                 if wgmma else None
 
         # Device sampling (decode rows): None when not compiled (the engine samples on the host).
