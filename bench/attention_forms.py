@@ -109,9 +109,18 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
         forms = {"split": library.kernel("attention", f"split_{shape}{suffix}").bind(rows, sizes),
                  "mma": library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}{suffix}").bind(
                      rows, {**sizes, "T": tokens})}
+        # The other stage counts of the quantised mma kernel, where built (`KVQ_STAGE_FORMS`).
+        stage_forms = sorted(entry.config["form"] for (fam, key), entry in library.manifest.kernels.items()
+                             if fam == "attention_decode_mma" and entry.config["kv"] == kv
+                             and entry.config["tmax"] == tmax and entry.config["form"]
+                             and key.startswith(f"mma_{shape}_"))
+        for form in stage_forms:
+            forms[f"mma_{form}"] = library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}{suffix}_{form}").bind(
+                rows, {**sizes, "T": tokens})
         kv_bytes = batch * (n + tokens - 1) * row_bytes * 2
         row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context, "tokens": tokens, "kv_dtype": kv,
-                               "splits": splits, "min_split": DECODE_MIN_SPLIT, "kv_bytes": kv_bytes}
+                               "splits": splits, "min_split": DECODE_MIN_SPLIT, "kv_bytes": kv_bytes,
+                               "stage_forms": stage_forms}
         for form, split in forms.items():
             def work(st: Any, split: Any = split) -> None:
                 split(st)
@@ -149,6 +158,16 @@ def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
         lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {kv} | {r['splits']} "
                      f"| {r['split_us']:.1f} | {r['mma_us']:.1f} | {sdpa} | {share('split_us')} | {share('mma_us')} "
                      f"| {share('sdpa_us')} | {r['mma_split_only_us']:.1f} | {speed} |")
+    staged = [r for r in rows if r.get("stage_forms")]
+    if staged:
+        lines += ["", "The quantised mma kernel's other stage counts (split + combine us, share of the copy bandwidth; "
+                  "the table's mma column is the runner's `KVQ_STAGES`):", "",
+                  "| shape | batch | context | T | KV | form | us | of copy bw |", "|---|---:|---:|---:|---|---|---:|---:|"]
+        for r in staged:
+            for form in r["stage_forms"]:
+                us = r[f"mma_{form}_us"]
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {r['kv_dtype']} "
+                             f"| {form} | {us:.1f} | {100 * r['kv_bytes'] / us / 1e6 / copy_tb_s:.0f}% |")
     return "\n".join(lines)
 
 

@@ -51,6 +51,11 @@ STAGES = 3  # tiles in flight per CTA (bf16 pages)
 # bytes in flight and still fits 3 CTAs per SM at T = 1 (73 KB at D = 256); the key slices'
 # merge of a T = 8 CTA (64 rows x D fp32) needs the 4 stages' room.
 KVQ_STAGES = 4
+# Other stage counts of the quantised T = 1 variants (keys `..._t1_{kv}_s{N}`, config "form" "s{N}"),
+# built so that `bench.attention_forms` times them beside KVQ_STAGES' ones (form ""), the runner's:
+# 3 stages (3 CTAs per SM, fewer bytes in flight) and 6 (2 CTAs per SM, more per CTA). At 250K keys,
+# batch 1, KVQ_STAGES reached 68 % of the copy bandwidth on the H200 against the bf16 form's 92 %.
+KVQ_STAGE_FORMS = (3, 6)
 LOG2E = attention.LOG2E
 TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
 
@@ -69,15 +74,16 @@ def stage_count(kv: str) -> int:
     return STAGES if kv == "bf16" else KVQ_STAGES
 
 
-def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str) -> Variant:
+def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str, stages: int) -> Variant:
     mt = m_tiles(hq, hkv, tmax)
     threads = 32 * mt * KS
     suffix = "" if kv == "bf16" else f"_{kv}"  # the bf16 keys predate the formats
+    form = "" if stages == stage_count(kv) else f"s{stages}"
     return Variant(
         family=FAMILY,
-        key=f"mma_{name}_t{tmax}{suffix}",
+        key=f"mma_{name}_t{tmax}{suffix}" + (f"_{form}" if form else ""),
         config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": KS, "BN": BN,
-                "stages": stage_count(kv), "threads": threads, "kv": kv, "pdl": True},
+                "stages": stages, "form": form, "threads": threads, "kv": kv, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
@@ -93,7 +99,7 @@ def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str) -> Variant:
         arches=HOPPER,
         # The page layout of the quantised formats is kv_format's (outside this package).
         extra_sources=() if kv == "bf16" else ("runtime/model/kv_format.py",),
-        note=f"tensor-core split-KV decode attention over {kv} KV (mma.sync, cp.async x{stage_count(kv)}), up to "
+        note=f"tensor-core split-KV decode attention over {kv} KV (mma.sync, cp.async x{stages}), up to "
              f"{tmax} tokens per sequence, GQA {hq}/{hkv}, D={d}",
         example_sizes={"M": tmax, "T": tmax, "S": 32, "min_split": 128, "maxp": 128, "R": 1, "NP": 128},
     )
@@ -110,10 +116,12 @@ def variants() -> list[Variant]:
                 raise ValueError(f"attention_decode_mma {name} {kv}: pages are not 16-byte multiples")
             for tmax in TOKENS:
                 mt = m_tiles(hq, hkv, tmax)
-                # The key slices' merge (fp32 rows) reuses the K/V stages' shared memory.
-                if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * stage_count(kv) * BN * width:
-                    raise ValueError(f"attention_decode_mma {name} t{tmax} {kv}: shape does not tile")
-                out.append(_mma(name, hq, hkv, d, tmax, kv))
+                extra = KVQ_STAGE_FORMS if kv != "bf16" and tmax == 1 else ()
+                for stages in (stage_count(kv), *extra):
+                    # The key slices' merge (fp32 rows) reuses the K/V stages' shared memory.
+                    if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * stages * BN * width:
+                        raise ValueError(f"attention_decode_mma {name} t{tmax} {kv} x{stages}: shape does not tile")
+                    out.append(_mma(name, hq, hkv, d, tmax, kv, stages))
     return out
 
 

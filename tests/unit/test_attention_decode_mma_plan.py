@@ -20,13 +20,16 @@ def test_m_tiles_cover_heads_times_tokens_in_a_power_of_two(hq, hkv, tmax, tiles
 
 def test_variants_are_drop_ins_for_split_plus_the_token_count():
     """A variant per (shape, KV format, most tokens): the bf16 keys as before, `_fp8` / `_int8`
-    after the token count, each the drop-in of `attention.split` over the same pages."""
+    after the token count, each the drop-in of `attention.split` over the same pages; the
+    quantised T = 1 ones also in `KVQ_STAGE_FORMS`' stage counts (`_s{N}`, config "form")."""
     names = {(hq, hkv, d): name for name, hq, hkv, d, _ in attention._SHAPES}
     split = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["kv"]): v for v in attention.variants()
              if v.config["kind"] == "split"}
     assert {kv for *_, kv in split} == {"bf16", "fp8", "int8"}
     mma = attention_decode_mma.variants()
     want = [f"mma_{names[tuple(shape)]}_t{t}" + ("" if kv == "bf16" else f"_{kv}") for *shape, kv in split for t in (1, 8)]
+    want += [f"mma_{names[tuple(shape)]}_t1_{kv}_s{n}" for *shape, kv in split if kv != "bf16"
+             for n in attention_decode_mma.KVQ_STAGE_FORMS]
     assert sorted(v.key for v in mma) == sorted(want)
     for v in mma:
         c = v.config
@@ -41,7 +44,9 @@ def test_variants_are_drop_ins_for_split_plus_the_token_count():
         # 8 threads per 128 code bytes (4 per row at D = 64).
         per_row = 8 if c["kv"] == "bf16" else min(8, c["D"] // 16)
         assert c["BN"] % (v.block[0] // per_row) == 0
-        assert c["stages"] == (attention_decode_mma.STAGES if c["kv"] == "bf16" else attention_decode_mma.KVQ_STAGES)
+        default = attention_decode_mma.STAGES if c["kv"] == "bf16" else attention_decode_mma.KVQ_STAGES
+        assert (c["stages"], c["form"]) == ((default, "") if not v.key.endswith(f"_s{c['stages']}")
+                                            else (c["stages"], f"s{c['stages']}")), v.key
         # Quantised: the page layout's file is in the fingerprint; pages keep code rows 16-byte aligned.
         if c["kv"] != "bf16":
             assert "runtime/model/kv_format.py" in v.extra_sources
@@ -51,7 +56,8 @@ def test_variants_are_drop_ins_for_split_plus_the_token_count():
 def test_quantised_variants_fit_three_ctas_per_sm_at_one_token():
     """The shared memory a quantised T = 1 CTA takes (Q rows, the code staging ring, the scales):
     3 CTAs per H200 SM (228 KB, 1 KB reserved per CTA), so more bytes are in flight per SM than
-    with the bf16 form's 2; and the T = 8 merge (fp32 rows of the other key slice) fits the ring."""
+    with the bf16 form's 2 (the 6-stage form: 2); and the T = 8 merge (fp32 rows of the other key
+    slice) fits the ring."""
     for v in attention_decode_mma.variants():
         c = v.config
         if c["kv"] == "bf16":
@@ -60,7 +66,8 @@ def test_quantised_variants_fit_three_ctas_per_sm_at_one_token():
         smem = rows * c["D"] * 2 + ring + 2 * c["stages"] * c["BN"] * 4 + 1024  # + the buffers' alignment
         assert (c["KS"] - 1) * rows * c["D"] * 4 <= ring, v.key
         if c["tmax"] == 1:
-            assert 3 * (smem + 1024) <= 228 * 1024, (v.key, smem)
+            ctas = 2 if c["stages"] == 6 else 3
+            assert ctas * (smem + 1024) <= 228 * 1024, (v.key, smem)
 
 
 def test_reference_partials_combine_to_the_attention_reference():

@@ -33,6 +33,17 @@ def test_attention_forms_table_gives_a_quantised_rows_mma_speed_over_the_bf16_ro
     assert "| q24_kv4_d256 | 8 | 32768 | 1 | int8 | 198 | 900.0 | 170.0 |" in text and text.endswith("| 160.0 | - |")
 
 
+def test_attention_forms_table_lists_the_quantised_stage_forms():
+    """A row with other stage counts of the quantised mma kernel gets them in a second table, each
+    as a share of the copy bandwidth: 68.2 MB in 20 us is 3.41 TB/s, 85 % of 4.0."""
+    row = {"shape": "q24_kv4_d256", "batch": 1, "context": 32768, "tokens": 1, "splits": 198, "min_split": 128,
+           "kv_dtype": "fp8", "kv_bytes": 68_157_440, "split_us": 120.0, "mma_us": 25.0, "mma_split_only_us": 22.0,
+           "stage_forms": ["s3", "s6"], "mma_s3_us": 30.0, "mma_s6_us": 20.0}
+    text = attention_forms.render([row], copy_tb_s=4.0)
+    assert "| q24_kv4_d256 | 1 | 32768 | 1 | fp8 | s3 | 30.0 | 57% |" in text
+    assert text.endswith("| q24_kv4_d256 | 1 | 32768 | 1 | fp8 | s6 | 20.0 | 85% |")
+
+
 def test_decode_attention_table_leaves_a_form_not_compiled_blank():
     row = {"batch": 8, "context": 1024, "kv_dtype": "bf16", "splits": 9, "min_split": 128, "sdpa_us": 20.0,
            "sdpa_tb_s": 1.0, "sdpa_mode": "flash, enable_gqa", "split_us": 25.0, "split_tb_s": 0.8, "split_rel_diff_vs_sdpa": 2e-3}

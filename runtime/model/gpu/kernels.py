@@ -283,7 +283,7 @@ class KernelChoice:
             # `split` serves.
             self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
                                if fam == "attention_decode_mma" and entry.config["kv"] == kv
-                               and (kv == "bf16" or QUANTISED_KV_MMA)
+                               and entry.config["form"] == "" and (kv == "bf16" or QUANTISED_KV_MMA)
                                and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
