@@ -18,10 +18,10 @@ import functools
 import numpy as np
 import pytest
 
-from cute_kernels import moe
+from cute_kernels import bf16, moe
 from cute_kernels.bf16 import round_bf16
 
-from .conftest import assert_close_to_baseline, rel_err
+from .conftest import Mem, assert_close_to_baseline, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -58,14 +58,53 @@ def _f32_poisoned(mem, count: int) -> int:
     return _f32(mem, np.full(count, np.nan, np.float32))
 
 
+def _bf_stack(rng, shape, scale):
+    """`_bf(rng, shape, scale)` drawn one expert at a time: the same values (the generator's stream
+    is read in the same order) without a float64 temporary of the whole stack (6.5 GB for the
+    35B-A3B's gate_up)."""
+    out = np.empty(shape, np.float32)
+    for ex in range(shape[0]):
+        out[ex] = _bf(rng, shape[1:], scale)
+    return out
+
+
 @functools.lru_cache(maxsize=len(WEIGHTED))
 def _weights(name):
     """Router [E, H], shared gate [H], gate_up [E + 1, 2I, H], down [E + 1, H, I] (1/sqrt(fan_in)),
     drawn once per shape (the 35B-A3B's stacks are 0.8 G values)."""
     _, h, e, _, inter, _, _ = SHAPES[name]
     rng = np.random.default_rng(99)
-    return (_bf(rng, (e, h), h ** -0.5), _bf(rng, (h,), h ** -0.5), _bf(rng, (e + 1, 2 * inter, h), h ** -0.5),
-            _bf(rng, (e + 1, h, inter), inter ** -0.5))
+    return (_bf(rng, (e, h), h ** -0.5), _bf(rng, (h,), h ** -0.5), _bf_stack(rng, (e + 1, 2 * inter, h), h ** -0.5),
+            _bf_stack(rng, (e + 1, h, inter), inter ** -0.5))
+
+
+def _bits_by_expert(stack):
+    """`bf16.to_bits(stack)` one expert at a time: the same bits without stack-sized uint32
+    temporaries, whose page faults alone cost seconds for the 35B-A3B's gate_up."""
+    bits = np.empty(stack.shape, np.uint16)
+    for ex, weights in enumerate(stack):
+        bits[ex] = bf16.to_bits(weights)
+    return bits
+
+
+@pytest.fixture(scope="module")
+def weights_on_device(device, stream):
+    """name -> `_weights(name)` as device bf16 pointers, uploaded on a shape's first use and kept
+    until the module ends (at most the tiny shape's and the 35B-A3B's, 1.6 GB): converting the
+    35B-A3B's stacks to bf16 and copying them is seconds of CPU, which every test paid again when
+    it uploaded its own copy. The kernels only read them."""
+    held = Mem(device, stream)
+    uploaded = {}
+
+    def on_device(name):
+        if name not in uploaded:
+            router, w_sg, gate_up, down = _weights(name)
+            uploaded[name] = [held.bf16(router), held.bf16(w_sg), held.raw(_bits_by_expert(gate_up)),
+                              held.raw(_bits_by_expert(down))]
+        return uploaded[name]
+
+    yield on_device
+    held.free()
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -144,13 +183,14 @@ def _ids_cases(rng, m, e, k):
 
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
-def test_up_and_down(library, mem, stream, name, m):
+def test_up_and_down(library, mem, stream, weights_on_device, name, m):
     _, h, e, k, inter, _, _ = SHAPES[name]
     rng = np.random.default_rng(100 + m)
     p = k + 1
     _, _, gate_up, down = _weights(name)
+    _, _, d_gate_up, d_down = weights_on_device(name)
     x = _bf(rng, (m, h))
-    d_gate_up, d_down, d_x = mem.bf16(gate_up), mem.bf16(down), mem.bf16(x)
+    d_x = mem.bf16(x)
     for case, ids in _ids_cases(rng, m, e, k).items():
         act = mem.poisoned((m + 1) * p * inter)
         d_ids = mem.i32(ids)
@@ -191,7 +231,7 @@ def _chain(library, mem, stream, name, x, weights):
 
 
 @pytest.mark.parametrize("name", WEIGHTED)
-def test_chained_mlp_and_rows_alone(library, mem, stream, name):
+def test_chained_mlp_and_rows_alone(library, mem, stream, weights_on_device, name):
     """Logits -> route -> up -> down on 8 rows against `moe.reference` (same routing expected:
     fp32 logits, so a flip needs two logits within fp32 rounding), and each row alone equal to
     its row in the batch bit for bit."""
@@ -199,7 +239,7 @@ def test_chained_mlp_and_rows_alone(library, mem, stream, name):
     rng = np.random.default_rng(42)
     x = _bf(rng, (8, h))
     weights = _weights(name)
-    on_device = [mem.bf16(w) for w in weights]
+    on_device = weights_on_device(name)
     ids, got = _chain(library, mem, stream, name, x, on_device)
     router, w_sg, gate_up, down = weights
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)
@@ -278,7 +318,7 @@ def _tied_logits(rng, m, e):
 
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 6, 8])
-def test_route_up_against_the_references(library, mem, stream, name, m):
+def test_route_up_against_the_references(library, mem, stream, weights_on_device, name, m):
     """Ids exactly the reference's (ties included: rows 1-3 at m >= 4), weights as tight as
     `route`'s test, act as close to the exact act as the bf16 reference is, for every
     route_up variant."""
@@ -287,29 +327,29 @@ def test_route_up_against_the_references(library, mem, stream, name, m):
     logits = _tied_logits(rng, m, e)
     x = _bf(rng, (m, h))
     _, w_sg, gate_up, _ = _weights(name)
-    d_gate_up = mem.bf16(gate_up)
+    d_gate_up = weights_on_device(name)[2]
     want_ids, want_wts = moe.reference_route(logits, x, w_sg, k, renorm)
+    exact, base = _exact_act(x, gate_up, want_ids), moe.reference_up(x, gate_up, want_ids)
     for key in _form_keys("route_up", name):
         ids, wts, act = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
         print(key, "ids", ids.tolist(), "want", want_ids.tolist())  # shown on failure
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_allclose(wts[:, :k], want_wts[:, :k], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(wts[:, k], want_wts[:, k], rtol=1e-5)
-        assert_close_to_baseline(act, _exact_act(x, gate_up, want_ids), moe.reference_up(x, gate_up, want_ids),
-                                 f"{key} act M={m}")
+        assert_close_to_baseline(act, exact, base, f"{key} act M={m}")
 
 
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 6, 8])
-def test_route_up_equals_the_split_form(library, mem, stream, name, m):
+def test_route_up_equals_the_split_form(library, mem, stream, weights_on_device, name, m):
     """route_up computes route's and up's numbers with the same operations in the same order:
     ids, weights and act equal to the split form's bit for bit."""
     _, h, e, _, _, _, _ = SHAPES[name]
     rng = np.random.default_rng(80 + m)
     logits = _tied_logits(rng, m, e)
     x = _bf(rng, (m, h))
-    _, w_sg, gate_up, _ = _weights(name)
-    d_gate_up = mem.bf16(gate_up)
+    w_sg = _weights(name)[1]
+    d_gate_up = weights_on_device(name)[2]
     split = _split_route_up(library, mem, stream, name, logits, x, w_sg, d_gate_up)
     for key in _form_keys("route_up", name):
         fused = _route_up(library, mem, stream, name, key, logits, x, w_sg, d_gate_up)
@@ -319,18 +359,19 @@ def test_route_up_equals_the_split_form(library, mem, stream, name, m):
 
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
-def test_down_wide_equals_down(library, mem, stream, name, m):
+def test_down_wide_equals_down(library, mem, stream, weights_on_device, name, m):
     """Every down_wide variant against `down` bit for bit (same sums, same order) and against the
     reference as `down` is, with ids leaving experts without a row and one expert set taking
     every row; the row past M stays untouched."""
     _, h, e, k, inter, _, _ = SHAPES[name]
     rng = np.random.default_rng(200 + m)
     p = k + 1
-    _, _, _, down = _weights(name)
-    d_down = mem.bf16(down)
+    down = _weights(name)[3]
+    d_down = weights_on_device(name)[3]
     for case, ids in _ids_cases(rng, m, e, k).items():
         wts = rng.uniform(0.05, 1.0, (m, p)).astype(np.float32)
         act_in = _bf(rng, (m, p, inter))
+        exact, base = moe.reference_down(act_in, down, ids, wts, exact=True), moe.reference_down(act_in, down, ids, wts)
         bufs = {"act": mem.bf16(act_in), "w": d_down, "ids": mem.i32(ids), "wts": _f32(mem, wts)}
         outs = {}
         for key in [_key("down", name)] + _form_keys("down_wide", name):
@@ -341,23 +382,23 @@ def test_down_wide_equals_down(library, mem, stream, name, m):
         split = outs.pop(_key("down", name))
         for key, got in outs.items():
             np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
-            assert_close_to_baseline(got[:m], moe.reference_down(act_in, down, ids, wts, exact=True),
-                                     moe.reference_down(act_in, down, ids, wts), f"{key} {case} M={m}")
+            assert_close_to_baseline(got[:m], exact, base, f"{key} {case} M={m}")
 
 
 @pytest.mark.parametrize("name", WEIGHTED)
 @pytest.mark.parametrize("m", [1, 5, 8])
-def test_up_wide_equals_up(library, mem, stream, name, m):
+def test_up_wide_equals_up(library, mem, stream, weights_on_device, name, m):
     """Every up_wide variant against `up` bit for bit (the same dot products, only the loads
     staged) and against the reference as `up` is, for random ids and one expert set taking every
     row; the row past M stays untouched."""
     _, h, e, k, inter, _, _ = SHAPES[name]
     rng = np.random.default_rng(400 + m)
     p = k + 1
-    _, _, gate_up, _ = _weights(name)
+    gate_up = _weights(name)[2]
     x = _bf(rng, (m, h))
-    d_gate_up, d_x = mem.bf16(gate_up), mem.bf16(x)
+    d_gate_up, d_x = weights_on_device(name)[2], mem.bf16(x)
     for case, ids in _ids_cases(rng, m, e, k).items():
+        exact, base = _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids)
         d_ids = mem.i32(ids)
         outs = {}
         for key in [_key("up", name)] + _form_keys("up_wide", name):
@@ -368,8 +409,7 @@ def test_up_wide_equals_up(library, mem, stream, name, m):
         split = outs.pop(_key("up", name))
         for key, got in outs.items():
             np.testing.assert_array_equal(got[:m], split[:m], err_msg=f"{key} {case} M={m}")
-            assert_close_to_baseline(got[:m], _exact_act(x, gate_up, ids), moe.reference_up(x, gate_up, ids),
-                                     f"{key} {case} M={m}")
+            assert_close_to_baseline(got[:m], exact, base, f"{key} {case} M={m}")
 
 
 def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key):
@@ -397,7 +437,7 @@ def _decode_chain(library, mem, stream, name, x, weights, route_up_key, down_key
 
 
 @pytest.mark.parametrize("name", WEIGHTED)
-def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
+def test_decode_form_chain_and_rows_alone(library, mem, stream, weights_on_device, name):
     """logits_wide -> route_up or route + up_wide -> down_wide (every decode form) on 8 rows: the
     split chain's ids and delta rows bit for bit, close to `moe.reference`, and each row alone
     equal to its row in the batch."""
@@ -405,7 +445,7 @@ def test_decode_form_chain_and_rows_alone(library, mem, stream, name):
     rng = np.random.default_rng(43)
     x = _bf(rng, (8, h))
     weights = _weights(name)
-    on_device = [mem.bf16(w) for w in weights]
+    on_device = weights_on_device(name)
     split_ids, split = _chain(library, mem, stream, name, x, on_device)
     router, w_sg, gate_up, down = weights
     want_ids, want_wts = moe.reference_route(moe.reference_logits(x, router), x, w_sg, k, renorm)

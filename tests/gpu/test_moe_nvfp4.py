@@ -38,6 +38,7 @@ from .test_cuda_runner_moe import test_a_batch_of_eight_equals_each_row_alone  #
 from .test_cuda_runner_nvfp4 import (test_nvfp4_decode_logits_match_reference,  # noqa: F401
                                      test_nvfp4_prefill_is_the_same_however_the_prompt_is_chunked,
                                      test_nvfp4_prefill_logits_match_reference)
+from .test_moe_fp8_kernels import _exact_act
 
 pytestmark = pytest.mark.gpu
 
@@ -107,9 +108,7 @@ def test_up_nvfp4_and_down_nvfp4(library, mem, stream, name, m):
         got = mem.read_bf16(act, (m + 1, p, inter))
         assert np.isnan(got[m]).all(), "the row past M was written"
         gate_up = moe_nvfp4.dequantise(*gu, 2 * inter, used)
-        full = np.einsum("rsih,rh->rsi", gate_up[local], x.astype(np.float64))
-        g, u = full[..., :inter], full[..., inter:]
-        assert_close_to_baseline(got[:m], g / (1.0 + np.exp(-g)) * u,
+        assert_close_to_baseline(got[:m], _exact_act(gate_up, local, x),
                                  moe_nvfp4.reference_up(x, *gu, ids, inter), f"{name} up_nvfp4 {case} M={m}")
 
         down = moe_nvfp4.dequantise(*dn, h, used)
@@ -163,9 +162,7 @@ def test_chained_nvfp4_mlp_with_tied_logits_and_rows_alone(library, mem, stream)
     assert ids[2, :k].tolist() == list(range(k))
     experts = np.arange(e + 1)
     gate_up, down = moe_nvfp4.dequantise(*gu, 2 * inter, experts), moe_nvfp4.dequantise(*dn, h, experts)
-    full = np.einsum("rsih,rh->rsi", gate_up[want_ids], x.astype(np.float64))
-    g, u = full[..., :inter], full[..., inter:]
-    exact = moe.reference_down(g / (1.0 + np.exp(-g)) * u, down, want_ids, want_wts, exact=True)
+    exact = moe.reference_down(_exact_act(gate_up, want_ids, x), down, want_ids, want_wts, exact=True)
     assert_close_to_baseline(got, exact, moe.reference(x, router, w_sg, gate_up.astype(np.float32),
                                                        down.astype(np.float32), k, renorm), f"{name} nvfp4 chained")
     for r in (0, 2, 6):
