@@ -229,13 +229,18 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.nda
     m, hq, d = q.shape
     hkv = k.shape[1]
     r = hq // hkv
+    # K and V converted once (not per row and query head: over a long context the copies cost
+    # most of the time); the products then read a KV head's rows in place, the same BLAS calls
+    # on the same values as over a copy.
+    keys = int(np.max(pos)) + 1
+    k, v = k[:keys].astype(ft, copy=False), v[:keys].astype(ft, copy=False)
     out = np.empty((m, hq, d), ft)
     for i in range(m):
         n = int(pos[i]) + 1
         for h in range(hq):
-            s = (k[:n, h // r].astype(ft) @ q[i, h].astype(ft)) * d ** -0.5
+            s = (k[:n, h // r] @ q[i, h].astype(ft)) * d ** -0.5
             p = np.exp(s - s.max())
-            out[i, h] = (p @ v[:n, h // r].astype(ft)) / p.sum()
+            out[i, h] = (p @ v[:n, h // r]) / p.sum()
     g = 1.0 / (1.0 + np.exp(-gate.astype(ft)))
     if exact:
         return (out * g).reshape(m, hq * d)

@@ -142,21 +142,24 @@ def reference(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, pos: int, s
     ft = np.float64 if exact else np.float32
     hq, d = q.shape
     r = hq // k_rows.shape[1]
-    ones = np.ones(k_rows.shape[:2])
-    k_scales = ones if k_scales is None else k_scales
-    v_scales = ones if v_scales is None else v_scales
+    keys = pos + 1
+    ones = np.ones((keys, k_rows.shape[1]))
+    # Converted once (not per split and query head); the products read a split's rows of a KV
+    # head in place, the same BLAS calls on the same values as over a copy.
+    k_rows, v_rows = k_rows[:keys].astype(ft, copy=False), v_rows[:keys].astype(ft, copy=False)
+    k_scales = (ones if k_scales is None else k_scales[:keys]).astype(ft) * ft(d ** -0.5 * LOG2E)
+    v_scales = (ones if v_scales is None else v_scales[:keys]).astype(ft, copy=False)
     split = int(attention.split_length(pos, splits, min_split))
     n = (pos + split) // split
     o = np.empty((hq, n, d), ft)
     lse = np.empty((hq, n), ft)
     for s in range(n):
-        lo, hi = s * split, min((s + 1) * split, pos + 1)
+        lo, hi = s * split, min((s + 1) * split, keys)
         for h in range(hq):
-            k_scale = k_scales[lo:hi, h // r].astype(ft) * ft(d ** -0.5 * LOG2E)
-            sc = (k_rows[lo:hi, h // r].astype(ft) @ q[h].astype(ft)) * k_scale
+            sc = (k_rows[lo:hi, h // r] @ q[h].astype(ft)) * k_scales[lo:hi, h // r]
             p = np.exp2(sc - sc.max())
-            pv = p * v_scales[lo:hi, h // r].astype(ft)
-            o[h, s] = ((pv if exact else round_bf16(pv)) @ v_rows[lo:hi, h // r].astype(ft)) / p.sum()
+            pv = p * v_scales[lo:hi, h // r]
+            o[h, s] = ((pv if exact else round_bf16(pv)) @ v_rows[lo:hi, h // r]) / p.sum()
             lse[h, s] = sc.max() + np.log2(p.sum())
     return o, lse
 

@@ -10,12 +10,16 @@ the same-precision NumPy model (fp32 softmax, bf16 output rounding: `exact=False
 kernel's error may be `SLACK` times the baseline's. The tensor-core form also rounds the softmax
 weights P to bf16 before P V (an mma.sync operand), a relative error of at most 2^-9 per weight
 that averages out over the keys; its error is also checked against the CUDA-core split kernel's
-(the form it replaces) on the same rows.
+(the form it replaces) on the same rows. Every output is checked written; every decode row is
+checked against the reference, and of a verification block every row below `LONG` keys and,
+from there on, a sequence's first, middle and last tokens (the fp64 reference costs a pass over
+the keys per row and head; the references of a sequence's rows are computed together).
 
 Bit-equality promised and checked: a verification row equals the decode row it stands for (the
-same query, position and pages launched alone with T = 1): the CTA's extra keys outside the
-row's range get weight 0 exactly and the key tiles stay aligned to the split's pages. Hence also
-a row's result does not depend on the other sequences of the batch.
+same query, position and pages launched with T = 1: every row of the block as one decode batch,
+and three rows alone): the CTA's extra keys outside the row's range get weight 0 exactly and the
+key tiles stay aligned to the split's pages. Hence also a row's result does not depend on the
+other sequences of the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 import pytest
 
 from cute_kernels import attention, attention_decode_mma
-from cute_kernels.bf16 import round_bf16, to_bits
+from cute_kernels.bf16 import from_bits, round_bf16, to_bits
 from runtime.model.gpu.storage import DECODE_MIN_SPLIT, default_decode_splits
 
 from .conftest import assert_close_to_baseline, rel_err
@@ -34,10 +38,18 @@ PAGE = 64
 SMS = 132  # the runner's plan on an H200
 SLACK = 2.5  # as tests/gpu/test_attention.py's split kernel
 SPLIT_SLACK = 2.0  # the tensor-core form's error over the CUDA-core form's, same rows
+LONG = 8192  # keys from which a verification block checks only some of a sequence's rows against fp64
 
 
 def _bf(rng, shape, scale=1.0):
     return round_bf16(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def _pool(rng, shape):
+    """`_bf(rng, shape)` and its bf16 bits, which go to the device as they are (converting a pool
+    of up to 300M values back to bits cost as much as rounding it)."""
+    bits = to_bits(rng.standard_normal(shape, dtype=np.float32))
+    return from_bits(bits), bits
 
 
 def _cfg(name):
@@ -72,9 +84,9 @@ class _Case:
         self.hq, self.hkv, self.d, self.stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
         self.table, npages = _scattered(rng, lengths)
         self.npages = npages
-        self.k = _bf(rng, (npages * PAGE, self.hkv, self.d))
-        self.v = _bf(rng, (npages * PAGE, self.hkv, self.d))
-        self.kbuf, self.vbuf = mem.bf16(self.k), mem.bf16(self.v)
+        self.k, k_bits = _pool(rng, (npages * PAGE, self.hkv, self.d))
+        self.v, v_bits = _pool(rng, (npages * PAGE, self.hkv, self.d))
+        self.kbuf, self.vbuf = mem.raw(k_bits), mem.raw(v_bits)
         self.tbuf = mem.i32(self.table)
 
     def run(self, form, q, x, qseq, pos, t, splits, min_split):
@@ -98,31 +110,49 @@ class _Case:
             {"M": m, "S": splits, "min_split": min_split})
         return mem.read_bf16(out, (m, self.hq * self.d))
 
-    def reference(self, q, x, qseq, pos, exact):
+    def references(self, q, x, qseq, pos):
+        """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos). A sequence's
+        rows (a verification block's tokens) take one `reference_attention` call over its keys,
+        gathered and converted once: per row, the copies cost more than the products."""
         gate = x[:, :self.hq * 2 * self.d].reshape(-1, self.hq, 2 * self.d)[..., self.d:]
-        out = []
-        for i in range(q.shape[0]):
-            n = int(pos[i]) + 1
-            rows = self.table[qseq[i], np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
-            out.append(attention.reference_attention(q[i:i + 1], self.k[rows], self.v[rows], pos[i:i + 1],
-                                                     gate[i:i + 1], exact=exact))
-        return np.concatenate(out)
+        exact = np.empty((q.shape[0], self.hq * self.d))
+        base = np.empty((q.shape[0], self.hq * self.d), np.float32)
+        for b in np.unique(qseq):
+            i = np.flatnonzero(qseq == b)
+            n = int(pos[i].max()) + 1
+            rows = self.table[b, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+            args = (q[i], self.k[rows], self.v[rows], pos[i], gate[i])
+            exact[i] = attention.reference_attention(*args, exact=True)
+            base[i] = attention.reference_attention(*args)
+        return exact, base
 
-    def check(self, got, split_got, q, x, qseq, pos, what):
-        """Each row against fp64 within SLACK x the same-precision baseline's error; the whole batch
-        within SPLIT_SLACK x the CUDA-core split kernel's error (None: not run)."""
-        exact = self.reference(q, x, qseq, pos, exact=True)
-        base = self.reference(q, x, qseq, pos, exact=False)
-        for i in range(q.shape[0]):
-            assert_close_to_baseline(got[i:i + 1], exact[i:i + 1], base[i:i + 1],
+    def check(self, got, split_got, q, x, qseq, pos, what, rows=None):
+        """Every row written; each of `rows` (None: all) against fp64 within SLACK x the
+        same-precision baseline's error, and together within SPLIT_SLACK x the CUDA-core split
+        kernel's error on them (split_got None: not run)."""
+        assert np.isfinite(got).all(), f"{what}: an output was not written"
+        rows = np.arange(q.shape[0]) if rows is None else rows
+        exact, base = self.references(q[rows], x[rows], qseq[rows], pos[rows])
+        for j, i in enumerate(rows):
+            assert_close_to_baseline(got[i:i + 1], exact[j:j + 1], base[j:j + 1],
                                      f"{what} row {i} pos={pos[i]}", slack=SLACK)
         if split_got is not None:
-            e_mma, e_split = rel_err(got, exact), rel_err(split_got, exact)
+            e_mma, e_split = rel_err(got[rows], exact), rel_err(split_got[rows], exact)
             assert e_mma <= SPLIT_SLACK * e_split + 1e-6, f"{what}: mma error {e_mma:.3e} vs split {e_split:.3e}"
 
 
 def _rows(rng, case, n):
     return _bf(rng, (n, case.hq, case.d), 2.0), _bf(rng, (n, case.stride))
+
+
+def _reference_rows(pos, t):
+    """The rows of a verification block (row p * B + b: token p of sequence b) that it checks
+    against fp64: every row at a position below LONG, and past it a sequence's first, middle and
+    last tokens. The reference costs a pass over the row's keys per head; the tiles and masks of
+    the other tokens are the same code at every length, checked on every row of the block's
+    shorter sequences, and every row is also checked equal to its decode row (T = 1)."""
+    p = np.arange(len(pos)) // (len(pos) // t)
+    return np.flatnonzero((pos < LONG) | (p == 0) | (p == t // 2) | (p == t - 1))
 
 
 _PLANS = {"runner": lambda hkv: (default_decode_splits(hkv, 262144 + 64, SMS), DECODE_MIN_SPLIT),
@@ -157,8 +187,9 @@ def test_decode_rows(library, mem, stream, name, lengths, plan):
     ("q4_kv2_d64", 8, [0, 63, 1000, 66000]),
 ])
 def test_verification_blocks(library, mem, stream, name, t, bases):
-    """B sequences of t tokens each, row p * B + b at position bases[b] + p: each row against the
-    reference (causal inside the block), and bit-equal to the same row decoded alone (T = 1)."""
+    """B sequences of t tokens each, row p * B + b at position bases[b] + p: the rows of
+    `_reference_rows` against the reference (causal inside the block), and every row bit-equal to
+    the same row decoded (T = 1), in one decode batch and alone."""
     rng = np.random.default_rng(t * 31 + len(bases))
     nseq = len(bases)
     case = _Case(library, mem, stream, name, rng, [b + t for b in bases])
@@ -167,7 +198,9 @@ def test_verification_blocks(library, mem, stream, name, t, bases):
     pos = np.array([bases[b] + p for p in range(t) for b in range(nseq)])
     qseq = np.array([b for _ in range(t) for b in range(nseq)])
     got = case.run("mma", q, x, qseq, pos, t, splits, min_split)
-    case.check(got, None, q, x, qseq, pos, f"{name} verify T={t}")
+    case.check(got, None, q, x, qseq, pos, f"{name} verify T={t}", _reference_rows(pos, t))
+    decoded = case.run("mma", q, x, qseq, pos, 1, splits, min_split)  # every row a decode row (T = 1)
+    np.testing.assert_array_equal(decoded, got, err_msg=f"{name} T={t}: the block's rows vs its rows decoded")
     for i in (0, nseq * t - 1, (t // 2) * nseq + nseq // 2):
         alone = case.run("mma", q[i:i + 1], x[i:i + 1], qseq[i:i + 1], pos[i:i + 1], 1, splits, min_split)
         np.testing.assert_array_equal(alone, got[i:i + 1], err_msg=f"{name} T={t} row {i} alone vs in its block")

@@ -9,16 +9,20 @@ so a kernel that lets a row past a sequence's end into its sums fails. Partials 
   page and split boundaries) after `attention.combine`: against the fp64 reference over the
   dequantised K/V within `SLACK` x the same-precision NumPy model's error (the model of the bf16
   test, `attention.reference_attention(exact=False)`), and within `SPLIT_SLACK` x the error of
-  the quantised CUDA-core split kernel (`attention.split_*_fp8|int8`) on the same rows.
+  the quantised CUDA-core split kernel (`attention.split_*_fp8|int8`) on the same rows. Every
+  output is checked written; the reference checks every decode row, and of a verification block
+  every row below 8192 keys and past them a sequence's first, middle and last tokens (as the bf16
+  test: `_reference_rows`).
 - The partials themselves: against `attention_decode_mma.reference` with the codes and scales
   (fp64, and its `exact=False` model: the K scale on the score, the V scale on the weight before
   its bf16 rounding) and against the quantised split kernel's partials: o_part within twice the
   two kernels' errors against the reference added (relative; the mma form's bounded by its
   model's), lse within 5x the split kernel's lse error (both sum the weights in fp32).
-- Bits: a verification row equals the row decoded alone, and a sequence's rows do not depend on
-  the batch; and over pages whose every sum is exact in fp32 (small codes, power-of-two scales,
-  e4m3 subnormal codes and -0 included) the partials equal the bf16 kernel's over the values
-  code * scale bit for bit, which pins the permuted fragments, the swizzle and the conversions.
+- Bits: a verification row equals the row decoded with T = 1 (every row of the block as one
+  decode batch, and three rows alone), and a sequence's rows do not depend on the batch; and
+  over pages whose every sum is exact in fp32 (small codes, power-of-two scales, e4m3 subnormal
+  codes and -0 included) the partials equal the bf16 kernel's over the values code * scale bit
+  for bit, which pins the permuted fragments, the swizzle and the conversions.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from runtime.model import kv_format as kf
 from runtime.model.gpu.storage import DECODE_MIN_SPLIT, default_decode_splits
 
 from .conftest import assert_close_to_baseline, rel_err
-from .test_attention_decode_mma import _bf, _cfg, _scattered
+from .test_attention_decode_mma import _bf, _cfg, _reference_rows, _scattered
 
 pytestmark = pytest.mark.gpu
 PAGE = 64
@@ -115,21 +119,36 @@ class _Case:
         else:
             self.library.kernel("attention", f"split_{self.name}_{self.fmt}").launch(self.stream, rows, sizes)
 
-    def check(self, got, split_got, q, x, qseq, pos, what):
-        """Each row against fp64 over the dequantised K/V within SLACK x the same-precision
-        baseline's error; the batch within SPLIT_SLACK x the CUDA-core split kernel's error."""
+    def references(self, q, x, qseq, pos):
+        """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos) over the
+        dequantised K/V. A sequence's rows (a verification block's tokens) take one
+        `reference_attention` call over its keys, decoded once: per row, the decoding and the
+        copies cost more than the products."""
         gate = x[:, :self.hq * 2 * self.d].reshape(-1, self.hq, 2 * self.d)[..., self.d:]
-        exact, base = [], []
-        for i in range(q.shape[0]):
-            n = int(pos[i]) + 1
-            rows = self.table[qseq[i], np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+        exact = np.empty((q.shape[0], self.hq * self.d))
+        base = np.empty((q.shape[0], self.hq * self.d), np.float32)
+        for b in np.unique(qseq):
+            i = np.flatnonzero(qseq == b)
+            n = int(pos[i].max()) + 1
+            rows = self.table[b, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
             k, v = (c * s[..., None] for c, s in (self.values(0, rows), self.values(1, rows)))
-            args = (q[i:i + 1], k, v, pos[i:i + 1], gate[i:i + 1])
-            exact.append(attention.reference_attention(*args, exact=True))
-            base.append(attention.reference_attention(*args))
-            assert_close_to_baseline(got[i:i + 1], exact[-1], base[-1], f"{what} row {i} pos={pos[i]}", slack=SLACK)
+            args = (q[i], k, v, pos[i], gate[i])
+            exact[i] = attention.reference_attention(*args, exact=True)
+            base[i] = attention.reference_attention(*args)
+        return exact, base
+
+    def check(self, got, split_got, q, x, qseq, pos, what, rows=None):
+        """Every row written; each of `rows` (None: all) against fp64 over the dequantised K/V
+        within SLACK x the same-precision baseline's error, and together within SPLIT_SLACK x the
+        CUDA-core split kernel's error on them."""
+        assert np.isfinite(got).all(), f"{what}: an output was not written"
+        rows = np.arange(q.shape[0]) if rows is None else rows
+        exact, base = self.references(q[rows], x[rows], qseq[rows], pos[rows])
+        for j, i in enumerate(rows):
+            assert_close_to_baseline(got[i:i + 1], exact[j:j + 1], base[j:j + 1], f"{what} row {i} pos={pos[i]}",
+                                     slack=SLACK)
         if split_got is not None:
-            e_mma, e_split = rel_err(got, np.concatenate(exact)), rel_err(split_got, np.concatenate(exact))
+            e_mma, e_split = rel_err(got[rows], exact), rel_err(split_got[rows], exact)
             assert e_mma <= SPLIT_SLACK * e_split + 1e-6, f"{what}: mma error {e_mma:.3e} vs split {e_split:.3e}"
 
 
@@ -164,8 +183,9 @@ def test_decode_rows(library, mem, stream, name, lengths, plan, fmt):
     ("q4_kv2_d64", 8, [0, 63, 1000, 20000]),
 ])
 def test_verification_blocks(library, mem, stream, name, t, bases, fmt):
-    """B sequences of t tokens each, row p * B + b at position bases[b] + p: each row against the
-    reference (causal inside the block), and bit-equal to the same row decoded alone (T = 1)."""
+    """B sequences of t tokens each, row p * B + b at position bases[b] + p: the rows of
+    `_reference_rows` against the reference (causal inside the block), and every row bit-equal to
+    the same row decoded (T = 1), in one decode batch and alone."""
     rng = np.random.default_rng(t * 31 + len(bases))
     nseq = len(bases)
     case = _Case(library, mem, stream, name, fmt, rng, [b + t for b in bases])
@@ -175,7 +195,9 @@ def test_verification_blocks(library, mem, stream, name, t, bases, fmt):
     qseq = np.array([b for _ in range(t) for b in range(nseq)])
     got = case.run("mma", q, x, qseq, pos, t, splits, min_split)
     split_got = case.run("split", q, x, qseq, pos, t, splits, min_split)
-    case.check(got, split_got, q, x, qseq, pos, f"{name} {fmt} verify T={t}")
+    case.check(got, split_got, q, x, qseq, pos, f"{name} {fmt} verify T={t}", _reference_rows(pos, t))
+    decoded = case.run("mma", q, x, qseq, pos, 1, splits, min_split)  # every row a decode row (T = 1)
+    np.testing.assert_array_equal(decoded, got, err_msg=f"{name} {fmt} T={t}: the block's rows vs its rows decoded")
     for i in (0, nseq * t - 1, (t // 2) * nseq + nseq // 2):
         alone = case.run("mma", q[i:i + 1], x[i:i + 1], qseq[i:i + 1], pos[i:i + 1], 1, splits, min_split)
         np.testing.assert_array_equal(alone, got[i:i + 1], err_msg=f"{name} {fmt} T={t} row {i} alone vs in its block")
