@@ -138,6 +138,11 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
     return row
 
 
+def _share(r: dict[str, Any], key: str, copy_tb_s: float) -> str:
+    """Row r's K/V bytes over its time `key` as a share of the copy bandwidth ("-" if not timed)."""
+    return f"{100 * r['kv_bytes'] / r[key] / 1e6 / copy_tb_s:.0f}%" if key in r else "-"
+
+
 def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
     """The table; "mma vs bf16 KV": the bf16 row's mma time (same shape, batch, context, T) over
     this row's, the speed-up of reading the quantised pages ("-" without that row)."""
@@ -149,7 +154,7 @@ def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
                 if r.get("kv_dtype", "bf16") == "bf16"}
     for r in rows:
         def share(key: str, r: dict[str, Any] = r) -> str:
-            return f"{100 * r['kv_bytes'] / r[key] / 1e6 / copy_tb_s:.0f}%" if key in r else "-"
+            return _share(r, key, copy_tb_s)
 
         kv = r.get("kv_dtype", "bf16")
         base = bf16_mma.get((r["shape"], r["batch"], r["context"], r["tokens"]))
@@ -165,9 +170,8 @@ def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
                   "| shape | batch | context | T | KV | form | us | of copy bw |", "|---|---:|---:|---:|---|---|---:|---:|"]
         for r in staged:
             for form in r["stage_forms"]:
-                us = r[f"mma_{form}_us"]
                 lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['tokens']} | {r['kv_dtype']} "
-                             f"| {form} | {us:.1f} | {100 * r['kv_bytes'] / us / 1e6 / copy_tb_s:.0f}% |")
+                             f"| {form} | {r[f'mma_{form}_us']:.1f} | {_share(r, f'mma_{form}_us', copy_tb_s)} |")
     return "\n".join(lines)
 
 

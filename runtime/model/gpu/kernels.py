@@ -297,9 +297,9 @@ class KernelChoice:
                 ("attention_prefill", mma_sync) if mma_sync else None
             # Chunks past the first key split take the WGMMA kernel over key splits + the combine
             # (`Storage.prefill_kv_split`), where compiled with the fused one.
-            # Over key splits always wg2: wg2p's partials there agree with wg2's output bit for bit
-            # but its lse by 1 ulp in places (tests/gpu/test_attention_wgmma.py on the H200), and it
-            # was no faster (330 TFLOP/s against 323 over 2,048-key splits at 8K).
+            # Over key splits always wg2: wg2p's o partials there equal wg2's bit for bit but its
+            # lse differs by 1 ulp in places (tests/gpu/test_attention_wgmma.py on the H200), and it
+            # was barely faster (330 TFLOP/s against 323 over 2,048-key splits at 8K).
             self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=True, **shape) \
                 if wgmma else None
 
