@@ -311,14 +311,15 @@ def bench_gdn(b: Bench) -> None:
 SECTIONS = ("norms", "elementwise", "gemv", "gemv_q", "gemm", "gemm_fp8", "moe", "gdn")
 
 
-def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+def run(out_dir: Path, quick: bool, rounds: int, only: tuple[str, ...] = SECTIONS,
+        gemv_forms: tuple[str, ...] = ()) -> dict[str, Any]:
     b = Bench(rounds)
     t0 = time.perf_counter()
     b.measure_ceilings()
     print(json.dumps({"ceilings": b.ceilings}), flush=True)
     sections = [("norms", lambda: bench_norms(b, 8192)), ("norms", lambda: bench_norms(b, 1)),
                 ("elementwise", lambda: bench_elementwise(b, 8192)), ("gemv", lambda: bench_gemv(b, quick)),
-                ("gemv_q", lambda: bench_gemv_q(b)), ("gemm", lambda: bench_gemm(b, 8192)),
+                ("gemv_q", lambda: bench_gemv_q(b, gemv_forms)), ("gemm", lambda: bench_gemm(b, 8192)),
                 ("gemm_fp8", lambda: bench_gemm_fp8(b, 8192)), ("gemm_fp8", lambda: bench_gemm_fp8(b, 2048)),
                 ("moe", lambda: _bench_moe(b)), ("moe", lambda: bench_moe_prefill(b)), ("gdn", lambda: bench_gdn(b))]
     for name, section in sections:
@@ -406,10 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison (median reported)")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default all)")
+    ap.add_argument("--gemv-forms", default="",
+                    help="comma-separated decode forms timed by gemv_q (default: every form built)")
     ap.add_argument("--render", type=Path, help="render an existing kernels.json instead of measuring")
     ap.add_argument("--update-doc", type=Path, help="replace the kernel table in this Markdown file")
     args = ap.parse_args(argv)
-    report = json.loads(args.render.read_text()) if args.render else run(args.out, args.quick, args.rounds, _sections(ap, args.only))
+    forms = tuple(f for f in args.gemv_forms.split(",") if f)
+    report = (json.loads(args.render.read_text()) if args.render
+              else run(args.out, args.quick, args.rounds, _sections(ap, args.only), forms))
     if args.update_doc:
         update_doc(args.update_doc, render(report))
     return 0

@@ -40,7 +40,8 @@ def _weights(torch: Any, family: Any, n: int, nt: int, k: int) -> dict[str, Any]
     return w
 
 
-def bench_gemv_q(b: Any) -> None:
+def bench_gemv_q(b: Any, forms: tuple[str, ...] = ()) -> None:
+    """forms: the decode forms to time (every form built when empty)."""
     from cute_kernels import gemv_fp8, gemv_nvfp4
 
     from .kernels import L2_BYTES
@@ -55,13 +56,13 @@ def bench_gemv_q(b: Any) -> None:
             copies = max(1, min(8, -(-3 * L2_BYTES // wbytes)))
             ws = [first] + [_weights(torch, family, n, nt, k) for _ in range(copies - 1)]
             reps = max(copies, 8 // copies * copies)
-            forms = [v for v in family.variants() if (v.config["N"], v.config["NT"], v.config["K"]) == (n, nt, k)]
+            variants = [v for v in family.variants() if (v.config["N"], v.config["NT"], v.config["K"]) == (n, nt, k)]
             for m in MS:
                 x = (torch.randn(m, k, device="cuda")).to(torch.bfloat16)
                 out = torch.empty(m, n + nt, device="cuda", dtype=torch.bfloat16)
                 want = None
-                for v in forms:
-                    if v.config["MB"] < m:
+                for v in variants:
+                    if v.config["MB"] < m or (forms and v.config["form"] not in forms):
                         continue
                     if (family.FAMILY, v.key) not in b.lib:
                         print(f"gemv_q: {family.FAMILY}/{v.key} not built, skipped", flush=True)
@@ -81,8 +82,9 @@ def bench_gemv_q(b: Any) -> None:
                     agrees = (got - want).abs().max().item() / scale
                     us, _ = b.compare(b.ours(bound), None)
                     form = v.config["form"] + (f"/{v.config['rform']}" if "rform" in v.config else "")
+                    per_sm = b.device.blocks_per_sm(kern.function, v.block[0], kern.entry.dynamic_smem)
                     b.record(family.FAMILY, v.key, f"M={m} N={n}+{nt} K={k} form={form} "
-                             f"unroll={v.config['unroll']} agrees={agrees:.1e}", us, None, "",
+                             f"unroll={v.config['unroll']} CTAs/SM={per_sm} agrees={agrees:.1e}", us, None, "",
                              wbytes + m * (k + n + nt) * 2)
             del ws, first
 

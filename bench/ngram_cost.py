@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def _decode(runner: Any, spec: Any, batch: int, prompt_len: int, new: int, seed:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, runner.vocab_size, prompt_len).tolist() for _ in range(batch)]
     config = EngineConfig(num_lanes=batch, max_context=prompt_len + new + 64, speculative=spec)
-    with Engine(runner, config) as engine:
+    with Engine(runner, config, logger=logging.getLogger("bench.ngram_cost")) as engine:  # a failure's cause
         streams = [engine.submit(EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=1.0, top_k=20,
                                                                                  seed=seed + i), new))
                    for i, p in enumerate(prompts)]
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-match", type=int, default=3)
     parser.add_argument("--synthetic-shape", default="qwen3.6-27b")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
     rows = run([int(b) for b in args.batches.split(",")], args.new, args.prompt, args.draft_tokens, args.min_match,
                args.synthetic_shape)
     args.out.mkdir(parents=True, exist_ok=True)

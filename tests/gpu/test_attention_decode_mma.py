@@ -60,6 +60,24 @@ def _mma_key(name, t):
     return f"mma_{name}_t{min(n for n in attention_decode_mma.TOKENS if n >= t)}"
 
 
+
+def sequence_references(q, x, qseq, pos, hq, d, table, kv):
+    """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos) over the pool of
+    page table `table`, kv(rows) giving the K and V values of pool rows. A sequence's rows (a
+    verification block's tokens) take one `reference_attention` call over its keys, gathered
+    (and decoded) once: per row, the copies cost more than the products."""
+    gate = x[:, :hq * 2 * d].reshape(-1, hq, 2 * d)[..., d:]
+    exact = np.empty((q.shape[0], hq * d))
+    base = np.empty((q.shape[0], hq * d), np.float32)
+    for b in np.unique(qseq):
+        i = np.flatnonzero(qseq == b)
+        n = int(pos[i].max()) + 1
+        k, v = kv(table[b, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE)
+        args = (q[i], k, v, pos[i], gate[i])
+        exact[i] = attention.reference_attention(*args, exact=True)
+        base[i] = attention.reference_attention(*args)
+    return exact, base
+
 def _scattered(rng, lengths, spare=2):
     """A page table [len(lengths), maxp] giving each sequence its pages from a shuffled pool."""
     maxp = max(-(-n // PAGE) for n in lengths)
@@ -111,20 +129,8 @@ class _Case:
         return mem.read_bf16(out, (m, self.hq * self.d))
 
     def references(self, q, x, qseq, pos):
-        """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos). A sequence's
-        rows (a verification block's tokens) take one `reference_attention` call over its keys,
-        gathered and converted once: per row, the copies cost more than the products."""
-        gate = x[:, :self.hq * 2 * self.d].reshape(-1, self.hq, 2 * self.d)[..., self.d:]
-        exact = np.empty((q.shape[0], self.hq * self.d))
-        base = np.empty((q.shape[0], self.hq * self.d), np.float32)
-        for b in np.unique(qseq):
-            i = np.flatnonzero(qseq == b)
-            n = int(pos[i].max()) + 1
-            rows = self.table[b, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
-            args = (q[i], self.k[rows], self.v[rows], pos[i], gate[i])
-            exact[i] = attention.reference_attention(*args, exact=True)
-            base[i] = attention.reference_attention(*args)
-        return exact, base
+        """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos)."""
+        return sequence_references(q, x, qseq, pos, self.hq, self.d, self.table, lambda rows: (self.k[rows], self.v[rows]))
 
     def check(self, got, split_got, q, x, qseq, pos, what, rows=None):
         """Every row written; each of `rows` (None: all) against fp64 within SLACK x the

@@ -30,12 +30,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cute_kernels import attention, attention_decode_mma
+from cute_kernels import attention_decode_mma
 from runtime.model import kv_format as kf
 from runtime.model.gpu.storage import DECODE_MIN_SPLIT, default_decode_splits
 
 from .conftest import assert_close_to_baseline, rel_err
-from .test_attention_decode_mma import _bf, _cfg, _reference_rows, _scattered
+from .test_attention_decode_mma import (
+    _bf,
+    _cfg,
+    _reference_rows,
+    _scattered,
+    sequence_references,
+)
 
 pytestmark = pytest.mark.gpu
 PAGE = 64
@@ -121,21 +127,9 @@ class _Case:
 
     def references(self, q, x, qseq, pos):
         """(fp64, same-precision) references [M, Hq * D] of rows (q, x, qseq, pos) over the
-        dequantised K/V. A sequence's rows (a verification block's tokens) take one
-        `reference_attention` call over its keys, decoded once: per row, the decoding and the
-        copies cost more than the products."""
-        gate = x[:, :self.hq * 2 * self.d].reshape(-1, self.hq, 2 * self.d)[..., self.d:]
-        exact = np.empty((q.shape[0], self.hq * self.d))
-        base = np.empty((q.shape[0], self.hq * self.d), np.float32)
-        for b in np.unique(qseq):
-            i = np.flatnonzero(qseq == b)
-            n = int(pos[i].max()) + 1
-            rows = self.table[b, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
-            k, v = (c * s[..., None] for c, s in (self.values(0, rows), self.values(1, rows)))
-            args = (q[i], k, v, pos[i], gate[i])
-            exact[i] = attention.reference_attention(*args, exact=True)
-            base[i] = attention.reference_attention(*args)
-        return exact, base
+        dequantised K/V."""
+        return sequence_references(q, x, qseq, pos, self.hq, self.d, self.table, lambda rows: tuple(
+            c * s[..., None] for c, s in (self.values(0, rows), self.values(1, rows))))
 
     def check(self, got, split_got, q, x, qseq, pos, what, rows=None):
         """Every row written; each of `rows` (None: all) against fp64 over the dequantised K/V

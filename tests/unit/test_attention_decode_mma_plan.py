@@ -150,8 +150,9 @@ def test_decode_split_picks_the_fewest_tokens_that_fit(shape, name):
 def test_quantised_kv_takes_the_mma_variants_of_its_format(monkeypatch, shape, name, fmt):
     from runtime.model.gpu import kernels as gpu_kernels
 
-    # Off by default (their GPU tests have not run yet): quantised KV keeps the CUDA-core split.
-    assert gpu_kernels.QUANTISED_KV_MMA is False
+    # On by default (their GPU tests pass on the H200); off, quantised KV takes the CUDA-core split.
+    assert gpu_kernels.QUANTISED_KV_MMA is True
+    monkeypatch.setattr(gpu_kernels, "QUANTISED_KV_MMA", False)
     kernels = _choice(shape, fmt)
     if not any(key.endswith(f"_{fmt}") for _, key in kernels.library.manifest.kernels):
         pytest.skip(f"the {fmt} attention_decode_mma variants were not built")
