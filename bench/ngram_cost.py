@@ -31,7 +31,10 @@ def _decode(runner: Any, spec: Any, batch: int, prompt_len: int, new: int, seed:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, runner.vocab_size, prompt_len).tolist() for _ in range(batch)]
     config = EngineConfig(num_lanes=batch, max_context=prompt_len + new + 64, speculative=spec)
-    with Engine(runner, config, logger=logging.getLogger("bench.ngram_cost")) as engine:  # a failure's cause
+    # The engine's thread takes the runner's CUDA context (as the server's does); the logger
+    # prints a failed request's cause.
+    with Engine(runner, config, logger=logging.getLogger("bench.ngram_cost"),
+                on_thread_start=runner.device.make_current) as engine:
         streams = [engine.submit(EngineRequest(f"r{i}", tuple(p), SamplingParams(temperature=1.0, top_k=20,
                                                                                  seed=seed + i), new))
                    for i, p in enumerate(prompts)]

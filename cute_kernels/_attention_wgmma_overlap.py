@@ -46,9 +46,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     cfg = variant.config
     hq, hkv, d, stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
     bm, bn, stages, threads = cfg["BM"], cfg["BN"], cfg["stages"], cfg["threads"]
-    if cfg["kv"] != "bf16" or bn != PAGE or stages != 2:
-        raise ValueError(f"{variant.name}: the overlapped form reads bf16 pages, one page a tile, 2 stages")
-    kv_split = bool(cfg.get("kv_split"))
+    if cfg["kv"] != "bf16" or bn != PAGE or stages != 2 or cfg.get("kv_split"):
+        raise ValueError(f"{variant.name}: the overlapped form reads bf16 pages, one page a tile, 2 stages, "
+                         f"all keys (not over key splits: attention_wgmma.KV_SPLIT_FORMS)")
     wgs = threads // 128
     group = hq // hkv
     scale_log2 = d ** -0.5 * LOG2E
@@ -152,26 +152,19 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     @cute.jit
     def attend(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, o_part: cute.Pointer,
-               lse: cute.Pointer, m: cutlass.Int32, maxp: cutlass.Int32, ns: cutlass.Int32,
-               split: cutlass.Int32) -> None:
-        """The kernel body: x / out (gate, bf16 output) or, over key splits, o_part / lse, ns, split."""
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+               maxp: cutlass.Int32) -> None:
+        """The kernel body: x (the gate) and out (the bf16 output)."""
         q_lay, k_lay, v_lay = smem_layouts()
         tid, _, _ = cute.arch.thread_idx()
-        head, by, sidx = cute.arch.block_idx()
+        head, by, _ = cute.arch.block_idx()
         tiles = (m + bm - 1) // bm
         m0 = (tiles - 1 - by) * bm  # longest tiles first
         kvh = head // group
         gpos = cute.make_tensor(pos, cute.make_layout(m))
         end = gpos[cutlass.min(m0 + bm - 1, m - 1)] + 1  # keys this tile reads: 0..end-1
-        # Keys k_lo..k_hi-1 (tiles kb0..nkb-1): all of them, or this CTA's split of them. A split
-        # that starts past the tile's last row has none: it runs one zero-filled tile whose
-        # results no row reads (every row ends before k_lo).
-        k_lo = cutlass.Int32(0)
+        k_lo = cutlass.Int32(0)  # keys 0..end-1: tiles kb0..nkb-1
         k_hi = end
-        if cutlass.const_expr(kv_split):
-            k_lo = sidx * split
-            k_hi = cutlass.min(k_lo + split, end)
         kb0 = k_lo // bn
         nkb = (k_hi + bn - 1) // bn
         ntiles = cutlass.max(nkb - kb0, 1)
@@ -288,69 +281,39 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             row_sum[h] = total
-        if cutlass.const_expr(kv_split):
-            # The split's O / sum (fp32) and log2-sum-exp per row that has keys in it (a row that
-            # ends before k_lo has none: its values are not finite and the combine never reads them).
-            for h in cutlass.range_constexpr(2):
-                row = m0 + s_coords[2 * h][0]
-                if row < m and row_pos[h] >= k_lo and tid % 4 == 0:
-                    cute.make_tensor(lse + (cutlass.Int64(row) * hq + head) * ns + sidx, cute.make_layout(1))[0] = (
-                        row_max[h] * f32(scale_log2) + cute.math.log2(row_sum[h]))
-            for i in cutlass.range_constexpr(o_vals):
-                r, c = o_coords[i]
-                if m0 + r < m and row_pos[row_of(i)] >= k_lo:
-                    base = (cutlass.Int64(m0 + r) * hq + head) * ns + sidx
-                    cute.make_tensor(o_part + base * d + c, cute.make_layout(1))[0] = acc_o[i] / row_sum[row_of(i)]
-        else:
-            # O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
-            for h in cutlass.range_constexpr(2):
-                row_sum[h] = f32(1.0) / row_sum[h]
-            sO = sQ[None, None, 0]
-            for i in cutlass.range_constexpr(o_vals):
-                r, c = o_coords[i]
-                sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
-            cute.arch.sync_threads()
-            gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
-                                  cute.make_layout((bm, d), stride=(stride, 1)))
-            gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
-                                  cute.make_layout((bm, d), stride=(hq * d, 1)))
-            tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
-            for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-                if m0 + q_rows[0, i, 0][0] < m:
-                    o = tOsO[None, i, None].load().to(f32)
-                    g = tOgG[None, i, None].load().to(f32)
-                    sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
-                    tOgO[None, i, None].store((o * sig).to(bf16))
+        # O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
+        for h in cutlass.range_constexpr(2):
+            row_sum[h] = f32(1.0) / row_sum[h]
+        sO = sQ[None, None, 0]
+        for i in cutlass.range_constexpr(o_vals):
+            r, c = o_coords[i]
+            sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
+        cute.arch.sync_threads()
+        gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
+                              cute.make_layout((bm, d), stride=(stride, 1)))
+        gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
+                              cute.make_layout((bm, d), stride=(hq * d, 1)))
+        tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
+        for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+            if m0 + q_rows[0, i, 0][0] < m:
+                o = tOsO[None, i, None].load().to(f32)
+                g = tOgG[None, i, None].load().to(f32)
+                sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
+                tOgO[None, i, None].store((o * sig).to(bf16))
 
-    if kv_split:
-        @cute.kernel
-        def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-                   qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
-                   maxp: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32):
-            attend(q, k_pages, v_pages, table, qseq, pos, q, q, o_part, lse, m, maxp, ns, split)
+    @cute.kernel
+    def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+               maxp: cutlass.Int32):
+        attend(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp)
 
-        @cute.jit
-        def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-                   qseq: cute.Pointer, pos: cute.Pointer, o_part: cute.Pointer, lse: cute.Pointer, m: cutlass.Int32,
-                   maxp: cutlass.Int32, ns: cutlass.Int32, split: cutlass.Int32, stream: Any):
-            kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, maxp, ns, split).launch(
-                grid=_dsl.grid(variant, {"M": m, "S": ns}), block=list(variant.block), stream=stream)
+    @cute.jit
+    def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
+               qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
+               maxp: cutlass.Int32, stream: Any):
+        kernel(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp).launch(
+            grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
 
-        aligns = {"table": 4, "qseq": 4, "pos": 4, "lse": 4, "o_part": 4}
-    else:
-        @cute.kernel
-        def kernel(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-                   qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
-                   maxp: cutlass.Int32):
-            attend(q, k_pages, v_pages, table, qseq, pos, x, out, x, x, m, maxp, cutlass.Int32(1), cutlass.Int32(bn))
-
-        @cute.jit
-        def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
-                   qseq: cute.Pointer, pos: cute.Pointer, x: cute.Pointer, out: cute.Pointer, m: cutlass.Int32,
-                   maxp: cutlass.Int32, stream: Any):
-            kernel(q, k_pages, v_pages, table, qseq, pos, x, out, m, maxp).launch(
-                grid=_dsl.grid(variant, {"M": m}), block=list(variant.block), stream=stream)
-
-        aligns = {"table": 4, "qseq": 4, "pos": 4}
+    aligns = {"table": 4, "qseq": 4, "pos": 4}
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_wgmma_{variant.key}")
     return launch, _dsl.example_args(variant, aligns=aligns)

@@ -118,11 +118,11 @@ def fill_k_slots(frag_a: Any, frag_b: Any, a_lo: Any, a_hi: Any, b: Any, j: int)
     frag_b[3] = b[4 * j + 3]
 
 
-def acc_partials(acc: Any, r: Any, q: Any, warp: Any, rows: int, mb: int, warps: int, smem: Any = None) -> Any:
+def acc_partials(acc: Any, r: Any, q: Any, warp: Any, rows: int, mb: int, warps: int) -> Any:
     """Shared memory [rows, mb, warps] holding this warp's m16n8 accumulator (one 16 x 8 tile:
     slots (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1)), for
-    `sum_warp_partials`; allocated from `smem` when the kernel holds other shared memory."""
-    smem = smem or cutlass.memory.SmemAllocator()
+    `sum_warp_partials`."""
+    smem = cutlass.memory.SmemAllocator()
     partial = smem.allocate_tensor(
         cutlass.Float32, cute.make_layout((rows, mb, warps), stride=(1, rows, rows * mb)), byte_alignment=16
     )

@@ -91,19 +91,9 @@ SHAPES = [
 # ahead (`gemv_nvfp4.py` says why: ptxas keeps the loads about one block ahead, too few bytes in
 # flight per SM for the copy bandwidth). With `cvt`'s unroll of 4 the prefetches took ptxas from
 # 50 to 76-80 registers (one CTA an SM fewer); unrolled by 8 they keep 50.
-# `cpS` (PIPELINE): the `cvt` decode over codes that reach shared memory by `cp.async`, each warp
-# a ring of S blocks: a warp keeps S - 1 blocks (S - 1 x 2 KB) in flight without holding them in
-# registers, which the register loads cannot do (ptxas sinks them to about one block ahead).
-# Each lane copies exactly the 64 bytes it decodes (rows r and r + 8), so a lane waits on its
-# own copies only (no barrier); the ring is chunk-major (chunk j of the 32 lanes contiguous), so
-# the copies and the 16-byte shared loads are free of bank conflicts. The same decode and the
-# same sums in the same order as `cvt`: bit for bit its numbers.
 FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
-         "cvt_u8_pf2": ("cvt", 8, ROWS), "cvt_u8_pf4": ("cvt", 8, ROWS), "cp3": ("cvt", 1, ROWS),
-         "cp4": ("cvt", 1, ROWS), "cp6": ("cvt", 1, ROWS)}
+         "cvt_u8_pf2": ("cvt", 8, ROWS), "cvt_u8_pf4": ("cvt", 8, ROWS)}
 PREFETCH = {"cvt_u8_pf2": 2, "cvt_u8_pf4": 4}  # form -> blocks prefetched ahead
-PIPELINE = {"cp3": 3, "cp4": 4, "cp6": 6}  # form -> ring blocks per warp
-RING_WORDS = 4 * 32 * 4  # one block of one warp in the ring: 4 chunks x 32 lanes x 16 bytes, in int32 words
 
 
 # Wide variants: MB -> the row-group forms (R row groups of 16 per CTA, blocks each warp's loop
@@ -227,14 +217,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from cutlass.cute.nvgpu import cpasync
-
     from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll, form = variant.config["unroll"], variant.config["decode"]
     ahead = PREFETCH.get(variant.config["form"], 0)  # blocks prefetched to L2 ahead of the loads
-    stages = PIPELINE.get(variant.config["form"], 0)  # cp.async ring blocks per warp (0: register loads)
     mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
     groups = mb // 8  # 8-token MMA column groups
     span = ROWS * row_groups  # rows per CTA
@@ -244,17 +231,12 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     fp8_ctas = n // span
     vec = (32,)
 
-    def load_x(x_at: list, col: Any) -> list:
-        """The lane's 32 activations of each token group at column col."""
-        return [cute.make_tensor(p + col, cute.make_layout(vec)).load() for p in x_at]
-
     def mma_block(mma: Any, frag_a: Any, frag_b: Any, a_lo: list, a_hi: list, x_at: list, col: Any,
-                  into: list, xs: list | None = None) -> None:
+                  into: list) -> None:
         """A 128-column block into accumulators [row group][token group]: token groups outermost
-        (one activation fragment live at a time), each accumulator sees k16 steps 0..7 in order.
-        xs: the block's activations already loaded (`load_x`), else loaded here."""
+        (one activation fragment live at a time), each accumulator sees k16 steps 0..7 in order."""
         for g in range(groups):  # plain Python loops: they unroll while tracing
-            b = cute.make_tensor(x_at[g] + col, cute.make_layout(vec)).load() if xs is None else xs[g]
+            b = cute.make_tensor(x_at[g] + col, cute.make_layout(vec)).load()
             for j in range(8):
                 for h in range(row_groups):
                     _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)
@@ -266,57 +248,18 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cute.arch.prefetch((p + c * BLOCK).llvm_ptr, cache_level="L2")
 
     def fp8_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, block_accs: list, w_lo: list, w_hi: list,
-                  x_at: list, s_row: Any, c: Any, held: tuple | None = None) -> None:
-        """One 128-column block of the CTA's FP8 rows: unscaled partials, then acc += partial * scale.
-        held (the ring forms): (decoded rows, activations, scale) already in registers, else
-        everything is read here."""
+                  x_at: list, s_row: Any, c: Any) -> None:
+        """One 128-column block of the CTA's FP8 rows: unscaled partials, then acc += partial * scale."""
         col = c * BLOCK
-        if held is None:
-            a_lo = [_dequant.e4m3_row(form, p + col) for p in w_lo]
-            a_hi = [_dequant.e4m3_row(form, p + col) for p in w_hi]
-            xs, s = None, cute.make_tensor(s_row + c, cute.make_layout(1))[0]
-        else:
-            (a_lo, a_hi), xs, s = held
+        a_lo = [_dequant.e4m3_row(form, p + col) for p in w_lo]
+        a_hi = [_dequant.e4m3_row(form, p + col) for p in w_hi]
         for part in block_accs:
             part.fill(0.0)
-        mma_block(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, block_accs, xs)
+        mma_block(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, block_accs)
+        s = cute.make_tensor(s_row + c, cute.make_layout(1))[0]
         for acc, part in zip(accs, block_accs):
             for i in range(4):
                 acc[i] = acc[i] + part[i] * s
-
-    def ring_issue(ring: Any, w: Any, w_row: Any, slot: Any, c: Any) -> None:
-        """cp.async of this lane's 64 code bytes of block c (rows r and r + 8: chunks 0, 1 and 2,
-        3 of 16 bytes) into its ring slot (word offset of chunk 0; chunk j is j x 128 words on).
-        w_row: the byte offset in the codes `w` of the lane's row r at block 0."""
-        # Through L1 (`.ca`): the two 16-byte chunks of a row's 32 bytes are half of one sector
-        # each; the second copy then finds the sector in L1 instead of fetching it from L2 again.
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
-                                  num_bits_per_copy=128)
-        for chunk in range(4):
-            offset = w_row + cutlass.Int64(chunk // 2 * 8) * k + c * BLOCK + chunk % 2 * 16
-            src = cute.make_tensor(cute.recast_ptr(w + cute.assume(offset, divby=16), dtype=cutlass.Int32),
-                                   cute.make_layout(4))
-            dst = cute.make_tensor(ring.iterator + cute.assume(slot + chunk * 128, divby=4), cute.make_layout(4))
-            cute.copy(g2s, src, dst)
-
-    def ring_rows(ring: Any, slot: Any) -> tuple:
-        """The lane's two rows of one ring slot, decoded: ([row r], [row r + 8]) of 32 bf16 each."""
-        rows = []
-        for half in range(2):
-            raw = cute.make_rmem_tensor((8,), cutlass.Int32)
-            raw.store(cute.make_tensor(ring.iterator + cute.assume(slot + half * 256, divby=4),
-                                       cute.make_layout((4, 2), stride=(1, 128))).load())
-            rows.append([cute.recast_tensor(raw, cutlass.Float8E4M3FN).load().to(cutlass.BFloat16)])
-        return rows[0], rows[1]
-
-    def ring_fill(ring: Any, w: Any, w_row: Any, base: Any, first: Any, i: int) -> None:
-        """Copy group i of a warp's ring: block first + i (clamped to the last block: valid memory;
-        the extra block of warps >= extra is copied but not used) into slot i % stages, or an
-        empty group past the warp's blocks, so that `wait_group(stages - 1)` at iteration i
-        always means "block i has landed"."""
-        if i < per_warp + (1 if extra else 0):
-            ring_issue(ring, w, w_row, base + i % stages * RING_WORDS, cutlass.min(first + i, blocks - 1))
-        cute.arch.cp_async_commit_group()
 
     def bf16_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, t_lo: list, t_hi: list, x_at: list,
                    c: Any) -> None:
@@ -346,39 +289,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             x_at.append(x + cutlass.Int64(cutlass.min(g * 8 + r, m - 1)) * k + q * 32)
         row0 = bid * span
         count = span
-        smem = cutlass.memory.SmemAllocator()
-        if cutlass.const_expr(stages > 0):
-            ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * stages * RING_WORDS), byte_alignment=16)
-            if bid < fp8_ctas:
-                # The warp's blocks in order through its ring, stages - 1 copy groups ahead.
-                s_row = scale + (row0 // BLOCK) * blocks
-                w_row = cutlass.Int64(row0 + r) * k + q * 32
-                base = warp * (stages * RING_WORDS) + (tid % 32) * 4
-                # Each block's activations and scale are loaded one block ahead into registers:
-                # `wait_group` orders the loads after it, so loaded behind it their L2 latency
-                # would stall every block.
-                ring_blocks = per_warp + (1 if extra else 0)
-                for i in cutlass.range_constexpr(stages - 1):
-                    ring_fill(ring, w, w_row, base, first, i)
-                c_next = cutlass.min(first, blocks - 1)
-                x_next = load_x(x_at, c_next * BLOCK)
-                s_next = cute.make_tensor(s_row + c_next, cute.make_layout(1))[0]
-                for i in cutlass.range_constexpr(ring_blocks):
-                    ring_fill(ring, w, w_row, base, first, i + stages - 1)
-                    x_cur, s_cur = x_next, s_next
-                    if cutlass.const_expr(i + 1 < ring_blocks):
-                        c_next = cutlass.min(first + i + 1, blocks - 1)
-                        x_next = load_x(x_at, c_next * BLOCK)
-                        s_next = cute.make_tensor(s_row + c_next, cute.make_layout(1))[0]
-                    cute.arch.cp_async_wait_group(stages - 1)
-                    held = (ring_rows(ring, base + i % stages * RING_WORDS), x_cur, s_cur)
-                    if cutlass.const_expr(i < per_warp):
-                        fp8_block(mma, frag_a, frag_b, accs, block_accs, None, None, x_at, s_row, first + i, held)
-                    else:
-                        if warp < extra:
-                            fp8_block(mma, frag_a, frag_b, accs, block_accs, None, None, x_at, s_row, first + i,
-                                      held)
-        elif bid < fp8_ctas:
+        if bid < fp8_ctas:
             w_lo, w_hi = [], []
             for h in cutlass.range_constexpr(row_groups):
                 w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * k + q * 32)
@@ -411,6 +322,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
+        smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
                                        byte_alignment=16)
         # The epilogue adds one (row, token) per thread: MB = 32 takes two passes of 16 tokens, row

@@ -78,17 +78,8 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FORMS = {"lut": ("lut", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
          "shift_x": ("shift_x", 4, ROWS), "shift_h": ("shift", 4, ROWS // 2),
          "pf2": ("shift", 8, ROWS), "pf4": ("shift", 8, ROWS), "pf8": ("shift", 8, ROWS),
-         "pf4_h": ("shift", 8, ROWS // 2), "cp4": ("shift", 1, ROWS), "cp6": ("shift", 1, ROWS)}
+         "pf4_h": ("shift", 8, ROWS // 2)}
 PREFETCH = {"pf2": 2, "pf4": 4, "pf8": 8, "pf4_h": 4}  # form -> steps prefetched ahead
-# `cpS` (PIPELINE): the `shift` decode over codes and scales that reach shared memory by
-# `cp.async` (gemv_fp8.py's ring forms, which say why): each warp keeps S - 1 steps in flight in
-# a ring of S slots. A lane copies exactly what it decodes: 16 code bytes of rows r and r + 8 and
-# the aligned 4-byte word holding its 2 scale bytes of each row (lanes q and q ^ 1 copy the same
-# word: one sector either way), so it waits on its own copies only. Bit for bit `shift`'s numbers.
-PIPELINE = {"cp4": 4, "cp6": 6}  # form -> ring steps per warp
-# One step of one warp in the ring, in int32 words: codes of rows r (chunk 0) and r + 8 (chunk 1),
-# 32 lanes x 16 bytes each, then the lanes' scale words of rows r and r + 8 (32 words each).
-RING_WORDS = 2 * 32 * 4 + 2 * 32
 
 
 # Wide variants (MB 16 / 32: gemv_fp8's WIDE row-group forms and WIDE_SHAPES, its design and its
@@ -161,8 +152,6 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.n
 def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.nvgpu import cpasync
-
     from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
@@ -177,22 +166,16 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     fp4_ctas = n // rows
     form = variant.config["decode"]
     ahead = PREFETCH.get(variant.config["form"], 0)  # steps prefetched to L2 ahead of the loads
-    stages = PIPELINE.get(variant.config["form"], 0)  # cp.async ring steps per warp (0: register loads)
-
-    def load_x(x_at: list, col: Any) -> list:
-        """The lane's 32 activations of each token group at column col."""
-        return [cute.make_tensor(p + col, cute.make_layout((32,))).load() for p in x_at]
 
     def mma_step(mma: Any, frag_a: Any, frag_b: Any, a_lo: list, a_hi: list, x_at: list, col: Any,
-                 accs: list, decoded: bool, xs: list | None = None) -> None:
+                 accs: list, decoded: bool) -> None:
         """One step's rows into accumulators [row group][token group] (a plain helper: Python
         loops unroll while tracing): token groups outermost (one activation fragment live at a
         time), each accumulator sees k16 steps 0..7 in order, as in the m8 variant. The
         activations follow the decode's column order for decoded NVFP4 rows
-        (`_dequant.activations`), not for the BF16 tail's. xs: the step's activations already
-        loaded (`load_x`), else loaded here."""
+        (`_dequant.activations`), not for the BF16 tail's."""
         for g in range(groups):
-            b = cute.make_tensor(x_at[g] + col, cute.make_layout((32,))).load() if xs is None else xs[g]
+            b = cute.make_tensor(x_at[g] + col, cute.make_layout((32,))).load()
             if decoded:
                 b = _dequant.activations(form, b)
             for j in range(8):
@@ -217,43 +200,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         a_hi = [None if half else _dequant.e2m1_row(form, w_hi[h] + c * (STEP // 2), s_hi[h] + c * (STEP // GROUP))
                 for h in range(row_groups)]
         mma_step(mma, frag_a, frag_b, a_lo, a_hi, x_at, c * STEP, accs, True)
-
-    def ring_fill(ring: Any, w: Any, scale: Any, row: Any, lane: Any, slot: Any, i: int, c: Any) -> None:
-        """Copy group i of a warp's ring: step c's codes and scale words of this lane's rows
-        (row, row + 8) into `slot` (the word offset of a warp's ring slot: codes of rows r, lane
-        by lane, then of rows r + 8 128 words on; the lanes' scale words of rows r at 256, of
-        rows r + 8 at 288), or an empty group past the warp's steps, so that
-        `wait_group(stages - 1)` at iteration i always means "step i has landed"."""
-        if i < per_warp + (1 if extra else 0):
-            q = lane % 4
-            g16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Int32,
-                                      num_bits_per_copy=128)
-            g4 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
-                                     num_bits_per_copy=32)
-            for h in range(2):
-                at = cutlass.Int64(row + 8 * h) * (k // 2) + c * (STEP // 2) + q * 16
-                src = cute.make_tensor(cute.recast_ptr(w + cute.assume(at, divby=16), dtype=cutlass.Int32),
-                                       cute.make_layout(4))
-                dst = cute.make_tensor(ring.iterator + cute.assume(slot + h * 128 + lane * 4, divby=4),
-                                       cute.make_layout(4))
-                cute.copy(g16, src, dst)
-                at = cutlass.Int64(row + 8 * h) * (k // GROUP) + c * (STEP // GROUP) + q // 2 * 4
-                src = cute.make_tensor(cute.recast_ptr(scale + cute.assume(at, divby=4), dtype=cutlass.Int32),
-                                       cute.make_layout(1))
-                cute.copy(g4, src, cute.make_tensor(ring.iterator + (slot + 256 + 32 * h + lane), cute.make_layout(1)))
-        cute.arch.cp_async_commit_group()
-
-    def ring_step(mma: Any, frag_a: Any, frag_b: Any, accs: list, ring: Any, slot: Any, lane: Any,
-                  x_at: list, c: Any, xs: list) -> None:
-        """Step c of the lane's rows, decoded from its ring slot (as `fp4_step` from global memory):
-        its scale bytes are bytes 2 (q % 2) .. + 1 of its scale word; xs its activations."""
-        rows = []
-        for h in range(2):
-            codes = cute.recast_ptr(ring.iterator + cute.assume(slot + h * 128 + lane * 4, divby=4),
-                                    dtype=cutlass.Uint8)
-            scales = cute.recast_ptr(ring.iterator + (slot + 256 + 32 * h + lane), dtype=cutlass.Float8E4M3FN)
-            rows.append([_dequant.e2m1_row(form, codes, scales + lane % 2 * 2)])
-        mma_step(mma, frag_a, frag_b, rows[0], rows[1], x_at, c * STEP, accs, True, xs)
 
     def bf16_step(mma: Any, frag_a: Any, frag_b: Any, accs: list, t_lo: list, t_hi: list, x_at: list,
                   c: Any) -> None:
@@ -280,40 +226,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         if cutlass.const_expr(half):
             for i in (2, 3, 6, 7):
                 frag_a[i] = cutlass.BFloat16(0.0)
-        smem = cutlass.memory.SmemAllocator()
-        if cutlass.const_expr(stages > 0):
-            ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS * stages * RING_WORDS), byte_alignment=16)
-        if cutlass.const_expr(stages > 0):
-            if bid < fp4_ctas:
-                # The warp's steps in order through its ring, stages - 1 copy groups ahead.
-                lane = tid % 32
-                base = warp * (stages * RING_WORDS)
-                for i in cutlass.range_constexpr(stages - 1):
-                    ring_fill(ring, w, scale, row0 + r, lane, base + i % stages * RING_WORDS, i,
-                              cutlass.min(first + i, steps - 1))
-                # Each step's activations are loaded one step ahead into registers (gemv_fp8.py's
-                # ring says why).
-                ring_steps = per_warp + (1 if extra else 0)
-                x_next = load_x(x_at, cutlass.min(first, steps - 1) * STEP)
-                for i in cutlass.range_constexpr(ring_steps):
-                    j = i + stages - 1
-                    ring_fill(ring, w, scale, row0 + r, lane, base + j % stages * RING_WORDS, j,
-                              cutlass.min(first + j, steps - 1))
-                    x_cur = x_next
-                    if cutlass.const_expr(i + 1 < ring_steps):
-                        x_next = load_x(x_at, cutlass.min(first + i + 1, steps - 1) * STEP)
-                    cute.arch.cp_async_wait_group(stages - 1)
-                    if cutlass.const_expr(i < per_warp):
-                        ring_step(mma, frag_a, frag_b, accs, ring, base + i % stages * RING_WORDS, lane, x_at,
-                                  first + i, x_cur)
-                    else:
-                        if warp < extra:
-                            ring_step(mma, frag_a, frag_b, accs, ring, base + i % stages * RING_WORDS, lane, x_at,
-                                      first + i, x_cur)
-                for acc in accs:
-                    for i in cutlass.range_constexpr(4):  # the decode's 2^-7, exactly (dequant.py)
-                        acc[i] = acc[i] * E2M1_UNDO
-        elif bid < fp4_ctas:
+        if bid < fp4_ctas:
             w_lo, w_hi, s_lo, s_hi = [], [], [], []
             for h in cutlass.range_constexpr(row_groups):
                 w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * (k // 2) + q * 16)
@@ -351,10 +264,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         bf16_step(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
         if cutlass.const_expr(mb == MB):
-            partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS, smem)
+            partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS)
             # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.
             _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS, gscale, n)
         else:
+            smem = cutlass.memory.SmemAllocator()
             partial = smem.allocate_tensor(cutlass.Float32,
                                            cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
                                            byte_alignment=16)

@@ -328,13 +328,6 @@ class CudaDevice:
         attr = self._drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         call("cuFuncSetAttribute", func, attr, int(nbytes))
 
-    def prefer_shared(self, func: Any) -> None:
-        """Ask for the largest shared-memory carveout of L1 for this function: a kernel whose
-        occupancy its shared memory sets (several CTAs of 32 KiB or more an SM) gets them all
-        resident rather than the driver's default split."""
-        attr = self._drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        call("cuFuncSetAttribute", func, attr, 100)
-
     def blocks_per_sm(self, func: Any, threads: int, dynamic_smem: int) -> int:
         """How many CTAs of this function the driver fits on one SM (registers, shared memory)."""
         return int(call("cuOccupancyMaxActiveBlocksPerMultiprocessor", func, threads, dynamic_smem))

@@ -28,11 +28,6 @@ import numpy as np
 
 from .errors import KernelMissing, KernelStale, LaunchError
 from .expr import FormulaError, evaluate
-
-# Kernels with this much dynamic shared memory or more ask for the largest shared carveout of L1
-# (`Device.prefer_shared`): their shared memory sets how many CTAs an SM holds. Below it the
-# driver's split stays (the GEMVs read their activations through L1).
-SHARED_CARVEOUT_FROM = 32 * 1024
 from .manifest import DTYPE_BYTES, KernelEntry, Manifest, Param, file_sha256
 
 __all__ = ["KernelLibrary", "Kernel", "BoundLaunch", "default_build_dir"]
@@ -90,8 +85,6 @@ class Kernel:
         self.function = device.get_function(self.module, entry.entry)
         if entry.dynamic_smem > 48 * 1024:
             device.set_dynamic_smem(self.function, entry.dynamic_smem)
-        if entry.dynamic_smem >= SHARED_CARVEOUT_FROM:
-            device.prefer_shared(self.function)
         sizes = device.param_sizes(self.function, len(entry.params))
         if sizes is not None and sizes != [p.size for p in entry.params]:
             raise KernelStale(

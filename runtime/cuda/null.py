@@ -73,7 +73,6 @@ class NullDevice:
         self._streams = 0
         self._functions: dict[int, str] = {}
         self._smem_attr: dict[int, int] = {}
-        self._prefer_shared: set[int] = set()
 
     def make_current(self) -> None:
         pass
@@ -191,9 +190,6 @@ class NullDevice:
 
     def set_dynamic_smem(self, func: Any, nbytes: int) -> None:
         self._smem_attr[func] = int(nbytes)
-
-    def prefer_shared(self, func: Any) -> None:
-        self._prefer_shared.add(func)
 
     def blocks_per_sm(self, func: Any, threads: int, dynamic_smem: int) -> int:
         return 1

@@ -200,15 +200,10 @@ def test_the_fp8_row_form_switch_picks_that_form_and_an_unbuilt_one_drops_the_wi
         forward.linear(launches, storage.buf["h"], weight, storage.buf["proj"], 20, tail, exact_rows=True)
         assert [(launch.kernel.entry.key, _rows_of(launch)) for launch in launches] == [
             ("gdn_in_n16384_t96_k5120_m16_r1u2", 16), ("gdn_in_n16384_t96_k5120_m8", 4)]
-        # Another m8 form (the cp.async ring: `cvt`'s numbers) keeps the `cvt` wide widths.
-        monkeypatch.setattr(kernels, "GEMV_FP8_ROW_FORMS", {16: "r1u2", 32: "r2u1"})
-        monkeypatch.setitem(kernels.GEMV_FORMS, FP8, "cp4")
-        assert choice.exact_block(n, k, FP8, 96) == 32
-        assert choice.linear_quantised(FP8, n, 96, k, 5) == ("gemv_fp8", "gdn_in_n16384_t96_k5120_m8_cp4")
-        assert choice.linear_quantised(FP8, n, 96, k, 9) == ("gemv_fp8", "gdn_in_n16384_t96_k5120_m16_r1u2")
-        # A wide decode form nobody built: exact rows run 8 at a time.
-        monkeypatch.setitem(kernels.GEMV_WIDE_FORMS, FP8, "shift")
+        # Another decode form for FP8: the wide variants are built in `cvt` only, so 8 rows a launch.
+        monkeypatch.setitem(kernels.GEMV_FORMS, FP8, "shift")
         assert choice.exact_block(n, k, FP8, 96) == 8
+        assert choice.linear_quantised(FP8, n, 96, k, 5) == ("gemv_fp8", "gdn_in_n16384_t96_k5120_m8_shift")
     finally:
         storage.release()
 

@@ -61,13 +61,12 @@ MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
 # kept forms' instructions, bit for bit their numbers, plus prefetches of the codes a few steps ahead)
 # are slower on the H200 on every 27B and A3B shape (NVFP4 gate_up M=1: shift_u8 0.53 of the copy
 # bandwidth, pf2 0.39, pf8 0.26; FP8 gdn_in: cvt 0.80, cvt_u8_pf2 0.64): the hardware prefetcher
-# already streams these reads. The FP8 `cpS` forms stage the codes through a cp.async ring in
-# shared memory (gemv_fp8.py PIPELINE): `cvt`'s decode and sums, bit for bit.
+# already streams these reads. The FP8 wide variants exist in `cvt` only: an FP8 choice other than
+# `cvt` runs exact rows 8 at a time. Also tried and dropped (H200, `--only gemv_q`, the five 27B
+# shapes summed): the codes staged through a per-warp cp.async ring in shared memory, 3-6 blocks
+# in flight without registers (FP8 at M = 1: 160 us against `cvt`'s 136, at M = 8: 253 against
+# 153; NVFP4 127 against `shift_u8`'s 106), with 3-4 CTAs an SM.
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
-# The decode form of the wide (16- and 32-row) variants, which are built in one or two forms only
-# (FP8 `cvt`; NVFP4 `shift_u8`, `pf4`). It must give the m8 form's numbers bit for bit (the same
-# decode and order of sums), as a step mixes widths row block by row block.
-GEMV_WIDE_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # The row counts (MB) of the quantised GEMVs: 8 for every format, and the wide widths
 # (cute_kernels/gemv_fp8.py WIDE; FP8 builds them in the `cvt` decode only, NVFP4 in its
 # WIDE_FORMS `shift_u8` and `pf4`: another GEMV_FORMS choice runs exact rows 8 at a time).
@@ -84,11 +83,6 @@ GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 # way: the same picks win (`shift_u8` at 32 rows: r2u1 303 us, r1u1 389). ptxas on the 27B shapes:
 # m16 r1u2 102-106 registers, r2u1 128 (gdn_in spills 8 bytes); m32 r1u1 118-128, r2u1 173-187.
 GEMV_NVFP4_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
-
-
-def quantised_form(fmt: str, mb: int) -> str:
-    """The decode form of a quantised GEMV of width mb (read at call time: tests switch the dicts)."""
-    return GEMV_FORMS[fmt] if mb <= QUANTISED_GEMV_ROWS[0] else GEMV_WIDE_FORMS[fmt]
 
 
 def quantised_row_forms(fmt: str) -> dict[int, str]:
@@ -307,9 +301,7 @@ class KernelChoice:
                 ("attention_prefill", mma_sync) if mma_sync else None
             # Chunks past the first key split take the WGMMA kernel over key splits + the combine
             # (`Storage.prefill_kv_split`), where compiled with the fused one.
-            # Over key splits always wg2: wg2p's o partials there equal wg2's bit for bit but its
-            # lse differs by 1 ulp in places (tests/gpu/test_attention_wgmma.py on the H200), and it
-            # was barely faster (330 TFLOP/s against 323 over 2,048-key splits at 8K).
+            # Over key splits always wg2 (the only form built there: attention_wgmma.KV_SPLIT_FORMS).
             self.prefill_attn_split = _find(lib, "attention_wgmma", form="wg2", kv=kv, kv_split=True, **shape) \
                 if wgmma else None
 
@@ -388,7 +380,7 @@ class KernelChoice:
         narrowest first: always 8 (`linear_quantised` refuses a shape without it)."""
         family = QUANTISED[fmt][0]
         wide = [mb for mb in QUANTISED_GEMV_ROWS[1:]
-                if _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=quantised_form(fmt, mb),
+                if _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt],
                          rform=quantised_row_forms(fmt)[mb]) is not None]
         return [QUANTISED_GEMV_ROWS[0]] + wide
 
@@ -404,11 +396,11 @@ class KernelChoice:
             raise KernelMissing(f"no {family} kernel takes {m} rows of an {name} {n}x{k} weight; the widest "
                                 f"compiled takes {self.exact_block(n, k, fmt, nt)}")
         match = {"rform": quantised_row_forms(fmt)[mb]} if mb > 8 else {}
-        key = _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=quantised_form(fmt, mb), **match)
+        key = _find(self.library, family, N=n, NT=nt, K=k, MB=mb, form=GEMV_FORMS[fmt], **match)
         if key is None:
             raise KernelMissing(
                 f"no {family} kernel for an {name} {n}x{k} weight" + (f" with a {nt}-row bf16 tail" if nt else "")
-                + f" in the {quantised_form(fmt, mb)} form in {self.library.root / 'manifest.json'}; add the shape to SHAPES "
+                + f" in the {GEMV_FORMS[fmt]} form in {self.library.root / 'manifest.json'}; add the shape to SHAPES "
                 f"in cute_kernels/gemv_fp8.py "
                 f"(both quantised GEMVs take them) and run `python build_kernels.py --arch "
                 f"{self.library.manifest.arch}`")
