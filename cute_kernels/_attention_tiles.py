@@ -71,3 +71,29 @@ def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, sta
                 cute.copy(gcopy, tsrc[None, i, None], tdst[None, i, None])
             else:
                 tdst[None, i, None].fill(0)
+
+
+@cute.jit
+def store_gated_rows(tid: Any, s_o: Any, x: Any, out: Any, m0: Any, m: Any, head: Any, threads: cutlass.Constexpr,
+                     hq: cutlass.Constexpr, d: cutlass.Constexpr, stride: cutlass.Constexpr,
+                     bm: cutlass.Constexpr) -> None:
+    """The prefill attention epilogue of query rows m0 .. m0 + bm - 1 (those below m) of one head:
+    out[row, head] = O[row] * bf16(sigmoid(gate[row])), O the bf16 tile s_o [bm, d] in shared
+    memory, the gate the second half of the head's 2 d columns of x (rows `stride` apart); 16
+    bytes a thread per copy, 8 threads per 64 columns, so the stores coalesce."""
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16, num_bits_per_copy=128)
+    thr_g = cute.make_tiled_copy_tv(g2s, cute.make_layout((threads // 8, 8), stride=(8, 1)),
+                                    cute.make_layout((1, 8))).get_slice(tid)
+    rows = thr_g.partition_S(cute.make_identity_tensor((bm, d)))
+    g_gate = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
+                              cute.make_layout((bm, d), stride=(stride, 1)))
+    g_out = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
+                             cute.make_layout((bm, d), stride=(hq * d, 1)))
+    t_o, t_gate, t_out = thr_g.partition_S(s_o), thr_g.partition_S(g_gate), thr_g.partition_S(g_out)
+    for i in cutlass.range_constexpr(cute.size(t_o.shape[1])):
+        if m0 + rows[0, i, 0][0] < m:
+            o = t_o[None, i, None].load().to(f32)
+            g = t_gate[None, i, None].load().to(f32)
+            sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
+            t_out[None, i, None].store((o * sig).to(bf16))

@@ -285,16 +285,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         thr_so = st_o.get_slice(tid)
         cute.copy(st_o, thr_so.retile(r_o), thr_so.partition_D(sO))
         cute.arch.sync_threads()
-        gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
-                              cute.make_layout((BM, d), stride=(stride, 1)))
-        gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8), cute.make_layout((BM, d), stride=(hq * d, 1)))
-        tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
-        for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-            if m0 + tile_rows[0, i, 0][0] < m:
-                o = tOsO[None, i, None].load().to(f32)
-                g = tOgG[None, i, None].load().to(f32)
-                sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
-                tOgO[None, i, None].store((o * sig).to(bf16))
+        _attention_tiles.store_gated_rows(tid, sO, x, out, m0, m, head, THREADS, hq, d, stride, BM)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_prefill_{variant.key}")
 

@@ -183,7 +183,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.tensor_utils.layout import LayoutEnum
 
-    from . import _dsl, _kv_quant
+    from . import _attention_tiles, _dsl, _kv_quant
 
     cfg = variant.config
     hq, hkv, d, stride, kv = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"], cfg["kv"]
@@ -437,17 +437,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 r, c = o_coords[i]
                 sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
             cute.arch.sync_threads()
-            gG = cute.make_tensor(x + cute.assume(cutlass.Int64(m0) * stride + head * 2 * d + d, divby=8),
-                                  cute.make_layout((bm, d), stride=(stride, 1)))
-            gO = cute.make_tensor(out + cute.assume((cutlass.Int64(m0) * hq + head) * d, divby=8),
-                                  cute.make_layout((bm, d), stride=(hq * d, 1)))
-            tOsO, tOgG, tOgO = thr_g.partition_S(sO), thr_g.partition_S(gG), thr_g.partition_S(gO)
-            for i in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-                if m0 + q_rows[0, i, 0][0] < m:
-                    o = tOsO[None, i, None].load().to(f32)
-                    g = tOgG[None, i, None].load().to(f32)
-                    sig = (f32(1.0) / (f32(1.0) + cute.math.exp(-g, fastmath=True))).to(bf16).to(f32)
-                    tOgO[None, i, None].store((o * sig).to(bf16))
+            _attention_tiles.store_gated_rows(tid, sO, x, out, m0, m, head, threads, hq, d, stride, bm)
 
     if kv_split:
         @cute.kernel
