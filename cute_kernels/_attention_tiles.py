@@ -73,6 +73,18 @@ def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, sta
                 tdst[None, i, None].fill(0)
 
 
+def wgmma_o_to_smem(acc_o: Any, row_sum: Any, o_coords: Any, s_o: Any, o_vals: int) -> None:
+    """The WGMMA kernels' O / row sum, rounded to bf16 into the shared tile s_o [bm, d] (the Q
+    buffer), then a CTA barrier so `store_gated_rows` may read any row. row_sum holds the thread's
+    two rows' sums (rows r, r + 8: accumulator value i belongs to row (i // 2) % 2)."""
+    for h in range(2):
+        row_sum[h] = cutlass.Float32(1.0) / row_sum[h]
+    for i in range(o_vals):
+        r, c = o_coords[i]
+        s_o[r, c] = (acc_o[i] * row_sum[(i // 2) % 2]).to(cutlass.BFloat16)
+    cute.arch.sync_threads()
+
+
 @cute.jit
 def store_gated_rows(tid: Any, s_o: Any, x: Any, out: Any, m0: Any, m: Any, head: Any, threads: cutlass.Constexpr,
                      hq: cutlass.Constexpr, d: cutlass.Constexpr, stride: cutlass.Constexpr,

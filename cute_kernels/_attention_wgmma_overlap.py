@@ -282,13 +282,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             row_sum[h] = total
         # O / sum -> bf16 into Q's buffer, then out = O * sigmoid(gate), coalesced
-        for h in cutlass.range_constexpr(2):
-            row_sum[h] = f32(1.0) / row_sum[h]
         sO = sQ[None, None, 0]
-        for i in cutlass.range_constexpr(o_vals):
-            r, c = o_coords[i]
-            sO[r, c] = (acc_o[i] * row_sum[row_of(i)]).to(bf16)
-        cute.arch.sync_threads()
+        _attention_tiles.wgmma_o_to_smem(acc_o, row_sum, o_coords, sO, o_vals)
         _attention_tiles.store_gated_rows(tid, sO, x, out, m0, m, head, threads, hq, d, stride, bm)
 
     @cute.kernel
