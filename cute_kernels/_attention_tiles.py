@@ -73,15 +73,21 @@ def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, sta
                 tdst[None, i, None].fill(0)
 
 
+def wgmma_row_of(i: int) -> int:
+    """Which of its two rows (r, r + 8) value i of a thread's WGMMA accumulator belongs to (per
+    thread: 2 adjacent columns of 2 rows 8 apart per 8-column group)."""
+    return (i // 2) % 2
+
+
 def wgmma_o_to_smem(acc_o: Any, row_sum: Any, o_coords: Any, s_o: Any, o_vals: int) -> None:
     """The WGMMA kernels' O / row sum, rounded to bf16 into the shared tile s_o [bm, d] (the Q
     buffer), then a CTA barrier so `store_gated_rows` may read any row. row_sum holds the thread's
-    two rows' sums (rows r, r + 8: accumulator value i belongs to row (i // 2) % 2)."""
+    two rows' sums (`wgmma_row_of`)."""
     for h in range(2):
         row_sum[h] = cutlass.Float32(1.0) / row_sum[h]
     for i in range(o_vals):
         r, c = o_coords[i]
-        s_o[r, c] = (acc_o[i] * row_sum[(i // 2) % 2]).to(cutlass.BFloat16)
+        s_o[r, c] = (acc_o[i] * row_sum[wgmma_row_of(i)]).to(cutlass.BFloat16)
     cute.arch.sync_threads()
 
 

@@ -41,6 +41,8 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.tensor_utils.layout import LayoutEnum
 
     from . import _attention_tiles, _dsl
+
+    row_of = _attention_tiles.wgmma_row_of  # accumulator value -> its row of two
     from .attention import LOG2E, PAGE
 
     cfg = variant.config
@@ -66,11 +68,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             if "S<3,4,3>" not in str(lay.inner):
                 raise ValueError(f"{variant.name}: {what} smem layout is {lay.inner}, expected 128-byte swizzle")
         return q_lay, k_lay, v_lay
-
-    def row_of(i: int) -> int:
-        """Which of its two rows (r, r + 8) accumulator value i of a thread belongs to (a WGMMA
-        accumulator holds per thread 2 adjacent columns of 2 rows 8 apart per column group)."""
-        return (i // 2) % 2
 
     @cute.jit
     def load_tile(gcopy: Any, thr_g: Any, src_base: Any, dst: Any, tile_rows: Any, row0: Any, end: Any) -> None:
