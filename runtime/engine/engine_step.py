@@ -7,7 +7,10 @@ inputs built here, the same decision the host sampler makes, and only ids come b
 token after a prompt chunk (`prefill_sampled`). Rows asking for logprobs keep the logits path.
 With speculative decoding on, a decode group with drafts to verify (or MTP, which drafts every
 step) is one verification round (`Speculation.run`), accepted and committed on the runner before
-the engine commits its tokens; a group with nothing to verify decodes as plain rows.
+the engine commits its tokens; a group with nothing to verify decodes as plain rows, and so does
+a group whose step the runner computed ahead (n-gram drafting computes plain steps ahead while
+nothing matches: a match appearing at the sampled token starts its rounds one step later rather
+than drop a whole forward pass).
 Output-constraint masks of the step's sampled rows depend only on tokens already committed, so
 a worker thread computes them while the runner works (llguidance and the runners release the
 GIL) instead of after the logits arrive; the device path asks for them once the forward pass
@@ -83,6 +86,9 @@ class StepExecutor:
         # thread commits a token to the same constraint (it waits for the mask first).
         self._mask_worker = ThreadPoolExecutor(max_workers=1,
                                                thread_name_prefix="infernix-masks")
+        # The decode rows the last step asked the runner to compute ahead: (request id,
+        # position) in row order, or None.
+        self._ahead: Optional[tuple[tuple[str, int], ...]] = None
 
     def close(self) -> None:
         self._mask_worker.shutdown(wait=False, cancel_futures=True)
@@ -137,10 +143,12 @@ class StepExecutor:
                 (apart if device_capable and live.request.logprobs else together).append(work)
         groups = [together, apart, *suspects]
         rounds: dict[str, RoundOutcome] = {}
+        ahead, self._ahead = self._ahead, None
         for group in groups:
             if not group:
                 continue
-            if self.speculation is not None and self.speculation.verifies(group):
+            computed_ahead = ahead == tuple((work.request_id, work.pos) for work in group)
+            if self.speculation is not None and self.speculation.verifies(group) and not computed_ahead:
                 try:
                     outcomes = self.speculation.run(group, self._live, masks)
                 except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
@@ -158,9 +166,12 @@ class StepExecutor:
             on_device = self._samples_on_device(group)
             try:
                 if on_device:
+                    lookahead = self._same_decode_next(batch, groups)
                     ids = runner.decode_sampled(
                         items, lambda group=group: self._row_sampling(group, masks, sampling_errors),
-                        lookahead=self._same_decode_next(batch, groups))
+                        lookahead=lookahead)
+                    if lookahead:
+                        self._ahead = tuple((work.request_id, work.pos + 1) for work in group)
                 else:
                     logits = runner.decode(items)
             except Exception as exc:  # noqa: BLE001 - isolate by rebuilding the rows
@@ -207,10 +218,11 @@ class StepExecutor:
     def _same_decode_next(self, batch: ScheduledBatch, groups: list) -> bool:
         """Whether the next step will most likely decode exactly this step's rows again (then the
         runner may compute it ahead): a pure decode step of one group, nobody waiting for a lane,
-        no row at its output or context limit after this token, and no speculative decoding (the
-        next step may verify drafts, and a dropped step ahead costs a whole forward pass)."""
-        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting \
-                or self.speculation is not None:
+        no row at its output or context limit after this token, and speculative decoding, if on,
+        not about to verify drafts (`Speculation.allows_step_ahead`)."""
+        if batch.prefills or len([g for g in groups if g]) != 1 or self.scheduler.num_waiting:
+            return False
+        if self.speculation is not None and not self.speculation.allows_step_ahead(batch.decodes):
             return False
         return all(self._live[work.request_id].limit_reason(extra=1) is None for work in batch.decodes)
 

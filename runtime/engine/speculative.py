@@ -299,6 +299,14 @@ class Speculation:
 
     # --- a round ----------------------------------------------------------------------------
 
+    def allows_step_ahead(self, group: Sequence[DecodeWork]) -> bool:
+        """Whether a plain decode step of the group may be computed ahead (`decode_sampled`'s
+        lookahead): never with MTP (every step is a round), nor when a unit has n-gram drafts
+        now (the next step most likely verifies: the match goes on). Nothing matching, the
+        pipelined step costs n-gram drafting nothing; a match that appears at the token sampled
+        here waits one step, the step ahead being used as a plain one (`StepExecutor.run`)."""
+        return not self.config.mtp and not any(work.draft_room > 0 for work in group)
+
     def verifies(self, group: Sequence[DecodeWork]) -> bool:
         """Whether the group needs a verification round: with MTP always (its head is caught up
         every step), else only when some unit has n-gram drafts. A group with nothing to verify

@@ -13,7 +13,9 @@ pseudo-random spread keeps sampling meaningful.
 
 With `device_sampling=True` it samples on its "device" (`samples_on_device`): the `*_sampled`
 calls pick each row's token with `decide`, the device sampler's host reference, over the same
-logits, and count themselves in `sampled_calls`.
+logits, and count themselves in `sampled_calls`; `decode_sampled(lookahead=True)` records the
+step it would compute ahead, which the next call uses or drops (`lookahead_steps`, counted as the
+CUDA runner counts them).
 
 Its MTP head (`mtp_layers = 1`) drafts what the model's greedy rule would say next, wrong
 every `mtp_wrong_every`-th draft, and checks the catch-up contract: rows start where the slot's
@@ -55,6 +57,10 @@ class CopyRunner:
         self.mtp_end = [0] * num_slots                     # positions caught up since reset
         self.mtp_drafts = 0
         self.steps: list[list[int]] = []                   # token count of each row per step
+        # Look-ahead (`decode_sampled`): the step computed ahead, and how many were used or
+        # dropped (True / False) as the real runner counts them.
+        self._ahead = None
+        self.lookahead_steps = {True: 0, False: 0}
 
     # --- the model ---------------------------------------------------------------------------
 
@@ -105,13 +111,16 @@ class CopyRunner:
         self.history[dst] = list(self.history[src])
 
     def prefill(self, chunk: PrefillChunk) -> np.ndarray:
+        self._take_ahead()
         return self._run(chunk.slot, chunk.token_ids, chunk.start_pos, chunk.page_table)[-1:]
 
     def decode(self, items: Sequence[DecodeItem]) -> np.ndarray:
+        self._take_ahead()
         return np.concatenate([self._run(i.slot, [i.token_id], i.pos, i.page_table)
                                for i in items])
 
     def step(self, rows: Sequence[StepRow]) -> list[np.ndarray]:
+        self._take_ahead()
         checked_rows(rows, self.num_slots)
         self.steps.append([row.num_tokens for row in rows])
         out = []
@@ -121,11 +130,23 @@ class CopyRunner:
             out.append(logits[list(row.logit_offsets())])
         return out
 
+    def _take_ahead(self, items=None) -> None:
+        """Count the step computed ahead, if any: used when `items` are exactly what it
+        computed (slots, positions and the ids it was given), dropped otherwise."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            used = items is not None and ahead == [(i.slot, i.pos, i.token_id) for i in items]
+            self.lookahead_steps[used] += 1
+
     def decode_sampled(self, items, sampling, lookahead=False) -> np.ndarray:
         assert self.samples_on_device
+        self._take_ahead(items)
         self.sampled_calls["decode"] += 1
         logits = self.decode(items)
-        return np.array([decide(row, each).token for row, each in zip(logits, sampling())], np.int32)
+        ids = np.array([decide(row, each).token for row, each in zip(logits, sampling())], np.int32)
+        if lookahead:
+            self._ahead = [(i.slot, i.pos + 1, int(t)) for i, t in zip(items, ids)]
+        return ids
 
     def prefill_sampled(self, chunk, sampling) -> np.ndarray:
         assert self.samples_on_device

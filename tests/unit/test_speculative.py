@@ -100,6 +100,35 @@ def test_without_a_match_ngram_speculation_decodes_plain_rows():
     assert counters["decode_batches"] == 19        # the first token came from the prefill
 
 
+def test_without_a_match_ngram_speculation_computes_plain_steps_ahead():
+    """On a runner that samples on its device, n-gram drafting with nothing to propose keeps
+    the plain decode pipeline: every decode step but the last asks for the next one ahead and
+    the next uses it (none dropped), as with speculation off."""
+    never = SpeculativeConfig(ngram_draft_tokens=8, ngram_min_match=64)
+    prompt = FILE[:40]
+    plain, _, off_runner = run(OFF, {"a": prompt}, max_new=20, runner_kw=DEVICE)
+    spec, counters, runner = run(never, {"a": prompt}, max_new=20, runner_kw=DEVICE)
+    assert spec["a"][0] == plain["a"][0]
+    assert runner.steps == [] and counters["spec_rounds"] == 0
+    # 19 decode steps; the last is at the output limit, so 18 were computed ahead and used.
+    assert runner.lookahead_steps == off_runner.lookahead_steps == {True: 18, False: 0}
+
+
+def test_a_match_after_a_step_computed_ahead_uses_it_then_verifies():
+    """The copy starts after a stretch with nothing to match: the steps ahead of that stretch
+    are used (a match appearing at a sampled token waits one plain step instead of dropping the
+    step ahead), the copy is then verified in rounds, and the output is plain decoding's,
+    greedy and seeded."""
+    # The model's own rule generates tokens until its last three occurred before: then copies.
+    prompt = FILE[:200] + [7, 7]
+    for sampling in (GREEDY, SAMPLED):
+        plain, _, _ = run(OFF, {"a": prompt}, 120, sampling, runner_kw=DEVICE)
+        spec, counters, runner = run(NGRAM, {"a": prompt}, 120, sampling, runner_kw=DEVICE)
+        assert spec["a"][0] == plain["a"][0]
+        assert counters["spec_rounds"] > 0 and counters["spec_accepted_tokens"] > 0
+        assert runner.lookahead_steps[True] > 0 and runner.lookahead_steps[False] == 0, runner.lookahead_steps
+
+
 @pytest.mark.parametrize("spec", [NGRAM, MTP, BOTH], ids=["ngram", "mtp", "both"])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
 def test_rounds_equal_plain_decoding_with_chunks_lanes_and_preemption(spec, sampling):
