@@ -109,7 +109,7 @@ def measure(library: Any, device: Any, stream: Any, shape: str, batch: int, cont
         forms = {"split": library.kernel("attention", f"split_{shape}{suffix}").bind(rows, sizes),
                  "mma": library.kernel("attention_decode_mma", f"mma_{shape}_t{tmax}{suffix}").bind(
                      rows, {**sizes, "T": tokens})}
-        # The other stage counts of the quantised mma kernel, where built (`KVQ_STAGE_FORMS`).
+        # The other forms of the quantised mma kernel, where built (`KVQ_FORMS`).
         stage_forms = sorted(entry.config["form"] for (fam, key), entry in library.manifest.kernels.items()
                              if fam == "attention_decode_mma" and entry.config["kv"] == kv
                              and entry.config["tmax"] == tmax and entry.config["form"]
@@ -165,8 +165,8 @@ def render(rows: list[dict[str, Any]], copy_tb_s: float) -> str:
                      f"| {share('sdpa_us')} | {r['mma_split_only_us']:.1f} | {speed} |")
     staged = [r for r in rows if r.get("stage_forms")]
     if staged:
-        lines += ["", "The quantised mma kernel's other stage counts (split + combine us, share of the copy bandwidth; "
-                  "the table's mma column is the runner's `KVQ_STAGES`):", "",
+        lines += ["", "The quantised mma kernel's other forms (`attention_decode_mma.KVQ_FORMS`; split + combine us, "
+                  "share of the copy bandwidth; the table's mma column is the first form):", "",
                   "| shape | batch | context | T | KV | form | us | of copy bw |", "|---|---:|---:|---:|---|---|---:|---:|"]
         for r in staged:
             for form in r["stage_forms"]:

@@ -8,7 +8,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
-        [--kv-dtype bf16,fp8,int8] [--pdl on|off|off,on]
+        [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -27,7 +27,8 @@ pairs whose batch x context exceeds it and sizes the KV pool for the largest pai
 250K does not fit next to the 27B's weights). Writes `decode.json` and prints Markdown tables.
 `--kv-dtype` takes a list of KV formats: each gets its own runner and run (`decode_<fmt>.json`
 when more than one) and a last table compares their GPU time per step at each pair
-(`kv_dtypes.json`). `--pdl off,on` times every pair without and then with programmatic dependent
+(`kv_dtypes.json`); an entry `fp8:cvt` runs the decode attention's mma form `cvt` over that format
+(`attention_decode_mma.KVQ_FORMS`). `--pdl off,on` times every pair without and then with programmatic dependent
 launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two.
 """
 
@@ -159,9 +160,10 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
         draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None,
-        kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",)) -> list[dict[str, Any]]:
+        kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",), kv_form: str | None = None) -> list[dict[str, Any]]:
     """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL), all
-    timed on one runner: its plans and graphs are bound again for each mode."""
+    timed on one runner: its plans and graphs are bound again for each mode. kv_form: the decode
+    attention's mma form over the KV pages (`KernelChoice.use_decode_mma_form`; None: the runner's)."""
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
     if not pairs:
         raise ValueError(f"no (batch, context) pair within --max-tokens {max_tokens}")
@@ -174,6 +176,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                          min_split=min_split, weight_format=weight_format, spare_slots=spare, mtp=bool(mtp_drafts),
                          shape=shape, router=router, pages=pages, kv_dtype=kv_dtype)
     try:
+        if kv_form is not None:  # before any step is bound
+            runner.kernels.use_decode_mma_form(kv_form)
         runs = []
         for mode in pdl_modes:
             if mode != "default":
@@ -246,7 +250,7 @@ def _timed(runner: Any, pairs: list, contexts: list[int], steps: int, drafts: tu
     rounds = mtp_round.run(runner, kept, list(mtp_drafts), min(contexts), -(-(top + tail) // 64), steps,
                            [v or runner.vocab_size for v in draft_vocabs]) if mtp_drafts else []
     return {"copy_bandwidth_tb_s": bw / 1e12, "device": dev.describe(), "shape": shape, "router": router,
-            "kv_dtype": runner.kv_dtype,
+            "kv_dtype": runner.kv_dtype, "kv_form": runner.kernels.decode_mma_form,
             "gdn_min_ctas": runner.kernels.gdn_min_ctas, "pdl": runner.kernels.pdl,
             "verification": verification, "mtp_rounds": rounds,
             "decode_splits": runner.storage.decode_splits, "decode_min_split": runner.storage.decode_min_split,
@@ -289,7 +293,12 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_kv_dtypes(runs: list[dict[str, Any]], label: Any = lambda r: r["kv_dtype"]) -> str:
+def _kv_label(run: dict[str, Any]) -> str:
+    """A run's KV format, with its mma form where not the first one (`fp8:cvt`)."""
+    return run["kv_dtype"] + (f":{run['kv_form']}" if run.get("kv_form") else "")
+
+
+def render_kv_dtypes(runs: list[dict[str, Any]], label: Any = _kv_label) -> str:
     """GPU ms per decode step of each run (by default each KV format; `label` names a run) at each
     (batch, context), and the speed-up of each over the first run (bf16 when listed first)."""
     base = label(runs[0])
@@ -319,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("bf16", "fp8", "nvfp4"), default="bf16",
                     help="projection weights: bf16, fp8 with 128x128 block scales (Qwen's FP8 release), or nvfp4 "
                     "(e2m1 codes, e4m3 scale per 16, fp32 global; lm_head and in_proj_a/b bf16)")
-    ap.add_argument("--kv-dtype", default="bf16", help="KV formats to run, comma-separated (bf16,fp8,int8): "
-                    "one runner and run each, then a table of the GPU time per step side by side")
+    ap.add_argument("--kv-dtype", default="bf16", help="KV formats to run, comma-separated (bf16,fp8,int8), each "
+                    "optionally with the decode attention's mma form over it (fp8:cvt): one runner and run each, "
+                    "then a table of the GPU time per step side by side")
     ap.add_argument("--decode-splits", type=int, help="decode attention splits per row (runner default if omitted)")
     ap.add_argument("--min-split", type=int, help="fewest keys per decode attention split (runner default if omitted)")
     ap.add_argument("--max-tokens", type=int, help="skip (batch, context) pairs with batch x context above this; the "
@@ -358,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative.render(data))
         return 0
     formats = args.kv_dtype.split(",")
-    bad = [f for f in formats if f not in KV_FORMATS]
+    bad = [f for f in formats if f.partition(":")[0] not in KV_FORMATS]
     if bad or not formats:
         ap.error(f"--kv-dtype: {','.join(bad) or 'nothing'} is not a list of {', '.join(KV_FORMATS)}")
     pdl_modes = tuple(args.pdl.split(","))
@@ -367,28 +377,29 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for fmt in formats:
+    for entry in formats:
+        fmt, _, form = entry.partition(":")
         by_pdl = run([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")],
                      args.steps, args.decode_splits, args.format, tuple(int(k) for k in args.verify.split(",") if k),
                      tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
                      args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
                      tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form, kv_dtype=fmt,
-                     pdl_modes=pdl_modes)
+                     pdl_modes=pdl_modes, kv_form=form or None)
         for data in by_pdl:
             data["command"] = command
             pdl = "" if len(by_pdl) == 1 else f"_pdl_{'on' if data['pdl'] else 'off'}"
-            name = ("decode" if len(formats) == 1 else f"decode_{fmt}") + pdl + ".json"
+            name = ("decode" if len(formats) == 1 else f"decode_{entry.replace(':', '_')}") + pdl + ".json"
             (args.out / name).write_text(json.dumps(data, indent=1))
-            print(f"\n## KV {fmt}, PDL {'on' if data['pdl'] else 'off'}\n\n" + render(data), flush=True)
+            print(f"\n## KV {entry}, PDL {'on' if data['pdl'] else 'off'}\n\n" + render(data), flush=True)
         if len(by_pdl) > 1:
-            print(f"\n## GPU ms per decode step (KV {fmt}) without and with PDL\n\n"
+            print(f"\n## GPU ms per decode step (KV {entry}) without and with PDL\n\n"
                   + render_kv_dtypes(by_pdl, lambda r: f"PDL {'on' if r['pdl'] else 'off'}"), flush=True)
         runs.append(by_pdl[0])
     if len(runs) > 1:
         table = render_kv_dtypes(runs)
         (args.out / "kv_dtypes.json").write_text(json.dumps(
             {"command": command, "formats": formats,
-             "graph_ms": {r["kv_dtype"]: [(x["batch"], x["context"], x["graph_ms"]) for x in r["results"]]
+             "graph_ms": {_kv_label(r): [(x["batch"], x["context"], x["graph_ms"]) for x in r["results"]]
                           for r in runs}}, indent=1))
         print("\n## GPU ms per decode step by KV format\n\n" + table)
     return 0

@@ -26,6 +26,12 @@ Page layout (`runtime.model.kv_format`): per page of a pool, the codes `[64 slot
 - Scales: S[row, key] = (q . code[key]) * (kscale[key] * D^-0.5 * log2 e) in fp32; the softmax
   weight P[key] (fp32) times vscale[key] is rounded to bf16 as the A operand of P V, while the
   row sum adds the unscaled P. `attention_decode_mma.reference(exact=False)` is this model.
+- The `cvt` forms (e4m3 only): K codes become f16 by the conversion unit (one `cvt` a pair)
+  instead of bf16 by integer ops, so the integer pipe, which the conversions of K and V kept
+  busier than the memory system, has only V's left. Q K^T is then an f16 product: Q stored as
+  f16 times `Q_SCALE` (2^-4: exact for every bf16 q from 2^-10 up, q up to 2^20 without
+  overflow; an e4m3 code is exact in f16), and the score's scale divided by it (a power of two:
+  the same fp32 score).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from runtime.model.kv_format import PAGE, SCALE_BYTES, page_bytes, scale_offset
 
 bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+Q_SCALE = 2.0 ** -4  # Q's factor in the f16 scores of the `cvt` forms (module doc)
 
 
 def staging_layout(bn: int, d: int, stages: int) -> Any:
@@ -145,6 +152,17 @@ def codes_bf16x2(word: Any, lo: int, hi: int, fmt: str, *, loc: Any = None, ip: 
                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def codes_f16x2(word: Any, high: bool, *, loc: Any = None, ip: Any = None) -> Any:
+    """The e4m3 codes at bytes 0, 1 (high: 2, 3) of a 32-bit word as an f16x2 (the lower byte in
+    the low half), exactly, by one `cvt` a pair: the conversion unit's work, so that the integer
+    pipe is left to the V codes (`codes_bf16x2`) in the `cvt` forms."""
+    text = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, " + ("hi" if high else "lo")
+            + "; }")
+    return i32(llvm.inline_asm(T.i32(), [i32(word).ir_value(loc=loc, ip=ip)], text, "=r,r", has_side_effects=False,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def q_column(dim: Any) -> Any:
     """The shared-memory column of Q's dim `dim` (the K fragments' dim permutation, module doc):
     dim = 32 kr + 16 h + 4 c + 2 y + e sits at 32 kr + 16 y + 8 h + 2 c + e."""
@@ -158,10 +176,11 @@ def out_column(col: Any) -> Any:
 
 
 def scores(mma: Any, acc_s: Any, raw_k: Any, k_frag: Any, ld_a: Any, tSsQ: Any, tSrQ: Any, tSrQv: Any, fmt: str,
-           d: int) -> None:
+           d: int, k_cvt: bool) -> None:
     """acc_s += Q_mt K_ks^T from the raw K fragment (the code bytes of the warp's 16 keys, as
     ldmatrix put them in registers): Q's k-blocks from shared memory, K's converted one
-    k-block at a time into k_frag (a B fragment of one k16 x n16 tile)."""
+    k-block at a time into k_frag (a B fragment of one k16 x n16 tile). k_cvt: e4m3 codes to
+    f16 by `codes_f16x2` (Q and k_frag f16, `mma` an f16 one), else to bf16."""
     raw = cute.recast_tensor(raw_k, i32)
     words = cute.recast_tensor(k_frag, i32)
     for kr in range(d // 32):
@@ -170,7 +189,10 @@ def scores(mma: Any, acc_s: Any, raw_k: Any, k_frag: Any, ld_a: Any, tSsQ: Any, 
             cute.copy(ld_a, tSsQ[None, None, kb], tSrQv[None, None, kb])
             for n in range(2):
                 for h in range(2):
-                    words[(0, h), n, 0] = codes_bf16x2(raw[(0, h), n, kr], 2 * y, 2 * y + 1, fmt)
+                    if k_cvt:
+                        words[(0, h), n, 0] = codes_f16x2(raw[(0, h), n, kr], y == 1)
+                    else:
+                        words[(0, h), n, 0] = codes_bf16x2(raw[(0, h), n, kr], 2 * y, 2 * y + 1, fmt)
             cute.gemm(mma, acc_s, tSrQ[None, None, kb], k_frag[None, None, 0], acc_s)
 
 

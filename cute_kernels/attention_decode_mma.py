@@ -13,7 +13,7 @@ m16 tiles, so every K/V row is read once for all of them. Row (t, h) sees the ke
 (`attention.split_length` of its own position: verification rows may split differently), the
 CTA reads the union of its rows' ranges and masks per row (causal inside the query block).
 
-K and V stream through shared memory in tiles of `BN` keys (half a page: a tile never straddles
+K and V stream through shared memory in tiles of `BN` keys (16 a key slice; at most a page: a tile never straddles
 a page, and split starts are whole pages) with cp.async, `STAGES` tiles in flight (decode is a
 streaming read; the bytes in flight are what keeps HBM busy). Warps are (m-tile, key slice): warp
 (mt, ks) computes S = Q K^T for its m-tile and keys [16 ks, 16 ks + 16) of each tile with warp
@@ -44,18 +44,22 @@ from .variant import HOPPER, Variant, i32, ptr, tensor
 
 FAMILY = "attention_decode_mma"
 PAGE = attention.PAGE
-KS = 2  # warps over the keys of a tile, 16 keys each
-BN = 16 * KS  # keys per pipeline stage
+KS = 2  # warps over the keys of a tile, 16 keys each: tiles of 16 * KS keys (config "BN")
 STAGES = 3  # tiles in flight per CTA (bf16 pages)
 # Tiles in flight over quantised pages: a tile is half the bytes, so one more stage keeps as many
 # bytes in flight and still fits 3 CTAs per SM at T = 1 (73 KB at D = 256); the key slices'
 # merge of a T = 8 CTA (64 rows x D fp32) needs the 4 stages' room.
 KVQ_STAGES = 4
-# Other stage counts of the quantised T = 1 variants (keys `..._t1_{kv}_s{N}`, config "form" "s{N}"),
-# built so that `bench.attention_forms` times them beside KVQ_STAGES' ones (form ""), the runner's:
-# 3 stages (3 CTAs per SM, fewer bytes in flight) and 6 (2 CTAs per SM, more per CTA). At 250K keys,
-# batch 1, KVQ_STAGES reached 68 % of the copy bandwidth on the H200 against the bf16 form's 92 %.
-KVQ_STAGE_FORMS = (3, 6)
+# Other forms of the quantised variants (keys `..._{kv}_{form}`, config "form"), built so that
+# `bench.attention_forms` times them beside the runner's (form ""): form -> (key slices a tile, stages,
+# K codes by `cvt`, the most query tokens it is built for). At 250K keys, batch 1, the runner's form
+# reached 68 % of the copy bandwidth on the H200 against the bf16 form's 92 %, and 3 stages (3 CTAs
+# per SM, fewer bytes in flight) or 6 (2 CTAs per SM) did no better: the conversions of the codes,
+# not the bytes in flight, bound it. "cvt" (e4m3 only) converts K by the conversion unit
+# (`_decode_mma_kvq` module doc); "k4" runs 4 key slices (warps) over tiles of 64 keys in 2 stages,
+# twice the warps an SM to hide the conversions' latency with the same bytes in flight.
+KVQ_FORMS = {"s3": (KS, 3, False, 1), "s6": (KS, 6, False, 1), "cvt": (KS, KVQ_STAGES, True, 8),
+             "k4": (4, 2, False, 1), "k4cvt": (4, 2, True, 1)}
 LOG2E = attention.LOG2E
 TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
 
@@ -64,7 +68,7 @@ _SHAPES = [(name, hq, hkv, d) for name, hq, hkv, d, _ in attention._SHAPES]
 
 def m_tiles(hq: int, hkv: int, tmax: int) -> int:
     """m16 tiles of a CTA's M side (group heads x tokens), rounded up to a power of two so that
-    the thread count tiles the K/V copies (8 threads per 64 columns, BN rows)."""
+    the thread count tiles the K/V copies (8 threads per 64 columns, a tile's rows)."""
     tiles = -(-(hq // hkv * tmax) // 16)
     return 1 << (tiles - 1).bit_length()
 
@@ -74,16 +78,21 @@ def stage_count(kv: str) -> int:
     return STAGES if kv == "bf16" else KVQ_STAGES
 
 
-def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str, stages: int) -> Variant:
+def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str, form: str = "", ks: int = KS,
+         stages: int = 0, k_cvt: bool = False) -> Variant:
     mt = m_tiles(hq, hkv, tmax)
-    threads = 32 * mt * KS
+    threads = 32 * mt * ks
+    stages = stages or stage_count(kv)
     suffix = "" if kv == "bf16" else f"_{kv}"  # the bf16 keys predate the formats
-    form = "" if stages == stage_count(kv) else f"s{stages}"
+    # The key slices' merge (fp32 rows) reuses the K/V stages' shared memory.
+    width = 2 if kv == "bf16" else 1  # bytes per staged K/V value (codes: 1)
+    if d % 64 or hq % hkv or (ks - 1) * mt * 16 * 4 > 2 * stages * 16 * ks * width:
+        raise ValueError(f"attention_decode_mma {name} t{tmax} {kv} {form or 'runner form'}: shape does not tile")
     return Variant(
         family=FAMILY,
         key=f"mma_{name}_t{tmax}{suffix}" + (f"_{form}" if form else ""),
-        config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": KS, "BN": BN,
-                "stages": stages, "form": form, "threads": threads, "kv": kv, "pdl": True},
+        config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": ks, "BN": 16 * ks,
+                "stages": stages, "form": form, "k_cvt": k_cvt, "threads": threads, "kv": kv, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
@@ -108,20 +117,18 @@ def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str, stages: int) 
 def variants() -> list[Variant]:
     out = []
     for kv in KV_FORMATS:
-        # Bytes per K/V value in the stages (codes: 1); quantised pages must keep each tile's code
-        # rows 16-byte aligned for cp.async (whole pages of codes + scales).
-        width = 2 if kv == "bf16" else 1
         for name, hq, hkv, d in _SHAPES:
+            # Quantised pages must keep each tile's code rows 16-byte aligned for cp.async (whole
+            # pages of codes + scales).
             if kv != "bf16" and page_bytes(kv, hkv, d) % 16:
                 raise ValueError(f"attention_decode_mma {name} {kv}: pages are not 16-byte multiples")
             for tmax in TOKENS:
-                mt = m_tiles(hq, hkv, tmax)
-                extra = KVQ_STAGE_FORMS if kv != "bf16" and tmax == 1 else ()
-                for stages in (stage_count(kv), *extra):
-                    # The key slices' merge (fp32 rows) reuses the K/V stages' shared memory.
-                    if d % 64 or hq % hkv or (KS - 1) * mt * 16 * 4 > 2 * stages * BN * width:
-                        raise ValueError(f"attention_decode_mma {name} t{tmax} {kv} x{stages}: shape does not tile")
-                    out.append(_mma(name, hq, hkv, d, tmax, kv, stages))
+                out.append(_mma(name, hq, hkv, d, tmax, kv))
+                if kv == "bf16":
+                    continue
+                for form, (ks, stages, k_cvt, most) in KVQ_FORMS.items():
+                    if tmax <= most and (kv == "fp8" or not k_cvt):
+                        out.append(_mma(name, hq, hkv, d, tmax, kv, form, ks, stages, k_cvt))
     return out
 
 
@@ -193,13 +200,16 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
 
     cfg = variant.config
     hq, hkv, d, mtiles, ks_n, bn, stages = (cfg[k] for k in ("Hq", "Hkv", "D", "MT", "KS", "BN", "stages"))
-    threads, kv = cfg["threads"], cfg["kv"]
+    threads, kv, k_cvt = cfg["threads"], cfg["kv"], cfg["k_cvt"]
     quant = kv != "bf16"
     width = d // 2 if quant else d  # 16-bit elements per staged K/V row (quantised: code pairs)
     group = hq // hkv
     rows_cta = mtiles * 16
-    scale_log2 = d ** -0.5 * LOG2E
     f32, bf16, i32t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
+    # Q's type in shared memory and in the scores' product (f16 in the `cvt` forms, scaled by
+    # Q_SCALE: `_decode_mma_kvq` module doc), and the factor taking a product to the exp2 domain.
+    qtype = cutlass.Float16 if k_cvt else bf16
+    scale_log2 = d ** -0.5 * LOG2E / (_decode_mma_kvq.Q_SCALE if k_cvt else 1.0)
     ninf = -float("inf")
 
     @cute.kernel
@@ -237,7 +247,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         # rows swizzled for ldmatrix; quantised pages: code stages and their scales
         atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(bf16, cute.tile_to_shape(atom, (rows_cta, d), (0, 1)), byte_alignment=1024)
+        sQ = smem.allocate_tensor(qtype, cute.tile_to_shape(atom, (rows_cta, d), (0, 1)), byte_alignment=1024)
         if cutlass.const_expr(quant):
             sKV = smem.allocate_tensor(bf16, _decode_mma_kvq.staging_layout(bn, d, stages), byte_alignment=1024)
             s_scale = smem.allocate_tensor(f32, cute.make_layout((bn, 2 * stages)), byte_alignment=16)
@@ -264,6 +274,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # Q rows (token t = i // group, head kvh * group + i % group), zeros past the tokens.
             v8 = cute.make_layout((8,))
             qbuf = cute.make_rmem_tensor((8,), bf16)
+            qrow = cute.make_rmem_tensor((8,), qtype)
             for c in cutlass.range(tid, rows_cta * (d // 8), threads):
                 i = c // (d // 8)
                 col = c % (d // 8) * 8
@@ -272,31 +283,39 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 if t < tq:
                     src = q + (cutlass.Int64(t * nseq + b) * hq + kvh * group + i % group) * d + col
                     qbuf.store(cute.make_tensor(src, v8).load())
+                if cutlass.const_expr(k_cvt):
+                    qrow.store((qbuf.load().to(f32) * f32(_decode_mma_kvq.Q_SCALE)).to(qtype))
+                else:
+                    qrow.store(qbuf.load())
                 for e in cutlass.range_constexpr(8):
                     if cutlass.const_expr(quant):
-                        sQ[i, _decode_mma_kvq.q_column(col + e)] = qbuf[e]  # the K fragments' dim order
+                        sQ[i, _decode_mma_kvq.q_column(col + e)] = qrow[e]  # the K fragments' dim order
                     else:
-                        sQ[i, col + e] = qbuf[e]
+                        sQ[i, col + e] = qrow[e]
 
             # ---- one warp's tensor-core tiles: S [16, 16] = Q_mt K_ks^T, O [16, d] += P V_ks
             mma = cute.make_tiled_mma(warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)), (1, 1, 1),
                                       permutation_mnk=(16, 16, 16))
             thr = mma.get_slice(lane)
-            ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
+            # The scores' product: of Q's type (the fragments' layouts are bf16's).
+            mma_s = cute.make_tiled_mma(warp.MmaF16BF16Op(qtype, f32, (16, 8, 16)), (1, 1, 1),
+                                        permutation_mnk=(16, 16, 16))
+            thr_s = mma_s.get_slice(lane)
+            ld_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), qtype), mma_s)
             ld_b = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), bf16), mma)
             ld_v = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), bf16), mma)
             thr_la, thr_lb, thr_lv = ld_a.get_slice(lane), ld_b.get_slice(lane), ld_v.get_slice(lane)
 
             sQw = cute.local_tile(sQ, (16, d), (mt, 0))
-            tSrQ = thr.make_fragment_A(thr.partition_A(sQw))
+            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQw))
             # Quantised pages: tSrK / tOrVt receive code bytes, converted into k_frag / v_frag.
             tSrK = thr.make_fragment_B(thr.partition_B(_k_tile(sKV, 0, ks, width)))
             tOrVt = thr.make_fragment_B(thr.partition_B(_vt_tile(sKV, 0, ks, width, bn, stages)))
             tSsQ, tSrQv = thr_la.partition_S(sQw), thr_la.retile(tSrQ)
             tSrKv, tOrVtv = thr_lb.retile(tSrK), thr_lv.retile(tOrVt)
-            if cutlass.const_expr(quant):  # B fragments of one k16 x n16 tile
-                k_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sQw, (16, 16), (0, 0))))
-                v_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sQw, (16, 16), (0, 0))))
+            if cutlass.const_expr(quant):  # B fragments of one k16 x n16 tile: K's of Q's type, V's bf16
+                k_frag = thr_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sQw, (16, 16), (0, 0))))
+                v_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKV[None, None, 0], (16, 16), (0, 0))))
             acc_o = cute.make_rmem_tensor(thr.partition_shape_C((16, d)), f32)
             acc_o.fill(0.0)
             acc_o_mn = _attention_tiles.acc_rows_cols(acc_o)
@@ -309,6 +328,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             row_hi = cute.make_rmem_tensor((nrows,), i32t)
             row_max = cute.make_rmem_tensor((nrows,), f32)
             row_sum = cute.make_rmem_tensor((nrows,), f32)
+            row_corr = cute.make_rmem_tensor((nrows,), f32)  # a tile's factor on each row's O
             for r in cutlass.range_constexpr(nrows):
                 t = (mt * 16 + tScS[r, 0][0]) // group
                 lo = i32t(0)
@@ -341,7 +361,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     tSsK = thr_lb.partition_S(_k_tile(sKV, stage, ks, width))
                     if cutlass.const_expr(quant):
                         cute.copy(ld_b, tSsK, tSrKv)  # all the slice's codes: 8 ldmatrix in flight
-                        _decode_mma_kvq.scores(mma, acc_s, tSrK, k_frag, ld_a, tSsQ, tSrQ, tSrQv, kv, d)
+                        _decode_mma_kvq.scores(mma_s, acc_s, tSrK, k_frag, ld_a, tSsQ, tSrQ, tSrQv, kv, d, k_cvt)
                     else:
                         for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
                             cute.copy(ld_a, tSsQ[None, None, k], tSrQv[None, None, k])
@@ -375,7 +395,17 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         row_sum[r] = row_sum[r] * corr + pr.reduce(cute.ReductionOp.ADD, f32(0.0), 0)
                         row_max[r] = new_max
                         s_mn[r, None] = pr
-                        acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+                        row_corr[r] = corr
+                    # O is rescaled only when some row of the warp's tile has a new maximum: once
+                    # the maxima settle, a factor of exactly 1 would leave every bit as it is,
+                    # and the 128 products a thread would spend on it are the conversions' pipe
+                    # time (quantised pages).
+                    moved = row_corr[0] != f32(1.0)
+                    for r in cutlass.range_constexpr(1, nrows):
+                        moved = moved | (row_corr[r] != f32(1.0))
+                    if cute.arch.vote_any_sync(moved):
+                        for r in cutlass.range_constexpr(nrows):
+                            acc_o_mn[r, None] = acc_o_mn[r, None].load() * row_corr[r]
                     if cutlass.const_expr(quant):
                         # The V scale goes into the weight before its bf16 rounding; the row sum
                         # above added the unscaled weights.

@@ -18,6 +18,8 @@ so a kernel that lets a row past a sequence's end into its sums fails. Partials 
   its bf16 rounding) and against the quantised split kernel's partials: o_part within twice the
   two kernels' errors against the reference added (relative; the mma form's bounded by its
   model's), lse within 5x the split kernel's lse error (both sum the weights in fp32).
+- Every form the runner may take over each format (`FORMATS`: K codes converted by `cvt` into
+  f16 scores, four key slices a tile) runs every test (verification blocks where it serves them).
 - Bits: a verification row equals the row decoded with T = 1 (every row of the block as one
   decode batch, and three rows alone), and a sequence's rows do not depend on the batch; and
   over pages whose every sum is exact in fp32 (small codes, power-of-two scales, e4m3 subnormal
@@ -48,7 +50,26 @@ PAGE = 64
 SMS = 132  # the runner's plan on an H200
 SLACK = 2.5  # as the bf16 kernel's test
 SPLIT_SLACK = 2.0  # the tensor-core form's error over the CUDA-core form's, same rows
-FORMATS = ("fp8", "int8")
+# The variants under test: "fp8" / "int8" the runner's form over each format, "kv_form" the other forms
+# (`attention_decode_mma.KVQ_FORMS`: K codes by cvt, four key slices) the runner may be switched to.
+# The 3- and 6-stage forms differ from the runner's only in the ring's depth.
+FORMATS = ("fp8", "int8", "fp8_cvt", "fp8_k4", "fp8_k4cvt", "int8_k4")
+
+
+def _kv(variant):
+    return variant.partition("_")[0]
+
+
+def _most_tokens(variant):
+    """The most query tokens a sequence has that the variant's kernels serve."""
+    form = variant.partition("_")[2]
+    return attention_decode_mma.KVQ_FORMS[form][3] if form else max(attention_decode_mma.TOKENS)
+
+
+def _for_variants(params, tokens_at=None):
+    """params x FORMATS as parametrize tuples, without the variants that do not serve the
+    case's tokens (its element tokens_at)."""
+    return [(*p, v) for p in params for v in FORMATS if tokens_at is None or p[tokens_at] <= _most_tokens(v)]
 _PLANS = {"runner": lambda hkv: (default_decode_splits(hkv, 262144 + 64, SMS), DECODE_MIN_SPLIT),
           "few": lambda hkv: (3, 64), "pages": lambda hkv: (1024, 64)}
 
@@ -57,8 +78,8 @@ def _decode(codes, fmt):
     return kf.e4m3_decode(codes) if fmt == "fp8" else np.asarray(codes, np.uint8).view(np.int8).astype(np.float64)
 
 
-def _mma_key(name, t, fmt):
-    return f"mma_{name}_t{min(n for n in attention_decode_mma.TOKENS if n >= t)}_{fmt}"
+def _mma_key(name, t, variant):
+    return f"mma_{name}_t{min(n for n in attention_decode_mma.TOKENS if n >= t)}_{variant}"
 
 
 def _used_rows(table, lengths):
@@ -72,7 +93,8 @@ class _Case:
 
     def __init__(self, library, mem, stream, name, fmt, rng, lengths, codes=None, scales=None):
         cfg = _cfg(name)
-        self.name, self.fmt, self.library, self.mem, self.stream = name, fmt, library, mem, stream
+        self.name, self.library, self.mem, self.stream = name, library, mem, stream
+        self.variant, self.fmt = fmt, _kv(fmt)  # the mma variant ("fp8_cvt"), its KV format
         self.hq, self.hkv, self.d, self.stride = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["x_stride"]
         self.table, self.npages = _scattered(rng, lengths)
         rows = self.npages * PAGE
@@ -81,7 +103,7 @@ class _Case:
         self.codes, self.scales = [c.copy() for c in codes], [s.copy() for s in scales]
         unused = np.setdiff1d(np.arange(rows), _used_rows(self.table, lengths))
         for c, s in zip(self.codes, self.scales):
-            c[unused] = 0x7F if fmt == "fp8" else 0x80
+            c[unused] = 0x7F if self.fmt == "fp8" else 0x80
             s[unused] = np.nan
         self.kbuf, self.vbuf = (mem.raw(kf.pack_pages(c, s)) for c, s in zip(self.codes, self.scales))
         self.tbuf = mem.i32(self.table)
@@ -120,7 +142,7 @@ class _Case:
         sizes = {"M": m, "S": splits, "min_split": min_split, "maxp": self.table.shape[1],
                  "R": self.table.shape[0], "NP": self.npages}
         if form == "mma":
-            self.library.kernel("attention_decode_mma", _mma_key(self.name, t, self.fmt)).launch(
+            self.library.kernel("attention_decode_mma", _mma_key(self.name, t, self.variant)).launch(
                 self.stream, rows, {**sizes, "T": t})
         else:
             self.library.kernel("attention", f"split_{self.name}_{self.fmt}").launch(self.stream, rows, sizes)
@@ -169,13 +191,12 @@ def test_decode_rows(library, mem, stream, name, lengths, plan, fmt):
     case.check(got, split_got, q, x, qseq, pos, f"{name} {fmt} {plan} ({splits}x{min_split})")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name,t,bases", [
+@pytest.mark.parametrize("name,t,bases,fmt", _for_variants([
     ("q24_kv4_d256", 8, [0, 60, 4090, 12000]),  # 60..67 and 4090..4097 straddle page / split edges
     ("q24_kv4_d256", 3, [1, 2047, 126, 7]),
     ("q16_kv2_d256", 8, [62, 9000]),
     ("q4_kv2_d64", 8, [0, 63, 1000, 20000]),
-])
+], tokens_at=1))
 def test_verification_blocks(library, mem, stream, name, t, bases, fmt):
     """B sequences of t tokens each, row p * B + b at position bases[b] + p: the rows of
     `_reference_rows` against the reference (causal inside the block), and every row bit-equal to
@@ -262,9 +283,9 @@ def _exact_pages(rng, fmt, rows, hkv, d, scale):
     return codes, np.full((rows, hkv), scale, np.float32)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name,t,bases", [("q24_kv4_d256", 1, [700, 1, 4096]), ("q24_kv4_d256", 8, [60, 1000]),
-                                          ("q4_kv2_d64", 1, [700, 63]), ("q16_kv2_d256", 8, [5, 130])])
+@pytest.mark.parametrize("name,t,bases,fmt", _for_variants([
+    ("q24_kv4_d256", 1, [700, 1, 4096]), ("q24_kv4_d256", 8, [60, 1000]), ("q4_kv2_d64", 1, [700, 63]),
+    ("q16_kv2_d256", 8, [5, 130])], tokens_at=1))
 def test_exact_pages_give_the_bf16_kernels_bits(library, mem, stream, name, t, bases, fmt):
     """Pages whose scores are exact sums: the quantised kernel's partials equal the bf16 kernel's
     over the values code * scale bit for bit (the same weights, rounded alike; P V sums the same
@@ -274,8 +295,8 @@ def test_exact_pages_give_the_bf16_kernels_bits(library, mem, stream, name, t, b
     hkv, d, hq = cfg["Hkv"], cfg["D"], cfg["Hq"]
     lengths = [b + t for b in bases]
     table, npages = _scattered(rng, lengths)
-    k_codes, k_scales = _exact_pages(rng, fmt, npages * PAGE, hkv, d, 0.125)
-    v_codes, v_scales = _exact_pages(rng, fmt, npages * PAGE, hkv, d, 0.25)
+    k_codes, k_scales = _exact_pages(rng, _kv(fmt), npages * PAGE, hkv, d, 0.125)
+    v_codes, v_scales = _exact_pages(rng, _kv(fmt), npages * PAGE, hkv, d, 0.25)
     case = _Case(library, mem, stream, name, fmt, rng, lengths, codes=(k_codes, v_codes), scales=(k_scales, v_scales))
     nseq = len(bases)
     q = (rng.integers(-4, 5, (nseq * t, hq, d)) / 64.0).astype(np.float32)
@@ -284,7 +305,7 @@ def test_exact_pages_give_the_bf16_kernels_bits(library, mem, stream, name, t, b
     splits, min_split = 5, 64
     got = case.partials("mma", q, qseq, pos, t, splits, min_split)
     # The bf16 kernel over the same values (the unused rows NaN there too).
-    values = [_decode(c, fmt) * s[..., None] for c, s in zip(case.codes, case.scales)]
+    values = [_decode(c, case.fmt) * s[..., None] for c, s in zip(case.codes, case.scales)]
     bufs = [mem.bf16(v.astype(np.float32)) for v in values]
     o_part, lse = mem.poisoned(2 * nseq * t * hq * splits * d), mem.poisoned(2 * nseq * t * hq * splits)
     library.kernel("attention_decode_mma", f"mma_{name}_t{t}").launch(stream, {

@@ -10,6 +10,8 @@ from cute_kernels import attention, attention_decode_mma
 from runtime.model import kv_format as kf
 from runtime.model.shapes import shape_config
 
+PAGE = attention.PAGE
+
 
 @pytest.mark.parametrize("hq,hkv,tmax,tiles", [(24, 4, 1, 1), (24, 4, 2, 1), (24, 4, 3, 2), (24, 4, 8, 4),
                                                (16, 2, 1, 1), (16, 2, 8, 4), (4, 2, 8, 1), (16, 2, 3, 2)])
@@ -21,15 +23,19 @@ def test_m_tiles_cover_heads_times_tokens_in_a_power_of_two(hq, hkv, tmax, tiles
 def test_variants_are_drop_ins_for_split_plus_the_token_count():
     """A variant per (shape, KV format, most tokens): the bf16 keys as before, `_fp8` / `_int8`
     after the token count, each the drop-in of `attention.split` over the same pages; the
-    quantised T = 1 ones also in `KVQ_STAGE_FORMS`' stage counts (`_s{N}`, config "form")."""
+    quantised ones also in each of `KVQ_FORMS` up to its most tokens (`_{form}`, config "form"),
+    the `cvt` forms over e4m3 pages only."""
     names = {(hq, hkv, d): name for name, hq, hkv, d, _ in attention._SHAPES}
     split = {(v.config["Hq"], v.config["Hkv"], v.config["D"], v.config["kv"]): v for v in attention.variants()
              if v.config["kind"] == "split"}
     assert {kv for *_, kv in split} == {"bf16", "fp8", "int8"}
     mma = attention_decode_mma.variants()
     want = [f"mma_{names[tuple(shape)]}_t{t}" + ("" if kv == "bf16" else f"_{kv}") for *shape, kv in split for t in (1, 8)]
-    want += [f"mma_{names[tuple(shape)]}_t1_{kv}_s{n}" for *shape, kv in split if kv != "bf16"
-             for n in attention_decode_mma.KVQ_STAGE_FORMS]
+    want += [f"mma_{names[tuple(shape)]}_t{t}_{kv}_{form}" for *shape, kv in split if kv != "bf16"
+             for form, (_, _, k_cvt, most) in attention_decode_mma.KVQ_FORMS.items() for t in (1, 8)
+             if t <= most and (kv == "fp8" or not k_cvt)]
+    assert {"mma_q24_kv4_d256_t1_fp8_cvt", "mma_q24_kv4_d256_t8_fp8_cvt", "mma_q24_kv4_d256_t1_int8_k4"} <= set(want)
+    assert "mma_q24_kv4_d256_t1_int8_cvt" not in want
     assert sorted(v.key for v in mma) == sorted(want)
     for v in mma:
         c = v.config
@@ -45,8 +51,12 @@ def test_variants_are_drop_ins_for_split_plus_the_token_count():
         per_row = 8 if c["kv"] == "bf16" else min(8, c["D"] // 16)
         assert c["BN"] % (v.block[0] // per_row) == 0
         default = attention_decode_mma.STAGES if c["kv"] == "bf16" else attention_decode_mma.KVQ_STAGES
-        assert (c["stages"], c["form"]) == ((default, "") if not v.key.endswith(f"_s{c['stages']}")
-                                            else (c["stages"], f"s{c['stages']}")), v.key
+        if c["form"]:
+            assert v.key.endswith("_" + c["form"])
+            assert (c["KS"], c["stages"], c["k_cvt"]) == attention_decode_mma.KVQ_FORMS[c["form"]][:3], v.key
+        else:
+            assert (c["KS"], c["stages"], c["k_cvt"]) == (attention_decode_mma.KS, default, False), v.key
+        assert c["BN"] == 16 * c["KS"] and PAGE % c["BN"] == 0  # a tile never straddles a page
         # Quantised: the page layout's file is in the fingerprint; pages keep code rows 16-byte aligned.
         if c["kv"] != "bf16":
             assert "runtime/model/kv_format.py" in v.extra_sources
@@ -164,3 +174,25 @@ def test_quantised_kv_takes_the_mma_variants_of_its_format(monkeypatch, shape, n
     assert kernels.decode_split(9) == ("attention", f"split_{name}_{fmt}")
     assert ("attention_decode_mma", f"mma_{name}_t1_{fmt}") in kernels.required()
     assert not any(key in (f"mma_{name}_t1", f"mma_{name}_t8") for _, key in kernels.required())
+
+
+@pytest.mark.parametrize("shape,name", [("qwen3.6-27b", "q24_kv4_d256"), ("qwen3.6-35b-a3b", "q16_kv2_d256")])
+def test_a_decode_mma_form_takes_its_variants_where_built_and_the_first_form_elsewhere(monkeypatch, shape, name):
+    from runtime.model.gpu import kernels as gpu_kernels
+
+    monkeypatch.setattr(gpu_kernels, "QUANTISED_KV_MMA_FORM", {"fp8": "", "int8": ""})
+    kernels = _choice(shape, "fp8")
+    if not any(key.endswith("_fp8_k4cvt") for _, key in kernels.library.manifest.kernels):
+        pytest.skip("the fp8 attention_decode_mma forms were not built")
+    assert kernels.decode_mma_form == "" and kernels.decode_split(1)[1] == f"mma_{name}_t1_fp8"
+    kernels.use_decode_mma_form("cvt")  # built for 1 and 8 tokens
+    assert (kernels.decode_split(1)[1], kernels.decode_split(8)[1]) == (f"mma_{name}_t1_fp8_cvt", f"mma_{name}_t8_fp8_cvt")
+    kernels.use_decode_mma_form("k4cvt")  # built for 1 token: verification keeps the first form
+    assert (kernels.decode_split(1)[1], kernels.decode_split(8)[1]) == (f"mma_{name}_t1_fp8_k4cvt", f"mma_{name}_t8_fp8")
+    assert ("attention_decode_mma", f"mma_{name}_t1_fp8_k4cvt") in kernels.required()
+    with pytest.raises(ValueError, match="'cvt' was not compiled for this KV format"):
+        _choice(shape, "int8").use_decode_mma_form("cvt")  # e4m3 only
+    # The module's choice is what a runner starts with.
+    monkeypatch.setattr(gpu_kernels, "QUANTISED_KV_MMA_FORM", {"fp8": "cvt", "int8": "k4"})
+    assert _choice(shape, "fp8").decode_split(8)[1] == f"mma_{name}_t8_fp8_cvt"
+    assert _choice(shape, "int8").decode_split(1)[1] == f"mma_{name}_t1_int8_k4"

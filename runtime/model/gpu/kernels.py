@@ -119,6 +119,10 @@ DECODE_ATTENTION_FORM = "mma"
 # there. The whole 27B at 250K context, batch 1: 17.44 ms a step (fp8), 17.31 (int8), 18.58 (bf16).
 # False sends quantised KV to the CUDA-core `split` form.
 QUANTISED_KV_MMA = True
+# The mma form over each quantised format (`attention_decode_mma.KVQ_FORMS`; "" the first one, a
+# form's variants where compiled for a token count and the first form's elsewhere);
+# `python -m bench.decode --kv-dtype fp8,fp8:cvt` and `bench.attention_forms` time them.
+QUANTISED_KV_MMA_FORM = {"fp8": "", "int8": ""}
 
 # Programmatic dependent launch in decode and verification plans (runtime/model/gpu/pdl.py): each
 # kernel built with `pdl` starts while its predecessor drains and waits for its output in the
@@ -271,6 +275,8 @@ class KernelChoice:
         self.prep = self.split = self.combine = self.prefill_attn = self.prefill_attn_split = None
         self.decode_attention_form = "split"
         self.decode_mma: dict[int, str] = {}
+        self._decode_mma_forms: dict[tuple[int, str], str] = {}  # (most tokens, form) -> key
+        self.decode_mma_form = ""
         self.attn_stride = 0
         if c.attention_layers:
             hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -285,10 +291,12 @@ class KernelChoice:
             # The tensor-core form's variants over the pool's format (bf16, or the FP8 / INT8
             # pages it reads as codes + scales, while QUANTISED_KV_MMA is on); where none is taken,
             # `split` serves.
-            self.decode_mma = {entry.config["tmax"]: key for (fam, key), entry in lib.manifest.kernels.items()
-                               if fam == "attention_decode_mma" and entry.config["kv"] == kv
-                               and entry.config["form"] == "" and (kv == "bf16" or QUANTISED_KV_MMA)
-                               and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
+            self._decode_mma_forms = {(entry.config["tmax"], entry.config["form"]): key
+                                      for (fam, key), entry in lib.manifest.kernels.items()
+                                      if fam == "attention_decode_mma" and entry.config["kv"] == kv
+                                      and (kv == "bf16" or QUANTISED_KV_MMA)
+                                      and (entry.config["Hq"], entry.config["Hkv"], entry.config["D"]) == (hq, hkv, d)}
+            self.use_decode_mma_form(QUANTISED_KV_MMA_FORM.get(kv, ""))
             # Prefill: a tensor-core kernel (gate fused) in place of split + combine, as (family,
             # key): the WGMMA one (128-row tiles) where compiled for this shape, else the mma.sync
             # one; None (the split-KV path) when neither was. Both take the same buffers. Quantised
@@ -323,6 +331,18 @@ class KernelChoice:
         if form not in DECODE_ATTENTION_FORMS:
             raise ValueError(f"unknown decode attention form {form!r} (one of {', '.join(DECODE_ATTENTION_FORMS)})")
         self.decode_attention_form = form
+
+    def use_decode_mma_form(self, form: str) -> None:
+        """Pick the tensor-core decode attention's form over the pool's pages before any step is
+        bound: its variants for the token counts it was compiled for, the first form's for the
+        others (`decode_mma`: most tokens -> key)."""
+        if form and not any(f == form for _, f in self._decode_mma_forms):
+            built = sorted({f for _, f in self._decode_mma_forms if f})
+            raise ValueError(f"decode attention form {form!r} was not compiled for this KV format and shape "
+                             f"(compiled: {', '.join(built) or 'none'})")
+        self.decode_mma = {t: self._decode_mma_forms.get((t, form), key)
+                           for (t, f), key in self._decode_mma_forms.items() if f == ""}
+        self.decode_mma_form = form
 
     def decode_split(self, t: int) -> tuple[str, str]:
         """(family, key) of the split-KV kernel for a step of t query tokens per sequence: the
