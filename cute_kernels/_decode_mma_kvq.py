@@ -139,8 +139,11 @@ def codes_bf16x2(word: Any, lo: int, hi: int, fmt: str, *, loc: Any = None, ip: 
     are 128 or 256 by the sign, and their difference is the two's-complement code. Pure integer
     ops and one bf16x2 op per pair (the cvt pipe is the narrow one on sm_90)."""
     if fmt == "fp8":
-        select = _byte_select(lo, hi, True)
-        text = ("{ .reg .b32 x, y; prmt.b32 x, $1, 0, " + str(select) + "; shr.b32 y, x, 4; "
+        # Bytes 1 and 3 already sit in their lanes' high bytes: the shift and mask drop the low
+        # bytes, so no prmt.
+        gather = "mov.b32 x, $1; " if (lo, hi) == (1, 3) else \
+            "prmt.b32 x, $1, 0, " + str(_byte_select(lo, hi, True)) + "; "
+        text = ("{ .reg .b32 x, y; " + gather + "shr.b32 y, x, 4; "
                 "and.b32 y, y, 0x07F007F0; lop3.b32 x, x, 0x80008000, y, 0xEA; mov.b32 y, 0x7B807B80; "
                 "mul.rn.bf16x2 $0, x, y; }")
     else:
@@ -180,9 +183,14 @@ def scores(mma: Any, acc_s: Any, raw_k: Any, k_frag: Any, ld_a: Any, tSsQ: Any, 
     """acc_s += Q_mt K_ks^T from the raw K fragment (the code bytes of the warp's 16 keys, as
     ldmatrix put them in registers): Q's k-blocks from shared memory, K's converted one
     k-block at a time into k_frag (a B fragment of one k16 x n16 tile). k_cvt: e4m3 codes to
-    f16 by `codes_f16x2` (Q and k_frag f16, `mma` an f16 one), else to bf16."""
+    f16 by `codes_f16x2` (Q and k_frag f16, `mma` an f16 one), else to bf16. The even and the
+    odd k-blocks sum into two accumulators, added at the end: half the chain of dependent
+    products a warp waits on per tile (the decode is bound by one warp's latency, not by the
+    pipes)."""
     raw = cute.recast_tensor(raw_k, i32)
     words = cute.recast_tensor(k_frag, i32)
+    odd = cute.make_rmem_tensor(acc_s.layout, f32)
+    odd.fill(0.0)
     for kr in range(d // 32):
         for y in range(2):
             kb = 2 * kr + y
@@ -193,7 +201,9 @@ def scores(mma: Any, acc_s: Any, raw_k: Any, k_frag: Any, ld_a: Any, tSsQ: Any, 
                         words[(0, h), n, 0] = codes_f16x2(raw[(0, h), n, kr], y == 1)
                     else:
                         words[(0, h), n, 0] = codes_bf16x2(raw[(0, h), n, kr], 2 * y, 2 * y + 1, fmt)
-            cute.gemm(mma, acc_s, tSrQ[None, None, kb], k_frag[None, None, 0], acc_s)
+            acc = odd if y else acc_s
+            cute.gemm(mma, acc, tSrQ[None, None, kb], k_frag[None, None, 0], acc)
+    acc_s.store(acc_s.load() + odd.load())
 
 
 def weighted_values(mma: Any, acc_o: Any, p_frag: Any, raw_v: Any, v_frag: Any, fmt: str, d: int) -> None:

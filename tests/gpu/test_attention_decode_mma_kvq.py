@@ -66,10 +66,16 @@ def _most_tokens(variant):
     return attention_decode_mma.KVQ_FORMS[form][3] if form else max(attention_decode_mma.TOKENS)
 
 
-def _for_variants(params, tokens_at=None):
+def _key_slices(variant):
+    form = variant.partition("_")[2]
+    return attention_decode_mma.KVQ_FORMS[form][0] if form else attention_decode_mma.KS
+
+
+def _for_variants(params, tokens_at=None, key_slices=None):
     """params x FORMATS as parametrize tuples, without the variants that do not serve the
-    case's tokens (its element tokens_at)."""
-    return [(*p, v) for p in params for v in FORMATS if tokens_at is None or p[tokens_at] <= _most_tokens(v)]
+    case's tokens (its element tokens_at) or, given key_slices, split a tile's keys otherwise."""
+    return [(*p, v) for p in params for v in FORMATS if (tokens_at is None or p[tokens_at] <= _most_tokens(v))
+            and (key_slices is None or _key_slices(v) == key_slices)]
 _PLANS = {"runner": lambda hkv: (default_decode_splits(hkv, 262144 + 64, SMS), DECODE_MIN_SPLIT),
           "few": lambda hkv: (3, 64), "pages": lambda hkv: (1024, 64)}
 
@@ -285,11 +291,13 @@ def _exact_pages(rng, fmt, rows, hkv, d, scale):
 
 @pytest.mark.parametrize("name,t,bases,fmt", _for_variants([
     ("q24_kv4_d256", 1, [700, 1, 4096]), ("q24_kv4_d256", 8, [60, 1000]), ("q4_kv2_d64", 1, [700, 63]),
-    ("q16_kv2_d256", 8, [5, 130])], tokens_at=1))
+    ("q16_kv2_d256", 8, [5, 130])], tokens_at=1, key_slices=attention_decode_mma.KS))
 def test_exact_pages_give_the_bf16_kernels_bits(library, mem, stream, name, t, bases, fmt):
     """Pages whose scores are exact sums: the quantised kernel's partials equal the bf16 kernel's
     over the values code * scale bit for bit (the same weights, rounded alike; P V sums the same
-    products in the same key order, only over permuted columns)."""
+    products in the same key order, only over permuted columns). Forms with the bf16 kernel's key
+    slices only: four slices a tile (`k4`) merge their sums in another grouping, so their bits
+    differ within rounding (the other tests hold them to the reference)."""
     rng = np.random.default_rng(len(bases) + t)
     cfg = _cfg(name)
     hkv, d, hq = cfg["Hkv"], cfg["D"], cfg["Hq"]
