@@ -162,6 +162,12 @@ def test_quantised_kv_takes_the_mma_variants_of_its_format(monkeypatch, shape, n
 
     # On by default (their GPU tests pass on the H200); off, quantised KV takes the CUDA-core split.
     assert gpu_kernels.QUANTISED_KV_MMA is True
+    # The fastest form measured (its variant for one token; the first form's for verification).
+    form = gpu_kernels.QUANTISED_KV_MMA_FORM[fmt]
+    assert form == {"fp8": "k4cvt", "int8": "k4"}[fmt]
+    if any(key.endswith(f"_{fmt}_{form}") for _, key in _choice(shape, fmt).library.manifest.kernels):
+        assert _choice(shape, fmt).decode_split(1) == ("attention_decode_mma", f"mma_{name}_t1_{fmt}_{form}")
+    monkeypatch.setattr(gpu_kernels, "QUANTISED_KV_MMA_FORM", {"fp8": "", "int8": ""})
     monkeypatch.setattr(gpu_kernels, "QUANTISED_KV_MMA", False)
     kernels = _choice(shape, fmt)
     if not any(key.endswith(f"_{fmt}") for _, key in kernels.library.manifest.kernels):
