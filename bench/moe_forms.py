@@ -4,7 +4,8 @@ One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the
 + SwiGLU, down + routing weight + combine) at decode row counts, in every form compiled: the
 split form (logits, route, up, down) and each decode form (logits_wide; route_up with F features
 a CTA, or route then up_wide; down_wide with R rows a warp; runtime/model/gpu/kernels.py
-MOE_DECODE_FORM picks one). Then each kernel alone, so the table shows where a layer's time goes,
+MOE_DECODE_FORM picks one), each decode form also with programmatic dependent launch between its
+kernels (`_pdl` rows: how the runner's decode graph launches them). Then each kernel alone, so the table shows where a layer's time goes,
 and the quantised experts' kernels (`up_fp8` / `down_fp8`, `up_nvfp4` / `down_nvfp4`: the split
 form's gate/up and down over FP8 and NVFP4 stacks of random codes) alone on the same routing,
 their rates counting the stacks' bytes (codes, scales and NVFP4's per-row globals).
@@ -84,6 +85,7 @@ def _bind(b: Any, key: str, bufs: dict[str, int], weights: dict[str, int], m: in
 
 def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
     from cute_kernels import moe
+    from runtime.model.gpu.pdl import chain
 
     from .kernels import _bf16
 
@@ -119,6 +121,9 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
             bound = [_bind(b, key, rep, weights, m) for rep in reps for key in keys]
             us, _ = b.compare(b.ours(bound), None)
             b.record("moe", f"layer_a3b_{name}", case, us * len(keys), None, "", nbytes["layer"])
+            if name != "split":  # the decode forms as the runner's decode graph launches them: with PDL
+                us, _ = b.compare(b.ours(chain(bound)), None)
+                b.record("moe", f"layer_a3b_{name}_pdl", case, us * len(keys), None, "", nbytes["layer"])
         # Each kernel alone, over routing the split form wrote for each rep (every form computes
         # the same ids, weights and act, so each kernel reads what it reads in a layer).
         split_keys = layer_forms[0][1]
