@@ -26,6 +26,11 @@ Page layout (`runtime.model.kv_format`): per page of a pool, the codes `[64 slot
 - Scales: S[row, key] = (q . code[key]) * (kscale[key] * D^-0.5 * log2 e) in fp32; the softmax
   weight P[key] (fp32) times vscale[key] is rounded to bf16 as the A operand of P V, while the
   row sum adds the unscaled P. `attention_decode_mma.reference(exact=False)` is this model.
+- e4m3 V codes: the bf16 bits s.0000eeee.mmm0000 (the value times 2^-120) go to P V as they
+  are: the weight P * vscale is rounded to bf16 times `V_SHIFT` (2^64) and the row's output
+  times 2^56 at the end. Powers of two commute with every rounding on the way (no product or
+  sum leaves the normal range: weights up to 2^64 * vscale, products near 2^-56), so the
+  numbers are those of the scaled codes, without a bf16 product per code pair.
 - The `cvt` forms (e4m3 only): K codes become f16 by the conversion unit (one `cvt` a pair)
   instead of bf16 by integer ops, so the integer pipe, which the conversions of K and V kept
   busier than the memory system, has only V's left. Q K^T is then an f16 product: Q stored as
@@ -48,6 +53,10 @@ from runtime.model.kv_format import PAGE, SCALE_BYTES, page_bytes, scale_offset
 
 bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
 Q_SCALE = 2.0 ** -4  # Q's factor in the f16 scores of the `cvt` forms (module doc)
+# e4m3 V codes enter P V as value * 2^-120 (no bf16 product a pair: `codes_bf16x2(scaled=False)`);
+# the weights take V_SHIFT on with the V scale and the output the rest (2^120 / V_SHIFT), both
+# powers of two (module doc).
+V_SHIFT = 2.0 ** 64
 
 
 def staging_layout(bn: int, d: int, stages: int) -> Any:
@@ -130,12 +139,14 @@ def _byte_select(lo: int, hi: int, high_byte: bool) -> int:
 
 
 @dsl_user_op
-def codes_bf16x2(word: Any, lo: int, hi: int, fmt: str, *, loc: Any = None, ip: Any = None) -> Any:
+def codes_bf16x2(word: Any, lo: int, hi: int, fmt: str, scaled: bool = True, *, loc: Any = None,
+                 ip: Any = None) -> Any:
     """The codes at bytes lo and hi of a 32-bit word as a bf16x2 (lo in the low half), exactly.
 
     e4m3: the code s.eeee.mmm placed as bf16 bits s.0000eeee.mmm0000 is the value times 2^-120
-    (subnormal codes become bf16 subnormals, which bf16 arithmetic keeps); times 2^120 (bf16
-    0x7B80) restores it. int8: the bf16 bits 0x43.(c & 0x7F) are 128 + (c & 0x7F), 0x43.(c & 0x80)
+    (subnormal codes become bf16 subnormals, which bf16 arithmetic and the tensor cores keep);
+    times 2^120 (bf16 0x7B80) restores it, or with scaled=False the caller takes the 2^-120 on
+    (V: `V_SHIFT`). int8: the bf16 bits 0x43.(c & 0x7F) are 128 + (c & 0x7F), 0x43.(c & 0x80)
     are 128 or 256 by the sign, and their difference is the two's-complement code. Pure integer
     ops and one bf16x2 op per pair (the cvt pipe is the narrow one on sm_90)."""
     if fmt == "fp8":
@@ -143,9 +154,9 @@ def codes_bf16x2(word: Any, lo: int, hi: int, fmt: str, *, loc: Any = None, ip: 
         # bytes, so no prmt.
         gather = "mov.b32 x, $1; " if (lo, hi) == (1, 3) else \
             "prmt.b32 x, $1, 0, " + str(_byte_select(lo, hi, True)) + "; "
+        restore = "mov.b32 y, 0x7B807B80; mul.rn.bf16x2 $0, x, y; }" if scaled else "mov.b32 $0, x; }"
         text = ("{ .reg .b32 x, y; " + gather + "shr.b32 y, x, 4; "
-                "and.b32 y, y, 0x07F007F0; lop3.b32 x, x, 0x80008000, y, 0xEA; mov.b32 y, 0x7B807B80; "
-                "mul.rn.bf16x2 $0, x, y; }")
+                "and.b32 y, y, 0x07F007F0; lop3.b32 x, x, 0x80008000, y, 0xEA; " + restore)
     else:
         select = _byte_select(lo, hi, False)
         text = ("{ .reg .b32 x, a, b; mov.b32 b, 0x43434343; prmt.b32 x, $1, b, " + str(select) + "; "
@@ -215,6 +226,6 @@ def weighted_values(mma: Any, acc_o: Any, p_frag: Any, raw_v: Any, v_frag: Any, 
     for pb in range(d // 16):
         for parity in range(2):
             for h in range(2):
-                words[(0, h), parity, 0] = codes_bf16x2(raw[(0, h), pb, 0], parity, parity + 2, fmt)
+                words[(0, h), parity, 0] = codes_bf16x2(raw[(0, h), pb, 0], parity, parity + 2, fmt, scaled=False)
         acc = acc_pairs[None, None, (None, pb)]
         cute.gemm(mma, acc, p_frag[None, None, 0], v_frag[None, None, 0], acc)

@@ -210,6 +210,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     # Q_SCALE: `_decode_mma_kvq` module doc), and the factor taking a product to the exp2 domain.
     qtype = cutlass.Float16 if k_cvt else bf16
     scale_log2 = d ** -0.5 * LOG2E / (_decode_mma_kvq.Q_SCALE if k_cvt else 1.0)
+    # e4m3 V codes enter P V unscaled by 2^120 (`_decode_mma_kvq` module doc): the weights carry
+    # V_SHIFT and the output the rest.
+    v_shift = _decode_mma_kvq.V_SHIFT if kv == "fp8" else 1.0
+    out_shift = 2.0 ** 120 / v_shift if kv == "fp8" else 1.0
     ninf = -float("inf")
 
     @cute.kernel
@@ -410,7 +414,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         # The V scale goes into the weight before its bf16 rounding; the row sum
                         # above added the unscaled weights.
                         for c in cutlass.range_constexpr(ncols):
-                            value_scale = s_scale[ks * 16 + tScS[0, c][1], stages + stage]
+                            value_scale = s_scale[ks * 16 + tScS[0, c][1], stages + stage] * f32(v_shift)
                             for r in cutlass.range_constexpr(nrows):
                                 s_mn[r, c] = s_mn[r, c] * value_scale
                     r_p = cute.make_rmem_tensor(acc_s.layout, bf16)
@@ -452,7 +456,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         for j in cutlass.range_constexpr(1, ks_n):
                             wj.append(cute.math.exp2(s_stat[0, j, i] - best, fastmath=True))
                             total = total + s_stat[1, j, i] * wj[j - 1]
-                        inv = f32(1.0) / total
+                        inv = f32(out_shift) / total
                         t = i // group
                         head = kvh * group + i % group
                         base = (cutlass.Int64(t * nseq + b) * hq + head) * ns + sp
