@@ -155,7 +155,7 @@ def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: 
         family=family,
         key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{mb}{tag}",
         config={"N": n, "NT": nt, "K": k, "MB": mb, "warps": WARPS, **config, "unroll": unroll, "form": form,
-                "decode": decode, "rows": rows, "pdl": True},
+                "decode": decode, "rows": rows},
         params=params,
         tensors=tensors,
         sizes=("M",),
@@ -217,7 +217,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dequant, _dsl, _pdl
+    from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll, form = variant.config["unroll"], variant.config["decode"]
@@ -297,14 +297,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             # The CTA's rows lie in one 128-row scale block (128 % span == 0, `_variant`).
             s_row = scale + (row0 // BLOCK) * blocks
             last = first + per_warp - 1  # the warp's last block (for the prefetch's clamp)
-            # PDL (cute_kernels/_pdl.py): the codes of the blocks the loop first keeps in flight
-            # head for L2 while the previous kernel drains (a row's bytes of consecutive blocks are
-            # contiguous); x, its output, is read only after the wait.
-            if cutlass.const_expr(per_warp > 0):
-                if q == 0:
-                    for p in w_lo + w_hi:
-                        _pdl.prefetch_l2(p + first * BLOCK, min(unroll, per_warp) * BLOCK)
-            _pdl.wait()
             if cutlass.const_expr(ahead > 0 and per_warp > 0):
                 for c in cutlass.range_constexpr(1, ahead):  # blocks first + 1 .. first + ahead - 1
                     prefetch(w_lo, w_hi, cutlass.min(first + c, last))
@@ -318,7 +310,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     fp8_block(mma, frag_a, frag_b, accs, block_accs, w_lo, w_hi, x_at, s_row, first + per_warp)
         if cutlass.const_expr(nt > 0):
             if bid >= fp8_ctas:
-                _pdl.wait()
                 t0 = (bid - fp8_ctas) * span
                 count = cutlass.min(nt - t0, span)
                 t_lo, t_hi = [], []
@@ -331,7 +322,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        _pdl.launch_dependents()  # only the epilogue is left: the next kernel's CTAs may start
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
                                        byte_alignment=16)

@@ -152,7 +152,7 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.n
 def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
-    from . import _dequant, _dsl, _pdl
+    from . import _dequant, _dsl
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll = variant.config["unroll"]
@@ -234,16 +234,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 s_lo.append(scale + cutlass.Int64(row0 + h * ROWS + r) * (k // GROUP) + q * 2)
                 s_hi.append(scale + cutlass.Int64(row0 + h * ROWS + r + 8) * (k // GROUP) + q * 2)
             last = first + per_warp - 1  # the warp's last step (for the prefetch's clamp)
-            # PDL (cute_kernels/_pdl.py): the codes of the steps the loop first keeps in flight head
-            # for L2 while the previous kernel drains (a row's 64 bytes a step, contiguous; the
-            # scales, an eighth of it and 8-byte aligned, are left to the loads); x is read only
-            # after the wait.
-            if cutlass.const_expr(per_warp > 0):
-                if q == 0:
-                    for h in cutlass.range_constexpr(row_groups):
-                        for p in (w_lo[h],) + (() if half else (w_hi[h],)):
-                            _pdl.prefetch_l2(p + first * (STEP // 2), min(unroll, per_warp) * (STEP // 2))
-            _pdl.wait()
             if cutlass.const_expr(ahead > 0 and per_warp > 0):
                 for c in cutlass.range_constexpr(1, ahead):  # steps first + 1 .. first + ahead - 1
                     prefetch(w_lo, w_hi, s_lo, s_hi, cutlass.min(first + c, last))
@@ -261,7 +251,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                         acc[i] = acc[i] * E2M1_UNDO
         if cutlass.const_expr(nt > 0):
             if bid >= fp4_ctas:
-                _pdl.wait()
                 t0 = (bid - fp4_ctas) * rows
                 count = cutlass.min(nt - t0, rows)
                 t_lo, t_hi = [], []
@@ -274,7 +263,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_step(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        _pdl.launch_dependents()  # only the epilogue is left: the next kernel's CTAs may start
         if cutlass.const_expr(mb == MB):
             partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS)
             # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.

@@ -21,8 +21,7 @@ CUBIN = b"\x7fELF fake cubin"
 
 # The kernels built with `pdl` (cute_kernels/_pdl.py): the decode step's chain. gemv_fp8 and
 # gemv_nvfp4 (another owner's files), the GEMMs and the prefill kernels are not.
-PDL_FAMILIES = {"gemv", "gemv_fp8", "gemv_nvfp4", "rmsnorm", "silu_mul", "conv1d", "gdn", "attention",
-                "attention_decode_mma", "moe"}
+PDL_FAMILIES = {"gemv", "rmsnorm", "silu_mul", "conv1d", "gdn", "attention", "attention_decode_mma", "moe"}
 
 
 def _entry(key: str, pdl: bool) -> dict:
@@ -124,8 +123,7 @@ def test_the_variant_tables_declare_pdl_for_the_decode_chain_only():
     for (family, key), cfg in declared.items():
         pdl = cfg.get("pdl", False)
         assert pdl in (True, False), f"{family}/{key}"
-        if family in ("gemv", "gemv_fp8", "gemv_nvfp4", "rmsnorm", "silu_mul", "conv1d", "attention",
-                      "attention_decode_mma"):
+        if family in ("gemv", "rmsnorm", "silu_mul", "conv1d", "attention", "attention_decode_mma"):
             assert pdl, f"{family}/{key}"
         elif family == "gdn":
             assert pdl == (cfg["mode"] in ("fused", "verify")), key  # not the prefill `split` mode
