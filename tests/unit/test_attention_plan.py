@@ -45,14 +45,14 @@ def test_split_length_values():
 
 
 def test_default_decode_splits():
-    # Whole waves at batch 1 (rows x KV heads x splits = 6 CTAs per SM of an H200's 132), no more
+    # One wave at batch 1 (rows x KV heads x splits = 2 CTAs per SM of an H200's 132), no more
     # splits than the longest context fills.
-    assert DECODE_CTAS_PER_SM == 6
-    assert default_decode_splits(4, 262208, 132) == 198                    # 27B: 792 CTAs, 2 waves of 3 per SM
-    assert default_decode_splits(2, 262208, 132) == 396                    # 35B-A3B: 3 waves of 2 per SM
+    assert DECODE_CTAS_PER_SM == 2
+    assert default_decode_splits(4, 262208, 132) == 66                     # 27B: 264 CTAs
+    assert default_decode_splits(2, 262208, 132) == 132                    # 35B-A3B: 264 CTAs
     assert default_decode_splits(2, 2048, 132) == 2048 // DECODE_MIN_SPLIT  # the tiny model
     assert default_decode_splits(4, 1, 132) == 1
-    assert default_decode_splits(3, 10 ** 6, 100) * 3 >= 600
+    assert default_decode_splits(3, 10 ** 6, 100) * 3 >= DECODE_CTAS_PER_SM * 100
 
 
 def _split_combine(q, k, v, pos, splits, min_split):

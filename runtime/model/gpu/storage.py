@@ -46,10 +46,13 @@ PREFILL_MIN_SPLIT = PAGE_SIZE  # fewest keys per split there
 PREFILL_KV_SPLIT = 16384
 # Decode attention: the split count per row is fixed at startup (the graph's grid), each row's split
 # length follows its own position (`attention.split_length`). At batch 1, DECODE_CTAS_PER_SM (row,
-# KV head, split) CTAs per SM: whole waves of the split kernels, which keep 3 (27B: 165 registers)
-# or 2 (35B-A3B: 244) CTAs resident per SM; and at least DECODE_MIN_SPLIT keys per split, so a
-# short context does not pay for a combine over many tiny splits.
-DECODE_CTAS_PER_SM = 6
+# KV head, split) CTAs per SM: one wave of the tensor-core split kernel, which keeps 2 CTAs
+# resident per SM over every page format (bf16: 106 KB of shared memory; fp8 `k4cvt`: 227
+# registers a thread); and at least DECODE_MIN_SPLIT keys per split, so a short context does not
+# pay for a combine over many tiny splits. On the H200 at 250K keys, batch 1, 27B heads (ninth
+# session, split + combine): 66 splits bf16 247 us, fp8 136 us; 198 (3 waves, the CUDA-core split
+# kernel's plan of 6 CTAs per SM before): 262 / 156 us.
+DECODE_CTAS_PER_SM = 2
 DECODE_MIN_SPLIT = 128
 LOGITS_BYTES = 256 << 20  # the logits staging buffer's budget (device and pinned host alike)
 
