@@ -59,10 +59,11 @@ KVQ_STAGES = 4
 # (`_decode_mma_kvq` module doc); "k4" runs 4 key slices (warps) over tiles of 64 keys in 2 stages,
 # twice the warps an SM to hide the conversions' latency with the same bytes in flight.
 KVQ_FORMS = {"s3": (KS, 3, False, 1), "s6": (KS, 6, False, 1), "cvt": (KS, KVQ_STAGES, True, 8),
-             "k4": (4, 2, False, 1), "k4cvt": (4, 2, True, 1), "k4cvt3": (4, 2, True, 1)}
-# Forms whose registers are capped for a number of resident CTAs per SM (`.minnctapersm`): k4cvt
-# takes 227 registers, so 2 of its 128-thread CTAs an SM; capped at 168 (a few spills), 3.
-KVQ_MIN_CTAS = {"k4cvt3": 3}
+             "k4": (4, 2, False, 1), "k4cvt": (4, 2, True, 1), "k4cvts3": (4, 3, True, 1)}
+# k4cvt takes 227 registers a thread, so 2 of its 128-thread CTAs an SM: a third stage (105 KB of
+# shared memory) keeps that occupancy with twice the bytes in flight per CTA (`k4cvts3`). Capping
+# the registers at 168 for 3 CTAs an SM (`.minnctapersm 3`, a few spills) was slower on the H200
+# (250K keys, batch 1: 194.8 us at 99 splits, one wave, against k4cvt's 138.3 at 66).
 LOG2E = attention.LOG2E
 TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
 
@@ -95,8 +96,7 @@ def _mma(name: str, hq: int, hkv: int, d: int, tmax: int, kv: str, form: str = "
         family=FAMILY,
         key=f"mma_{name}_t{tmax}{suffix}" + (f"_{form}" if form else ""),
         config={"kind": "mma", "Hq": hq, "Hkv": hkv, "D": d, "tmax": tmax, "MT": mt, "KS": ks, "BN": 16 * ks,
-                "stages": stages, "form": form, "k_cvt": k_cvt, "min_ctas": KVQ_MIN_CTAS.get(form, 0),
-                "threads": threads, "kv": kv, "pdl": True},
+                "stages": stages, "form": form, "k_cvt": k_cvt, "threads": threads, "kv": kv, "pdl": True},
         params=[ptr("q"), ptr("k_pages"), ptr("v_pages"), ptr("table"), ptr("qseq"), ptr("pos"), ptr("o_part"),
                 ptr("lse"), i32("M"), i32("T"), i32("S"), i32("min_split"), i32("maxp")],
         tensors={
@@ -477,9 +477,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                             cute.make_tensor(lse + base, one)[0] = best + cute.math.log2(total)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_attention_decode_mma_{variant.key}")
-    # A form's CTAs per SM: ptxas caps the registers to fit them (`.minnctapersm`). The carveout
-    # only keeps the DSL from asking a device for its shared memory (the runtime sets its own).
-    occupancy = {"min_blocks_per_mp": cfg["min_ctas"], "preferred_smem_carveout": 100} if cfg["min_ctas"] else {}
 
     @cute.jit
     def launch(q: cute.Pointer, k_pages: cute.Pointer, v_pages: cute.Pointer, table: cute.Pointer,
@@ -487,6 +484,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                tq: cutlass.Int32, ns: cutlass.Int32, min_split: cutlass.Int32, maxp: cutlass.Int32, stream: Any):
         kernel(q, k_pages, v_pages, table, qseq, pos, o_part, lse, m, tq, ns, min_split, maxp).launch(
             grid=_dsl.grid(variant, {"M": m, "T": tq, "S": ns}), block=list(variant.block),
-            stream=stream, **occupancy)
+            stream=stream)
 
     return launch, _dsl.example_args(variant, aligns={"table": 4, "qseq": 4, "pos": 4, "lse": 4, "o_part": 4})
