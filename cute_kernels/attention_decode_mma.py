@@ -59,11 +59,12 @@ KVQ_STAGES = 4
 # (`_decode_mma_kvq` module doc); "k4" runs 4 key slices (warps) over tiles of 64 keys in 2 stages,
 # twice the warps an SM to hide the conversions' latency with the same bytes in flight.
 KVQ_FORMS = {"s3": (KS, 3, False, 1), "s6": (KS, 6, False, 1), "cvt": (KS, KVQ_STAGES, True, 8),
-             "k4": (4, 2, False, 1), "k4cvt": (4, 2, True, 1), "k4cvts3": (4, 3, True, 1)}
-# k4cvt takes 227 registers a thread, so 2 of its 128-thread CTAs an SM: a third stage (105 KB of
-# shared memory) keeps that occupancy with twice the bytes in flight per CTA (`k4cvts3`). Capping
-# the registers at 168 for 3 CTAs an SM (`.minnctapersm 3`, a few spills) was slower on the H200
-# (250K keys, batch 1: 194.8 us at 99 splits, one wave, against k4cvt's 138.3 at 66).
+             "k4": (4, 2, False, 1), "k4cvt": (4, 2, True, 1)}
+# k4cvt takes 227 registers a thread, so 2 of its 128-thread CTAs an SM. Tried on the H200 and
+# dropped (250K keys, batch 1): its registers capped at 168 for 3 CTAs an SM (`.minnctapersm 3`, a
+# few spills), 194.8 us at 99 splits (one wave) against k4cvt's 138.3 at 66; a third stage (105 KB
+# of shared memory, the same 2 CTAs an SM, twice the bytes in flight): the whole 27B step 16.80 ms
+# against k4cvt's 16.74.
 LOG2E = attention.LOG2E
 TOKENS = (1, 8)  # query tokens per sequence a variant serves at most: decode, verification
 

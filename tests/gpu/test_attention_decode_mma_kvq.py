@@ -53,7 +53,7 @@ SPLIT_SLACK = 2.0  # the tensor-core form's error over the CUDA-core form's, sam
 # The variants under test: "fp8" / "int8" the runner's form over each format, "kv_form" the other forms
 # (`attention_decode_mma.KVQ_FORMS`: K codes by cvt, four key slices) the runner may be switched to.
 # The 3- and 6-stage forms differ from the runner's only in the ring's depth.
-FORMATS = ("fp8", "int8", "fp8_cvt", "fp8_k4", "fp8_k4cvt", "fp8_k4cvts3", "int8_k4")
+FORMATS = ("fp8", "int8", "fp8_cvt", "fp8_k4", "fp8_k4cvt", "int8_k4")
 
 
 def _kv(variant):

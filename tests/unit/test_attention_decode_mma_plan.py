@@ -66,9 +66,8 @@ def test_variants_are_drop_ins_for_split_plus_the_token_count():
 def test_quantised_variants_fit_three_ctas_per_sm_at_one_token():
     """The shared memory a quantised T = 1 CTA takes (Q rows, the code staging ring, the scales):
     3 CTAs per H200 SM (228 KB, 1 KB reserved per CTA), so more bytes are in flight per SM than
-    with the bf16 form's 2; rings of more than 64 KB (the 6-stage form; `k4cvts3`, whose k4cvt
-    registers allow 2 CTAs an SM anyway) 2; and the merge (fp32 rows of the other key slices)
-    fits the ring."""
+    with the bf16 form's 2; rings of more than 64 KB (the 6-stage form) 2; and the merge (fp32
+    rows of the other key slices) fits the ring."""
     for v in attention_decode_mma.variants():
         c = v.config
         if c["kv"] == "bf16":
