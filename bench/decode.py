@@ -308,7 +308,8 @@ def render_kv_dtypes(runs: list[dict[str, Any]], label: Any = _kv_label) -> str:
         cells = []
         for r in runs:
             ms = r["results"][i]["graph_ms"]
-            cells.append(f"{ms:.2f}" if r is runs[0] else f"{ms:.2f} ({row['graph_ms'] / ms:.2f}x)")
+            # Three decimals: a target such as 1.1x must not pass by rounding (1.096x).
+            cells.append(f"{ms:.2f}" if r is runs[0] else f"{ms:.2f} ({row['graph_ms'] / ms:.3f}x)")
         lines.append(f"| {row['batch']} | {row['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -16,8 +16,17 @@ def test_table_gives_each_format_and_its_speedup_over_the_first():
             _run("int8", [(1024, 25.0), (250000, 30.0)])]
     lines = decode.render_kv_dtypes(runs).splitlines()
     assert lines[0] == "| batch | context | bf16 ms | fp8 ms (x vs bf16) | int8 ms (x vs bf16) |"
-    assert lines[2] == "| 1 | 1024 | 20.00 | 20.00 (1.00x) | 25.00 (0.80x) |"
-    assert lines[3] == "| 1 | 250000 | 33.00 | 27.50 (1.20x) | 30.00 (1.10x) |"
+    assert lines[2] == "| 1 | 1024 | 20.00 | 20.00 (1.000x) | 25.00 (0.800x) |"
+    assert lines[3] == "| 1 | 250000 | 33.00 | 27.50 (1.200x) | 30.00 (1.100x) |"
+
+
+def test_a_run_with_an_mma_form_is_labelled_with_it_and_no_speedup_rounds_up():
+    # bench.decode --kv-dtype bf16,fp8:k4cvt: the form names the column; 18.03 / 16.45 = 1.0960.
+    runs = [_run("bf16", [(250000, 18.03)]), {**_run("fp8", [(250000, 16.45)]), "kv_form": "k4cvt"},
+            {**_run("int8", [(250000, 17.0)]), "kv_form": ""}]
+    lines = decode.render_kv_dtypes(runs).splitlines()
+    assert lines[0] == "| batch | context | bf16 ms | fp8:k4cvt ms (x vs bf16) | int8 ms (x vs bf16) |"
+    assert lines[2] == "| 1 | 250000 | 18.03 | 16.45 (1.096x) | 17.00 (1.061x) |"
 
 
 def test_bad_format_is_refused_by_name(capsys):
