@@ -7,7 +7,8 @@ model. Eight requests (greedy and seeded, prompts of different lengths crossing 
 grid) run together through the engine, then each alone on the same runner; the ids must be equal
 bit for bit. The same while sequences join and leave a running decode batch. Under KV pressure
 (preemption) with a host tier the paused request's lane state is kept and the ids are equal;
-without one it replays by prefill, a strict xfail (docs/architecture.md, "Request invariance").
+without one it replays by prefill: an xfail, not strict (the replay may round alike by chance;
+docs/architecture.md, "Request invariance").
 """
 
 from __future__ import annotations
