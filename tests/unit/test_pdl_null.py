@@ -254,7 +254,7 @@ def test_decode_bench_compares_pdl_off_and_on_and_refuses_other_words(capsys):
             for pdl, ms in ((False, 2.53), (True, 2.30))]
     lines = decode.render_kv_dtypes(runs, lambda r: f"PDL {'on' if r['pdl'] else 'off'}").splitlines()
     assert lines[0] == "| batch | context | PDL off ms | PDL on ms (x vs PDL off) |"
-    assert lines[2] == "| 1 | 1024 | 2.53 | 2.30 (1.10x) |"
+    assert lines[2] == "| 1 | 1024 | 2.53 | 2.30 (1.100x) |"
     for main in (decode.main, step_breakdown.main):
         with pytest.raises(SystemExit):
             main(["--pdl", "maybe", "--out", "/nonexistent/never"])
