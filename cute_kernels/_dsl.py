@@ -133,6 +133,36 @@ def acc_partials(acc: Any, r: Any, q: Any, warp: Any, rows: int, mb: int, warps:
     return partial
 
 
+def sum_row_group_partials(accs: list, tid: Any, r: Any, q: Any, warp: Any, out: Any, ld: Any, row0: Any, m: Any,
+                           count: Any, rows: int, mb: int, warps: int, row_groups: int,
+                           row_scale: Any = None, scaled_rows: Any = None) -> None:
+    """The epilogue of a GEMV whose warps hold `row_groups` x (mb / 8) m16n8 accumulators
+    (`accs`, [row group][8-token group]; the wide decode variants of the quantised GEMVs): each
+    row group's partials go through one shared [rows, mb, warps] buffer into `sum_warp_partials`,
+    one (row, token) per thread, so mb = 32 takes two passes of 16 tokens and the groups follow
+    one another (row group h at output row row0 + h * rows)."""
+    groups = mb // 8
+    smem = cutlass.memory.SmemAllocator()
+    partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((rows, mb, warps), stride=(1, rows, rows * mb)),
+                                   byte_alignment=16)
+    per = min(mb, 32 * warps // rows)
+    for h in range(row_groups):  # a plain helper: Python loops unroll while tracing
+        if h > 0:
+            cute.arch.sync_threads()  # every thread has added the previous group's partials
+        for g in range(groups):
+            # Accumulator slots: (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1).
+            acc = accs[h * groups + g]
+            partial[r, g * 8 + 2 * q, warp] = acc[0]
+            partial[r, g * 8 + 2 * q + 1, warp] = acc[1]
+            partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
+            partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
+        for p in range(mb // per):
+            part = cute.make_tensor(partial.iterator + p * per * rows,
+                                    cute.make_layout((rows, per, warps), stride=(1, rows, rows * mb)))
+            sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * ld, ld, row0 + h * rows, m - p * per,
+                              count - h * rows, rows, per, warps, row_scale, scaled_rows)
+
+
 @cute.jit
 def sum_warp_partials(partial: Any, tid: Any, out: Any, ld: Any, row0: Any, m: Any, count: Any,
                       rows: cutlass.Constexpr, mb: cutlass.Constexpr, warps: cutlass.Constexpr,

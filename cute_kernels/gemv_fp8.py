@@ -322,27 +322,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        smem = cutlass.memory.SmemAllocator()
-        partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((ROWS, mb, WARPS), stride=(1, ROWS, ROWS * mb)),
-                                       byte_alignment=16)
-        # The epilogue adds one (row, token) per thread: MB = 32 takes two passes of 16 tokens, row
-        # groups one after the other through the same partials.
-        per = min(mb, 32 * WARPS // ROWS)
-        for h in cutlass.range_constexpr(row_groups):
-            if cutlass.const_expr(h > 0):
-                cute.arch.sync_threads()  # every thread has added the previous group's partials
-            for g in cutlass.range_constexpr(groups):
-                # Accumulator slots: (row r, token 2q), (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1).
-                acc = accs[h * groups + g]
-                partial[r, g * 8 + 2 * q, warp] = acc[0]
-                partial[r, g * 8 + 2 * q + 1, warp] = acc[1]
-                partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
-                partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
-            for p in cutlass.range_constexpr(mb // per):
-                part = cute.make_tensor(partial.iterator + p * per * ROWS,
-                                        cute.make_layout((ROWS, per, WARPS), stride=(1, ROWS, ROWS * mb)))
-                _dsl.sum_warp_partials(part, tid, out + cutlass.Int64(p * per) * ldo, ldo, row0 + h * ROWS,
-                                       m - p * per, count - h * ROWS, ROWS, per, WARPS)
+        _dsl.sum_row_group_partials(accs, tid, r, q, warp, out, ldo, row0, m, count, ROWS, mb, WARPS, row_groups)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")
 
