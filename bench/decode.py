@@ -28,8 +28,8 @@ pairs whose batch x context exceeds it and sizes the KV pool for the largest pai
 `--kv-dtype` takes a list of KV formats: each gets its own runner and run (`decode_<fmt>.json`
 when more than one) and a last table compares their GPU time per step at each pair
 (`kv_dtypes.json`); an entry `fp8:cvt` runs the decode attention's mma form `cvt` over that format
-(`attention_decode_mma.KVQ_FORMS`). `--pdl off,on` times every pair without and then with programmatic dependent
-launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two.
+(`attention_decode_mma.KVQ_FORMS`). `--pdl off,on` times every pair without and then with
+programmatic dependent launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         shape: str = "qwen3.6-27b", router: str = "balanced", min_split: int | None = None,
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
         draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None,
-        kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",), kv_form: str | None = None) -> list[dict[str, Any]]:
+        kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",),
+        kv_form: str | None = None) -> list[dict[str, Any]]:
     """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL), all
     timed on one runner: its plans and graphs are bound again for each mode. kv_form: the decode
     attention's mma form over the KV pages (`KernelChoice.use_decode_mma_form`; None: the runner's)."""

@@ -5,8 +5,8 @@ One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the
 split form (logits, route, up, down) and each decode form (logits_wide; route_up with F features
 a CTA, or route then up_wide; down_wide with R rows a warp; runtime/model/gpu/kernels.py
 MOE_DECODE_FORM picks one), each decode form also with programmatic dependent launch between its
-kernels (`_pdl` rows: how the runner's decode graph launches them). Then each kernel alone, so the table shows where a layer's time goes,
-and the quantised experts' kernels (`up_fp8` / `down_fp8`, `up_nvfp4` / `down_nvfp4`: the split
+kernels (`_pdl` rows: how the runner's decode graph launches them). Then each kernel alone, so the
+table shows where a layer's time goes, and the quantised experts' kernels (`up_fp8` / `down_fp8`, `up_nvfp4` / `down_nvfp4`: the split
 form's gate/up and down over FP8 and NVFP4 stacks of random codes) alone on the same routing,
 their rates counting the stacks' bytes (codes, scales and NVFP4's per-row globals).
 

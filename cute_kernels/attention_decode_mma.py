@@ -13,8 +13,8 @@ m16 tiles, so every K/V row is read once for all of them. Row (t, h) sees the ke
 (`attention.split_length` of its own position: verification rows may split differently), the
 CTA reads the union of its rows' ranges and masks per row (causal inside the query block).
 
-K and V stream through shared memory in tiles of `BN` keys (16 a key slice; at most a page: a tile never straddles
-a page, and split starts are whole pages) with cp.async, `STAGES` tiles in flight (decode is a
+K and V stream through shared memory in tiles of `BN` keys (16 a key slice; at most a page: a tile
+never straddles a page, and split starts are whole pages) with cp.async, `STAGES` tiles in flight (decode is a
 streaming read; the bytes in flight are what keeps HBM busy). Warps are (m-tile, key slice): warp
 (mt, ks) computes S = Q K^T for its m-tile and keys [16 ks, 16 ks + 16) of each tile with warp
 `mma.sync` m16n8k16 bf16 (fp32 accumulate; operands by ldmatrix from swizzled shared memory, V
@@ -52,7 +52,7 @@ STAGES = 3  # tiles in flight per CTA (bf16 pages)
 KVQ_STAGES = 4
 # Other forms of the quantised variants (keys `..._{kv}_{form}`, config "form"), built so that
 # `bench.attention_forms` times them beside the runner's (form ""): form -> (key slices a tile, stages,
-# K codes by `cvt`, the most query tokens it is built for). At 250K keys, batch 1, the runner's form
+# K codes by `cvt`, the most query tokens it is built for). At 250K keys, batch 1, the first form
 # reached 68 % of the copy bandwidth on the H200 against the bf16 form's 92 %, and 3 stages (3 CTAs
 # per SM, fewer bytes in flight) or 6 (2 CTAs per SM) did no better: the conversions of the codes,
 # not the bytes in flight, bound it. "cvt" (e4m3 only) converts K by the conversion unit

@@ -122,9 +122,10 @@ QUANTISED_KV_MMA = True
 # The mma form over each quantised format (`attention_decode_mma.KVQ_FORMS`; "" the first one, a
 # form's variants where compiled for a token count and the first form's elsewhere);
 # `python -m bench.decode --kv-dtype fp8,fp8:cvt` and `bench.attention_forms` time them. On the H200
-# at 250K keys, batch 1, 27B heads (split + combine, ninth device session): fp8 188.4 us (first
-# form), cvt 163.7, k4 168.4, k4cvt 158.6 (77 % of the copy bandwidth); int8 169.6, k4 158.1; the
-# whole 27B step at 250K: bf16 KV 18.57 ms, fp8 17.44 (1.06x), fp8 k4cvt 17.03 (1.09x), int8 k4 17.09.
+# at 250K keys, batch 1, 27B heads (split + combine, ninth device session, 198 splits): fp8 188.4 us
+# (first form), cvt 163.7, k4 168.4, k4cvt 158.6; int8 169.6, k4 158.1. With the one-wave plan (66
+# splits): fp8 k4cvt 135.2 (91 % of the copy bandwidth), int8 k4 135.9, bf16 242.3; the whole 27B
+# step at 250K: bf16 KV 18.03 ms, fp8 k4cvt 16.45 (1.096x).
 QUANTISED_KV_MMA_FORM = {"fp8": "k4cvt", "int8": "k4"}
 
 # Programmatic dependent launch in decode and verification plans (runtime/model/gpu/pdl.py): each
