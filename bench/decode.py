@@ -8,7 +8,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
-        [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on]
+        [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on] [--moe-form route_up_f8_r1,route_up_f8_r1+fused]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -29,7 +29,8 @@ pairs whose batch x context exceeds it and sizes the KV pool for the largest pai
 when more than one) and a last table compares their GPU time per step at each pair
 (`kv_dtypes.json`); an entry `fp8:cvt` runs the decode attention's mma form `cvt` over that format
 (`attention_decode_mma.KVQ_FORMS`). `--pdl off,on` times every pair without and then with
-programmatic dependent launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two.
+programmatic dependent launch on the same runner (`decode_pdl_off.json`, `decode_pdl_on.json`) and compares the two;
+`--moe-form` likewise times each MoE decode form named (`decode_moe_<form>.json`).
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         max_tokens: int | None = None, sdpa: bool = True, gdn_min_ctas: int | None = None,
         draft_vocabs: tuple[int, ...] = (), attention_form: str | None = None,
         kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",),
-        kv_form: str | None = None) -> list[dict[str, Any]]:
-    """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL), all
-    timed on one runner: its plans and graphs are bound again for each mode. kv_form: the decode
+        kv_form: str | None = None, moe_forms: tuple[str | None, ...] = (None,)) -> list[dict[str, Any]]:
+    """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL) and
+    MoE decode form (a bench.moe_forms name such as "route_up_f8_r1+fused"; None: the runner's), all
+    timed on one runner: its plans and graphs are bound again for each. kv_form: the decode
     attention's mma form over the KV pages (`KernelChoice.use_decode_mma_form`; None: the runner's)."""
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
     if not pairs:
@@ -181,14 +183,29 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
             runner.kernels.use_decode_mma_form(kv_form)
         runs = []
         for mode in pdl_modes:
-            if mode != "default":
-                runner.steps.destroy_graphs()  # every plan and graph bound again, with or without PDL
-                runner.kernels.pdl = mode == "on"
-            runs.append(_timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa,
-                               gdn_min_ctas, draft_vocabs, tail, attention_form))
+            for moe_form in moe_forms:
+                if mode != "default" or moe_form is not None:
+                    runner.steps.destroy_graphs()  # every plan and graph bound again with these kernels
+                if mode != "default":
+                    runner.kernels.pdl = mode == "on"
+                if moe_form is not None:
+                    runner.kernels.use_moe_decode_form(*moe_form_tuple(moe_form))
+                runs.append({**_timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa,
+                                      gdn_min_ctas, draft_vocabs, tail, attention_form), "moe_form": moe_form})
         return runs
     finally:
         runner.close()  # the next KV format's runner needs the memory
+
+
+def moe_form_tuple(name: str) -> tuple[tuple[str, int, str], bool]:
+    """A MoE decode form's bench.moe_forms name ("route_up_f8_r1", and "+fused" for one-row steps
+    through the fused kernel) as (MOE_DECODE_FORM's tuple, MOE_FUSED): (("route_up", 8, "r1"), True)."""
+    base, plus, rest = name.partition("+")
+    gate_up, features, down = (base.rsplit("_", 2) + ["", ""])[:3]
+    if (not features.startswith("f") or not features[1:].isdigit() or not gate_up or not down
+            or (plus and rest != "fused")):
+        raise ValueError(f"MoE decode form {name!r}: expected GATEUP_fF_DOWN[+fused], as in route_up_f8_r1+fused")
+    return (gate_up, int(features[1:]), down), bool(plus)
 
 
 def _timed(runner: Any, pairs: list, contexts: list[int], steps: int, drafts: tuple[int, ...],
@@ -299,6 +316,10 @@ def _kv_label(run: dict[str, Any]) -> str:
     return run["kv_dtype"] + (f":{run['kv_form']}" if run.get("kv_form") else "")
 
 
+def _run_label(run: dict[str, Any]) -> str:
+    return f"PDL {'on' if run['pdl'] else 'off'}" + (f", MoE {run['moe_form']}" if run.get("moe_form") else "")
+
+
 def render_kv_dtypes(runs: list[dict[str, Any]], label: Any = _kv_label) -> str:
     """GPU ms per decode step of each run (by default each KV format; `label` names a run) at each
     (batch, context), and the speed-up of each over the first run (bf16 when listed first)."""
@@ -343,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sdpa", action="store_true", help="skip decode attention alone against torch SDPA")
     ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
+    ap.add_argument("--moe-form", default="", help="MoE decode forms to time on one runner, comma-separated "
+                    "(bench.moe_forms names: route_up_f8_r1,route_up_f8_r1+fused; default: the runner's)")
     ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
                     "verification graphs: on, off, or both (off,on: timed one after the other on one runner, "
                     "then side by side); runtime/model/gpu/kernels.py's PDL if omitted")
@@ -376,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     pdl_modes = tuple(args.pdl.split(","))
     if not pdl_modes or any(m not in ("on", "off", "default") for m in pdl_modes) or len(set(pdl_modes)) < len(pdl_modes):
         ap.error(f"--pdl {args.pdl!r}: on, off or off,on")
+    moe_forms = tuple(args.moe_form.split(",")) if args.moe_form else (None,)
+    try:
+        for form in moe_forms:
+            if form is not None:
+                moe_form_tuple(form)
+    except ValueError as e:
+        ap.error(f"--moe-form: {e}")
     command = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -386,16 +416,17 @@ def main(argv: list[str] | None = None) -> int:
                      tuple(int(k) for k in args.mtp_rounds.split(",") if k), args.synthetic_shape, args.router,
                      args.min_split, args.max_tokens, not args.no_sdpa, args.gdn_min_ctas,
                      tuple(int(v) for v in args.mtp_draft_vocab.split(",") if v), args.attention_form, kv_dtype=fmt,
-                     pdl_modes=pdl_modes, kv_form=form or None)
+                     pdl_modes=pdl_modes, kv_form=form or None, moe_forms=moe_forms)
         for data in by_pdl:
             data["command"] = command
-            pdl = "" if len(by_pdl) == 1 else f"_pdl_{'on' if data['pdl'] else 'off'}"
-            name = ("decode" if len(formats) == 1 else f"decode_{entry.replace(':', '_')}") + pdl + ".json"
+            pdl = "" if len(pdl_modes) == 1 else f"_pdl_{'on' if data['pdl'] else 'off'}"
+            moe = "" if len(moe_forms) == 1 else f"_moe_{data['moe_form']}"
+            name = ("decode" if len(formats) == 1 else f"decode_{entry.replace(':', '_')}") + pdl + moe + ".json"
             (args.out / name).write_text(json.dumps(data, indent=1))
-            print(f"\n## KV {entry}, PDL {'on' if data['pdl'] else 'off'}\n\n" + render(data), flush=True)
+            print(f"\n## KV {entry}, {_run_label(data)}\n\n" + render(data), flush=True)
         if len(by_pdl) > 1:
-            print(f"\n## GPU ms per decode step (KV {entry}) without and with PDL\n\n"
-                  + render_kv_dtypes(by_pdl, lambda r: f"PDL {'on' if r['pdl'] else 'off'}"), flush=True)
+            print(f"\n## GPU ms per decode step (KV {entry}) by PDL mode and MoE form\n\n"
+                  + render_kv_dtypes(by_pdl, _run_label), flush=True)
         runs.append(by_pdl[0])
     if len(runs) > 1:
         table = render_kv_dtypes(runs)

@@ -13,6 +13,9 @@ the copy before the read; the buffers are thread-minor (vector v of thread t at 
 
 from typing import Any
 
+import cutlass
+import cutlass.cute as cute
+
 from .moe import WARPS, lanes_per_row
 from .moe_kernels import _at, _expert, _load_vecs
 from .variant import Variant
@@ -109,6 +112,98 @@ def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
     return launch, _dsl.example_args(variant)
 
 
+def rank_smem(smem: Any, e: int, k: int) -> tuple[Any, Any, Any, Any]:
+    """Shared buffers of `rank_top_k`: candidates (value, index: k per group of 32 logits) and the
+    top k (value, index)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    n_cand = -(-e // 32) * k
+    return (smem.allocate_tensor(cutlass.Float32, cute.make_layout(n_cand), byte_alignment=16),
+            smem.allocate_tensor(cutlass.Int32, cute.make_layout(n_cand), byte_alignment=16),
+            smem.allocate_tensor(cutlass.Float32, cute.make_layout(k), byte_alignment=16),
+            smem.allocate_tensor(cutlass.Int32, cute.make_layout(k), byte_alignment=16))
+
+
+@cute.jit
+def rank_top_k(src: cute.Tensor, e: cutlass.Constexpr, k: cutlass.Constexpr, warp: cutlass.Int32,
+               lane: cutlass.Int32, tid: cutlass.Int32, s_cand_v: cute.Tensor, s_cand_i: cute.Tensor,
+               s_top_v: cute.Tensor, s_top_i: cute.Tensor) -> None:
+    """The k best of a row's E logits `src` (a tensor of E fp32) by (value desc, index asc) into
+    s_top_v / s_top_i (shared, rank order), by the whole CTA (every thread calls it; it ends on a
+    barrier). A logit's rank is how many logits beat it. Round 1: each warp ranks the 32 logits
+    of its group among themselves (lane i ^ o through a butterfly shuffle) and keeps its k best as
+    candidates (s_cand_v / s_cand_i: groups * k); every global top-k logit is a candidate (fewer
+    than k beat it anywhere). Round 2: each candidate is ranked among the candidates; every logit
+    that beats a top-k logit is itself in the top k, so that rank is its global rank, and the
+    candidates outside the top k rank k or later. (A `cute.jit` helper: its loops and branches
+    are traced as the kernel's are.)"""
+    f32, i32_t = cutlass.Float32, cutlass.Int32
+    n_groups = -(-e // 32)
+    n_cand = n_groups * k
+    for c in cutlass.range_constexpr(-(-n_groups // WARPS)):
+        g = c * WARPS + warp
+        if g < n_groups:
+            i = g * 32 + lane
+            v = f32(float("-inf"))
+            if i < e:
+                v = src[i]
+            rank = i32_t(0)
+            for o in cutlass.range_constexpr(1, 32):
+                u = cute.arch.shuffle_sync_bfly(v, offset=o)
+                if u > v or (u == v and (lane ^ o) < lane):
+                    rank = rank + 1
+            if rank < k:
+                s_cand_v[g * k + rank] = v
+                s_cand_i[g * k + rank] = i
+    cute.arch.sync_threads()
+    for c in cutlass.range_constexpr(-(-n_cand // THREADS)):
+        t = c * THREADS + tid
+        if t < n_cand:
+            v = s_cand_v[t]
+            i = s_cand_i[t]
+            rank = i32_t(0)
+            for jj in cutlass.range(n_cand, unroll=8):
+                u = s_cand_v[jj]
+                if u > v or (u == v and s_cand_i[jj] < i):
+                    rank = rank + 1
+            if rank < k:
+                s_top_v[rank] = v
+                s_top_i[rank] = i
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def slot_weight(src: cute.Tensor, s_top_v: cute.Tensor, s: cutlass.Int32, k: cutlass.Constexpr,
+                e: cutlass.Constexpr, lane: cutlass.Int32, renorm: cutlass.Constexpr) -> cutlass.Float32:
+    """The routing weight of routed slot s: exp(l_s - l_max) / sum, the sum over the k selected
+    logits in rank order (renorm) or over all E (a butterfly over the warp: every lane calls it)."""
+    from . import _dsl
+
+    f32 = cutlass.Float32
+    lead = s_top_v[0]
+    denom = f32(0.0)
+    if cutlass.const_expr(renorm):
+        for r in cutlass.range_constexpr(k):
+            denom = denom + cute.math.exp(s_top_v[r] - lead, fastmath=True)
+    else:
+        for c in cutlass.range_constexpr(-(-e // 32)):
+            val = f32(float("-inf"))
+            if c * 32 + lane < e:
+                val = src[c * 32 + lane]
+            denom = denom + cute.math.exp(val - lead, fastmath=True)
+        denom = _dsl.warp_sum(denom, 32)
+    return cute.math.exp(s_top_v[s] - lead, fastmath=True) / denom
+
+
+def shared_gate(xs: list, w_sg: Any, lane: Any) -> Any:
+    """The shared expert's weight sigmoid(x . w_sg) (fp32; the warp's 32 lanes split H)."""
+    f32 = cutlass.Float32
+    gate = _dot(xs, [cute.make_tensor(w_sg + (c * 32 + lane) * 8, cute.make_layout((8,))).load()
+                     for c in range(len(xs))], 32)
+    return f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))
+
+
 # --- route_up and up_wide ------------------------------------------------------------------------
 
 def _stage_gate_up(w: Any, expert: Any, f0: Any, per_warp: int, h: int, inter: int, s_w: Any, lane: Any,
@@ -196,13 +291,9 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
     e, k, h, inter, p, renorm, uf = cfg["E"], cfg["K"], cfg["H"], cfg["I"], cfg["P"], cfg["renorm"], cfg["features"]
     vecs = h // 256
     per_warp = uf // WARPS
-    n_groups = -(-e // 32)  # groups of 32 logits (one warp ranks each; route's logits per lane)
-    n_groups_per_warp = -(-n_groups // WARPS)
-    n_cand = n_groups * k  # a group's k best
     if k > min(32, e):
         raise ValueError(f"{variant.name}: top-{k} of {e} logits in groups of 32")
-    f32, bf16, i32_t = cutlass.Float32, cutlass.BFloat16, cutlass.Int32
-    neg_inf = float("-inf")
+    bf16, i32_t = cutlass.BFloat16, cutlass.Int32
 
     @cute.kernel
     def kernel(logits: cute.Pointer, x: cute.Pointer, w_sg: cute.Pointer, w: cute.Pointer, ids: cute.Pointer,
@@ -214,51 +305,12 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
         s = slot - row * p
         smem = cutlass.utils.SmemAllocator()
         s_w = smem.allocate_tensor(bf16, cute.make_layout(per_warp * 2 * vecs * THREADS * 8), byte_alignment=128)
-        s_cand_v = smem.allocate_tensor(f32, cute.make_layout(n_cand), byte_alignment=16)
-        s_cand_i = smem.allocate_tensor(i32_t, cute.make_layout(n_cand), byte_alignment=16)
-        s_top_v = smem.allocate_tensor(f32, cute.make_layout(k), byte_alignment=16)
-        s_top_i = smem.allocate_tensor(i32_t, cute.make_layout(k), byte_alignment=16)
+        s_cand_v, s_cand_i, s_top_v, s_top_i = rank_smem(smem, e, k)
         expert = i32_t(e)  # the shared slot s == k
         src = cute.make_tensor(logits + cutlass.Int64(row) * e, cute.make_layout(e))
         _pdl.wait()  # the logits, x, and the ids / weights / act an earlier step's kernels read
         if s < k:
-            # Top k in two rounds. A logit's rank is how many logits beat it by (value desc, index
-            # asc). Round 1: each warp ranks the 32 logits of its group among themselves (lane
-            # i ^ o through a butterfly shuffle) and keeps its k best as candidates; every global
-            # top-k logit is a candidate (fewer than k beat it anywhere). Round 2: each candidate
-            # is ranked among the candidates; every logit that beats a top-k logit is itself in
-            # the top k, so that rank is its global rank, and the candidates outside the top k
-            # rank k or later.
-            for c in cutlass.range_constexpr(n_groups_per_warp):
-                g = c * WARPS + warp
-                if g < n_groups:
-                    i = g * 32 + lane
-                    v = f32(neg_inf)
-                    if i < e:
-                        v = src[i]
-                    rank = i32_t(0)
-                    for o in cutlass.range_constexpr(1, 32):
-                        u = cute.arch.shuffle_sync_bfly(v, offset=o)
-                        if u > v or (u == v and (lane ^ o) < lane):
-                            rank = rank + 1
-                    if rank < k:
-                        s_cand_v[g * k + rank] = v
-                        s_cand_i[g * k + rank] = i
-            cute.arch.sync_threads()
-            for c in cutlass.range_constexpr(-(-n_cand // THREADS)):
-                t = c * THREADS + tid
-                if t < n_cand:
-                    v = s_cand_v[t]
-                    i = s_cand_i[t]
-                    rank = i32_t(0)
-                    for jj in cutlass.range(n_cand, unroll=8):
-                        u = s_cand_v[jj]
-                        if u > v or (u == v and s_cand_i[jj] < i):
-                            rank = rank + 1
-                    if rank < k:
-                        s_top_v[rank] = v
-                        s_top_i[rank] = i
-            cute.arch.sync_threads()
+            rank_top_k(src, e, k, warp, lane, tid, s_cand_v, s_cand_i, s_top_v, s_top_i)
             # Clamped as `up` clamps ids: NaN logits leave the ranks short of a permutation, and an
             # unwritten slot must not send the loads outside the expert stack.
             expert = cutlass.max(cutlass.min(s_top_i[s], e), 0)
@@ -268,28 +320,16 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
         if tile == 0:
             # The slot's id and routing weight for `down`, as `route` computes them.
             if s < k:
-                lead = s_top_v[0]
-                denom = f32(0.0)
-                if cutlass.const_expr(renorm):
-                    for r in cutlass.range_constexpr(k):
-                        denom = denom + cute.math.exp(s_top_v[r] - lead, fastmath=True)
-                else:
-                    for c in cutlass.range_constexpr(n_groups):
-                        val = f32(neg_inf)
-                        if c * 32 + lane < e:
-                            val = src[c * 32 + lane]
-                        denom = denom + cute.math.exp(val - lead, fastmath=True)
-                    denom = _dsl.warp_sum(denom, 32)
+                weight = slot_weight(src, s_top_v, s, k, e, lane, renorm)
                 if tid == 0:
                     _at(ids, slot)[0] = expert
-                    _at(wts, slot)[0] = cute.math.exp(s_top_v[s] - lead, fastmath=True) / denom
+                    _at(wts, slot)[0] = weight
             else:
                 if warp == 0:
-                    gate = _dot(xs, [cute.make_tensor(w_sg + (c * 32 + lane) * 8, cute.make_layout((8,))).load()
-                                     for c in range(vecs)], 32)
+                    gate = shared_gate(xs, w_sg, lane)
                     if lane == 0:
                         _at(ids, slot)[0] = i32_t(e)
-                        _at(wts, slot)[0] = f32(1.0) / (f32(1.0) + cute.math.exp(-gate, fastmath=True))
+                        _at(wts, slot)[0] = gate
         cute.arch.cp_async_wait_group(0)
         _pdl.launch_dependents()
         values = _gate_up_act(xs, per_warp, s_w.iterator, tid)

@@ -51,8 +51,12 @@ GDN_MIN_CTAS = 256
 # The MoE decode form (cute_kernels/moe.py), one of the forms bench/kernels.py --only moe times:
 # (gate/up kernel: "route_up" with the routing fused in, or "up_wide" after `route`; its features
 # a CTA; the down_wide form). None launches the split form at every row count.
+# `python -m bench.decode --moe-form ...` times forms on one runner.
 MOE_DECODE_FORM: tuple[str, int, str] | None = ("route_up", 8, "r1")
 MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
+# A one-row step (batch-1 decode) runs the `fused` kernel after logits_wide in place of the decode
+# form's route_up + down_wide: one launch, one CTA an SM, the same numbers (cute_kernels/moe_fused_kernel.py).
+MOE_FUSED = False
 
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
@@ -195,6 +199,7 @@ class KernelChoice:
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
+        self.moe_fused: str | None = None  # MOE_FUSED: one row's routing, experts and combine in one launch
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         # FP8 experts: `up_fp8` / `down_fp8` in place of `up` / `down` at every row count (no
@@ -216,18 +221,8 @@ class KernelChoice:
             elif self.expert_format == NVFP4:
                 self.moe_up_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' gate/up", kind="up_nvfp4", **shape)
                 self.moe_down_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' down", kind="down_nvfp4", **shape)
-            elif MOE_DECODE_FORM is not None:
-                gate_up, features, form = MOE_DECODE_FORM
-                self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=h,
-                                             E=c.num_experts)
-                if gate_up == "route_up":
-                    self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up",
-                                              kind="route_up", renorm=c.norm_topk_prob, features=features, **shape)
-                else:
-                    self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
-                                             features=features, **shape)
-                self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=form,
-                                           **shape)
+            else:
+                self.use_moe_decode_form(MOE_DECODE_FORM, MOE_FUSED)
             self.moe_prefill = MoePrefill.find(lib, _find, c, self.expert_format)
             # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
             self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
@@ -335,6 +330,34 @@ class KernelChoice:
         if form not in DECODE_ATTENTION_FORMS:
             raise ValueError(f"unknown decode attention form {form!r} (one of {', '.join(DECODE_ATTENTION_FORMS)})")
         self.decode_attention_form = form
+
+    def use_moe_decode_form(self, form: tuple[str, int, str] | None, fused: bool = False) -> None:
+        """Pick the BF16 MoE layers' decode form (MOE_DECODE_FORM's tuple; None: the split form at
+        every row count) and whether a one-row step takes the `fused` kernel instead (MOE_FUSED)
+        before any step is bound. Every form computes the same numbers."""
+        c, lib = self.config, self.library
+        self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = self.moe_fused = None
+        if form is None:
+            return
+        if self.expert_format != "bf16":
+            raise ValueError(f"MoE decode form {form!r}: the decode forms read bf16 experts, these are "
+                             f"{self.expert_format}")
+        gate_up, features, down = form
+        if gate_up not in ("route_up", "up_wide"):
+            raise ValueError(f"MoE decode form {form!r}: its gate/up kernel is route_up or up_wide")
+        shape = {"H": c.hidden_size, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
+        if fused:
+            self.moe_fused = _need(lib, "moe", "the fused batch-1 MoE MLP", kind="fused", renorm=c.norm_topk_prob,
+                                   **shape)
+        self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=c.hidden_size,
+                                     E=c.num_experts)
+        if gate_up == "up_wide":
+            self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
+                                     features=features, **shape)
+        else:
+            self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up", kind="route_up",
+                                      renorm=c.norm_topk_prob, features=features, **shape)
+        self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=down, **shape)
 
     def use_decode_mma_form(self, form: str) -> None:
         """Pick the tensor-core decode attention's form over the pool's pages before any step is
@@ -460,6 +483,7 @@ class KernelChoice:
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
+                  ("moe", self.moe_fused),
                   ("gemm_sm90", self.moe_router_gemm), ("moe", self.moe_up_fp8), ("moe", self.moe_down_fp8),
                   ("moe", self.moe_up_nvfp4), ("moe", self.moe_down_nvfp4)]
         if self.moe_prefill:
