@@ -8,7 +8,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--max-tokens 300000] [--decode-splits S] [--min-split N] [--no-sdpa]
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
-        [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on] [--moe-form route_up_f8_r1,route_up_f8_r1+fused]
+        [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on] [--moe-form route_up_f8_r1,up_wide_f8_r1]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -164,7 +164,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",),
         kv_form: str | None = None, moe_forms: tuple[str | None, ...] = (None,)) -> list[dict[str, Any]]:
     """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL) and
-    MoE decode form (a bench.moe_forms name such as "route_up_f8_r1+fused"; None: the runner's), all
+    MoE decode form (a bench.moe_forms name such as "up_wide_f8_r1"; None: the runner's), all
     timed on one runner: its plans and graphs are bound again for each. kv_form: the decode
     attention's mma form over the KV pages (`KernelChoice.use_decode_mma_form`; None: the runner's)."""
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
@@ -189,7 +189,7 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                 if mode != "default":
                     runner.kernels.pdl = mode == "on"
                 if moe_form is not None:
-                    runner.kernels.use_moe_decode_form(*moe_form_tuple(moe_form))
+                    runner.kernels.use_moe_decode_form(moe_form_tuple(moe_form))
                 runs.append({**_timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa,
                                       gdn_min_ctas, draft_vocabs, tail, attention_form), "moe_form": moe_form})
         return runs
@@ -197,15 +197,13 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         runner.close()  # the next KV format's runner needs the memory
 
 
-def moe_form_tuple(name: str) -> tuple[tuple[str, int, str], bool]:
-    """A MoE decode form's bench.moe_forms name ("route_up_f8_r1", and "+fused" for one-row steps
-    through the fused kernel) as (MOE_DECODE_FORM's tuple, MOE_FUSED): (("route_up", 8, "r1"), True)."""
-    base, plus, rest = name.partition("+")
-    gate_up, features, down = (base.rsplit("_", 2) + ["", ""])[:3]
-    if (not features.startswith("f") or not features[1:].isdigit() or not gate_up or not down
-            or (plus and rest != "fused")):
-        raise ValueError(f"MoE decode form {name!r}: expected GATEUP_fF_DOWN[+fused], as in route_up_f8_r1+fused")
-    return (gate_up, int(features[1:]), down), bool(plus)
+def moe_form_tuple(name: str) -> tuple[str, int, str]:
+    """A MoE decode form's bench.moe_forms name ("up_wide_f16_r2") as MOE_DECODE_FORM's tuple
+    ("up_wide", 16, "r2")."""
+    gate_up, features, down = (name.rsplit("_", 2) + ["", ""])[:3]
+    if not features.startswith("f") or not features[1:].isdigit() or not gate_up or not down:
+        raise ValueError(f"MoE decode form {name!r}: expected GATEUP_fF_DOWN, as in route_up_f8_r1")
+    return gate_up, int(features[1:]), down
 
 
 def _timed(runner: Any, pairs: list, contexts: list[int], steps: int, drafts: tuple[int, ...],
@@ -365,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
     ap.add_argument("--moe-form", default="", help="MoE decode forms to time on one runner, comma-separated "
-                    "(bench.moe_forms names: route_up_f8_r1,route_up_f8_r1+fused; default: the runner's)")
+                    "(bench.moe_forms names: route_up_f8_r1,up_wide_f8_r1; default: the runner's)")
     ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
                     "verification graphs: on, off, or both (off,on: timed one after the other on one runner, "
                     "then side by side); runtime/model/gpu/kernels.py's PDL if omitted")

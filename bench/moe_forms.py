@@ -3,8 +3,7 @@
 One 35B-A3B MoE MLP layer (router logits, top-8 routing and the shared gate, the experts' gate/up
 + SwiGLU, down + routing weight + combine) at decode row counts, in every form compiled: the
 split form (logits, route, up, down) and each decode form (logits_wide; route_up with F features
-a CTA, or route then up_wide; down_wide with R rows a warp; at M = 1 also logits_wide then the
-`fused` kernel; runtime/model/gpu/kernels.py
+a CTA, or route then up_wide; down_wide with R rows a warp; runtime/model/gpu/kernels.py
 MOE_DECODE_FORM picks one), each decode form also with programmatic dependent launch between its
 kernels (`_pdl` rows: how the runner's decode graph launches them). Then each kernel alone, so the
 table shows where a layer's time goes, and the quantised experts' kernels (`up_fp8` / `down_fp8`, `up_nvfp4` / `down_nvfp4`: the split
@@ -42,7 +41,6 @@ def forms(h: int, e: int) -> list[tuple[str, list[str]]]:
             for dw in keys["down_wide"]:
                 name = f"{gate_up}_f{by_key[gu].config['features']}_{by_key[dw].config['form']}"
                 out.append((name, [logits, gu, dw] if gate_up == "route_up" else [logits, route, gu, dw]))
-    out += [("fused", [logits, key]) for key in keys.get("fused", [])]  # one row only (its `requires`)
     return out
 
 
@@ -78,19 +76,11 @@ def launch_args(key: str, bufs: dict[str, int], weights: dict[str, int]) -> dict
                      "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"]},
         "down_wide": {"act": bufs["act"], "w": weights["down"], "ids": bufs["ids"], "wts": bufs["wts"],
                       "out": bufs["out"]},
-        "fused": {"logits": bufs["logits"], "x": bufs["x"], "w_sg": weights["w_sg"], "w": weights["gate_up"],
-                  "w_down": weights["down"], "ids": bufs["ids"], "wts": bufs["wts"], "act": bufs["act"],
-                  "out": bufs["out"], "sync": bufs["sync"]},
     }[kind_of(key)]
 
 
-def launch_sizes(key: str, m: int, sm_count: int) -> dict[str, int]:
-    """The sizes of a moe/<key> launch over m rows: the fused kernel also takes S, its CTAs (one an SM)."""
-    return {"M": m, "S": sm_count} if kind_of(key) == "fused" else {"M": m}
-
-
 def _bind(b: Any, key: str, bufs: dict[str, int], weights: dict[str, int], m: int) -> Any:
-    return b.lib.kernel("moe", key).bind(launch_args(key, bufs, weights), launch_sizes(key, m, b.device.sm_count))
+    return b.lib.kernel("moe", key).bind(launch_args(key, bufs, weights), {"M": m})
 
 
 def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
@@ -118,8 +108,7 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
                     "ids": torch.empty(m, p, device="cuda", dtype=torch.int32),
                     "wts": torch.empty(m, p, device="cuda", dtype=torch.float32),
                     "act": torch.empty(m, p, inter, device="cuda", dtype=torch.bfloat16),
-                    "out": torch.empty(m, h, device="cuda", dtype=torch.bfloat16),
-                    "sync": torch.zeros(2, device="cuda", dtype=torch.int32)} for _ in range(REPS)]
+                    "out": torch.empty(m, h, device="cuda", dtype=torch.bfloat16)} for _ in range(REPS)]
         reps = [{name: t.data_ptr() for name, t in rep.items()} for rep in tensors]
         touched = [len(torch.topk(rep["x"].float() @ router.float().T, k, dim=-1).indices.unique())
                    for rep in tensors]
@@ -127,10 +116,8 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
         case = f"M={m}, {experts:.1f} experts + shared"
         nbytes = {"layer": (experts + 1) * expert_bytes + (e + 1) * h * 2 + m * h * 4,
                   "logits": e * h * 2 + m * h * 2, "up": (experts + 1) * expert_bytes * 2 / 3,
-                  "down": (experts + 1) * expert_bytes / 3, "experts": (experts + 1) * expert_bytes}
+                  "down": (experts + 1) * expert_bytes / 3}
         for name, keys in layer_forms:
-            if name == "fused" and m != 1:
-                continue
             bound = [_bind(b, key, rep, weights, m) for rep in reps for key in keys]
             us, _ = b.compare(b.ours(bound), None)
             b.record("moe", f"layer_a3b_{name}", case, us * len(keys), None, "", nbytes["layer"])
@@ -144,10 +131,10 @@ def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
             for key in split_keys:
                 _bind(b, key, rep, weights, m)(b.stream)
         b.stream.synchronize()
-        kernels = dict.fromkeys(key for name, keys in layer_forms for key in keys if name != "fused" or m == 1)
+        kernels = dict.fromkeys(key for _, keys in layer_forms for key in keys)
         for key in kernels:
             share = {"logits": "logits", "logits_wide": "logits", "up": "up", "route_up": "up", "up_wide": "up",
-                     "down": "down", "down_wide": "down", "fused": "experts"}.get(kind_of(key))
+                     "down": "down", "down_wide": "down"}.get(kind_of(key))
             us, _ = b.compare(b.ours([_bind(b, key, rep, weights, m) for rep in reps]), None)
             b.record("moe", key, case, us, None, "", nbytes[share] if share else 0.0)
         for key, nbytes_q in quantised.items():

@@ -131,8 +131,6 @@ def launch_bytes(info: LaunchInfo) -> int | None:
         return experts * 2 * inter * h * 2 + m * h * 2 + m * (k + 1) * inter * 2
     if kind in ("down", "down_wide"):
         return experts * h * inter * 2 + m * (k + 1) * inter * 2 + m * h * 2
-    if kind == "fused":  # gate/up and down of every expert touched, x in, the delta row out
-        return experts * 3 * inter * h * 2 + 2 * m * h * 2
     return None
 
 

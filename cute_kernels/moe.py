@@ -96,10 +96,9 @@ def lanes_per_row(k: int) -> int:
     return lanes
 
 
-# The decode form's kernels (moe_decode_kernels.py) and the batch-1 `fused` kernel
-# (moe_fused_kernel.py): built with programmatic dependent launch (config `pdl`,
-# cute_kernels/_pdl.py), as the decode step chains them.
-DECODE_KINDS = ("logits_wide", "route_up", "up_wide", "down_wide", "fused")
+# The decode form's kernels (moe_decode_kernels.py): built with programmatic dependent launch
+# (config `pdl`, cute_kernels/_pdl.py), as the decode step chains them.
+DECODE_KINDS = ("logits_wide", "route_up", "up_wide", "down_wide")
 
 
 def _variant(name: str, kind: str, key: str, config: dict, params: list, tensors: dict, grid: tuple,
@@ -150,8 +149,8 @@ def _variants(name: str, h: int, e: int, k: int, inter: int, renorm: bool, down_
                 ("M", e // WARPS, 1), 32 * WARPS, f"router logits x[M,{h}] @ Wr[{e},{h}]^T in fp32, loads staged"),
     ] + [_route_up(name, key, shape, renorm, uf) for uf in ROUTE_UP_FEATURES] + [
         _up_wide(name, key, shape, uf) for uf in ROUTE_UP_FEATURES] + [
-        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS] + [_fused(name, key, shape, renorm)] + \
-        _fp8(name, key, shape, down_rows) + _nvfp4(name, key, shape, down_rows)
+        _down_wide(name, key, shape, rows) for rows in DOWN_WIDE_ROWS] + _fp8(name, key, shape, down_rows) + \
+        _nvfp4(name, key, shape, down_rows)
 
 
 def fp8_block_rows(inter: int) -> int:
@@ -268,25 +267,6 @@ def _down_wide(name: str, key: str, shape: dict, rows: int) -> Variant:
                     f"expert down x routing weight, every slot's loads at once, {WARPS * rows} features a CTA")
 
 
-def _fused(name: str, key: str, shape: dict, renorm: bool) -> Variant:
-    """One row's whole MoE MLP after its logits (moe_fused_kernel.py): S CTAs, one an SM, all
-    resident at once (they meet once through `sync`, two int32 counters that start at zero and
-    that the kernel leaves at zero)."""
-    h, e, k, inter, p = shape["H"], shape["E"], shape["K"], shape["I"], shape["P"]
-    return Variant(family=FAMILY, key=f"fused_{key}", config={"kind": "fused", **shape, "renorm": renorm, "pdl": True},
-                   params=[ptr("logits"), ptr("x"), ptr("w_sg"), ptr("w"), ptr("w_down"), ptr("ids"), ptr("wts"),
-                           ptr("act"), ptr("out"), ptr("sync"), i32("M"), i32("S")],
-                   tensors={"logits": tensor("f32", "M", e), "x": tensor("bf16", "M", h), "w_sg": tensor("bf16", h),
-                            "w": tensor("bf16", (e + 1) * 2 * inter, h), "w_down": tensor("bf16", (e + 1) * h, inter),
-                            "ids": tensor("i32", "M", p, role="out"), "wts": tensor("f32", "M", p, role="out"),
-                            "act": tensor("bf16", "M", p, inter, role="out"),
-                            "out": tensor("bf16", "M", h, role="out"), "sync": tensor("i32", 2, role="inout")},
-                   sizes=("M", "S"), block=(32 * WARPS, 1, 1), grid=("S", 1, 1),
-                   requires=("M == 1", "S >= 1", "S <= 1024"), arches=ALL_ARCHES,
-                   note=f"routing, gate/up + SwiGLU and down + combine of one row in one launch, one CTA an SM ({name})",
-                   example_sizes={"M": 1, "S": 132})
-
-
 def variants() -> list[Variant]:
     return [v for shape in SHAPES for v in _variants(*shape)]
 
@@ -354,10 +334,6 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         from .moe_fp8_kernels import build as build_fp8
 
         return build_fp8(variant)
-    if variant.config["kind"] == "fused":
-        from .moe_fused_kernel import build as build_fused
-
-        return build_fused(variant)
     if variant.config["kind"] in DECODE_KINDS:
         from .moe_decode_kernels import build as build_decode
 

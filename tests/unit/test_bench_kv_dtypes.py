@@ -33,3 +33,19 @@ def test_bad_format_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         decode.main(["--kv-dtype", "bf16,fp4", "--out", "/nonexistent/never"])
     assert "--kv-dtype: fp4 is not a list of bf16, fp8, int8" in capsys.readouterr().err
+
+
+def test_moe_forms_parse_and_label_their_runs(capsys):
+    """`--moe-form`: a bench.moe_forms name gives MOE_DECODE_FORM's tuple, a malformed one is refused
+    by name before any GPU work, and each run's table column names its PDL mode and MoE form."""
+    assert decode.moe_form_tuple("route_up_f8_r1") == ("route_up", 8, "r1")
+    assert decode.moe_form_tuple("up_wide_f16_r2") == ("up_wide", 16, "r2")
+    with pytest.raises(SystemExit):
+        decode.main(["--moe-form", "route_up_8_r1", "--out", "/nonexistent/never"])
+    assert "--moe-form: MoE decode form 'route_up_8_r1': expected GATEUP_fF_DOWN" in capsys.readouterr().err
+    runs = [{**_run("bf16", [(1024, 2.53)]), "pdl": True, "moe_form": "route_up_f8_r1"},
+            {**_run("bf16", [(1024, 2.40)]), "pdl": True, "moe_form": "up_wide_f8_r1"}]
+    lines = decode.render_kv_dtypes(runs, decode._run_label).splitlines()
+    assert lines[0] == ("| batch | context | PDL on, MoE route_up_f8_r1 ms | PDL on, MoE up_wide_f8_r1 ms "
+                        "(x vs PDL on, MoE route_up_f8_r1) |")
+    assert lines[2] == "| 1 | 1024 | 2.53 | 2.40 (1.054x) |"

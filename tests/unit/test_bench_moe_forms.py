@@ -24,8 +24,7 @@ def test_forms_cover_every_decode_variant_and_the_runner_choice():
     staged = {(keys[2], keys[3]) for name, keys in named[1:] if name.startswith("up_wide")}
     assert fused == {(g, d) for g in kinds["route_up"] for d in kinds["down_wide"]}
     assert staged == {(g, d) for g in kinds["up_wide"] for d in kinds["down_wide"]}
-    assert len(named) == 1 + len(fused) + len(staged) + 1
-    assert dict(named)["fused"] == ["logits_wide_e256_h2048", "fused_h2048_e256_k8_i512"]
+    assert len(named) == 1 + len(fused) + len(staged)
     gate_up, features, form = MOE_DECODE_FORM
     assert f"{gate_up}_f{features}_{form}" in dict(named)
     assert dict(named)["route_up_f8_r1"] == ["logits_wide_e256_h2048", "route_up_h2048_e256_k8_i512_f8",
@@ -40,16 +39,13 @@ def test_every_launch_passes_exactly_its_kernels_buffers():
 
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
     built_or_skip(lambda: [lib.kernel("moe", key) for _, keys in forms(2048, 256) for key in keys])  # none stale
-    from bench.moe_forms import launch_sizes
-
-    bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out", "sync"))}
+    bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out"))}
     weights = {name: 0x100000 * (i + 1) for i, name in enumerate(("router", "w_sg", "gate_up", "down"))}
     for _, keys in forms(2048, 256):
         for key in keys:
             args = launch_args(key, bufs, weights)
             assert set(args) == set(lib.manifest.kernels[("moe", key)].tensors), key
-            m = 1 if key.startswith("fused") else 8  # the fused kernel takes one row
-            lib.kernel("moe", key).bind(args, launch_sizes(key, m, 132))  # raises on a size rule or alignment
+            lib.kernel("moe", key).bind(args, {"M": 8})  # raises on a size rule or alignment
     # The expert stacks go where each kind reads them.
     assert launch_args("route_up_h2048_e256_k8_i512_f8", bufs, weights)["w"] == weights["gate_up"]
     assert launch_args("down_wide_h2048_e256_k8_i512_r1", bufs, weights)["w"] == weights["down"]
@@ -64,9 +60,7 @@ def test_the_quantised_expert_launches_pass_their_stacks_and_scales():
     from runtime.cuda.null import NullDevice
 
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
-    from bench.moe_forms import launch_sizes
-
-    bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out", "sync"))}
+    bufs = {name: 0x1000 * (i + 1) for i, name in enumerate(("x", "logits", "ids", "wts", "act", "out"))}
     names = [f"{stack}_{fmt}{part}" for fmt in QUANTISED for stack in ("gate_up", "down")
              for part in ("", "_scale", "_gscale")]
     weights = {name: 0x100000 * (i + 1) for i, name in enumerate(("router", "w_sg", "gate_up", "down", *names))}

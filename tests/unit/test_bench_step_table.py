@@ -48,7 +48,6 @@ def test_launch_bytes_of_linears_and_moe_kernels():
     assert launch_bytes(_info("moe", "route_up_h2048_e256_k8_i512_f8", 1)) == gate_up + 2048 * 2 + 9 * 512 * 2
     assert launch_bytes(_info("moe", "down_wide_h2048_e256_k8_i512_r1", 1)) == \
         9 * 2048 * 512 * 2 + 9 * 512 * 2 + 2048 * 2
-    assert launch_bytes(_info("moe", "fused_h2048_e256_k8_i512", 1)) == 9 * 3 * 512 * 2048 * 2 + 2 * 2048 * 2
     # 64 rows of top 8 can touch at most all 256 experts (+ the shared one).
     assert launch_bytes(_info("moe", "up_h2048_e256_k8_i512", 64)) == \
         257 * 2 * 512 * 2048 * 2 + 64 * 2048 * 2 + 64 * 9 * 512 * 2

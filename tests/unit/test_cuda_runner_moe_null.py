@@ -156,36 +156,6 @@ def test_the_staged_decode_form_is_route_then_up_wide(tiny_moe_path, monkeypatch
         r.close()
 
 
-def test_a_one_row_step_takes_the_fused_kernel(tiny_moe_path, monkeypatch):
-    """MOE_FUSED: a one-row decode step's MoE layer is logits_wide then `fused` (grid S = the SM
-    count, the layer's router, gate/up and down stacks, the delta rows and the zeroed counters
-    bound); a step of more rows keeps route_up and down_wide."""
-    from runtime.cuda.null import NullDevice
-    from runtime.model.gpu import kernels
-    from runtime.model.gpu.runner import CudaRunner
-
-    monkeypatch.setattr(kernels, "MOE_FUSED", True)
-    r = built_or_skip(lambda: CudaRunner.from_artifact(tiny_moe_path, num_pages=16, num_slots=4,
-                                                       device=NullDevice(2 << 30), prefill_chunk=64))
-    try:
-        c, st, base = r.config, r.storage, r.storage.weights_base
-        assert r.kernels.moe_fused == "fused_h256_e8_k2_i64" and r.kernels.moe_route_up is not None
-        sync = np.full(2, -1, np.int32)
-        r.device.memcpy_dtoh(sync, st.buf["moe_sync"])
-        np.testing.assert_array_equal(sync, [0, 0])
-        moe = _moe_launches(r, 1)
-        assert _kinds(moe) == ["logits_wide", "fused"] * c.num_hidden_layers
-        assert [launch.grid for launch in moe[:2]] == [(1, 1, 1), (r.device.sm_count, 1, 1)]
-        for layer, (logits, fused) in zip(r.layout.layers, zip(*[iter(moe)] * 2)):
-            assert _ptr(fused.params[0]) == _ptr(logits.params[2]) == st.buf["moe_logits"]
-            assert _ptr(fused.params[3]) == base + layer["experts_gate_up"].offset
-            assert _ptr(fused.params[4]) == base + layer["experts_down"].offset
-            assert _ptr(fused.params[8]) == st.buf["delta"] and _ptr(fused.params[9]) == st.buf["moe_sync"]
-        assert _kinds(_moe_launches(r, 3)[:3]) == ["logits_wide", "route_up", "down_wide"]
-    finally:
-        r.close()
-
-
 def test_the_35b_a3b_shape_plans():
     """The 35B-A3B shape: every kernel it needs was built (the MoE ones and the dense parts' GEMV
     and GEMM), the weights are the expected size, and the MoE grids at batch 8 are those of

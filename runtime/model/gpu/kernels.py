@@ -54,9 +54,11 @@ GDN_MIN_CTAS = 256
 # `python -m bench.decode --moe-form ...` times forms on one runner.
 MOE_DECODE_FORM: tuple[str, int, str] | None = ("route_up", 8, "r1")
 MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
-# A one-row step (batch-1 decode) runs the `fused` kernel after logits_wide in place of the decode
-# form's route_up + down_wide: one launch, one CTA an SM, the same numbers (cute_kernels/moe_fused_kernel.py).
-MOE_FUSED = False
+# Tried and removed (tenth session, `git show f033d91:cute_kernels/moe_fused_kernel.py`): one-row
+# steps through a `fused` kernel (routing, gate/up, down + combine in one launch, one CTA an SM
+# meeting once through grid counters; bit for bit these forms): 23.7 us a 35B-A3B layer with PDL
+# against route_up_f8_r1's 20.1, a step 2.66 ms against 2.53. Also `route_up` with the shared
+# expert's loads before the PDL wait and the slots' down rows prefetched to L2: 22.2 against 20.0.
 
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
 # gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
@@ -199,7 +201,6 @@ class KernelChoice:
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
-        self.moe_fused: str | None = None  # MOE_FUSED: one row's routing, experts and combine in one launch
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         # FP8 experts: `up_fp8` / `down_fp8` in place of `up` / `down` at every row count (no
@@ -222,7 +223,7 @@ class KernelChoice:
                 self.moe_up_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' gate/up", kind="up_nvfp4", **shape)
                 self.moe_down_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' down", kind="down_nvfp4", **shape)
             else:
-                self.use_moe_decode_form(MOE_DECODE_FORM, MOE_FUSED)
+                self.use_moe_decode_form(MOE_DECODE_FORM)
             self.moe_prefill = MoePrefill.find(lib, _find, c, self.expert_format)
             # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
             self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
@@ -331,12 +332,11 @@ class KernelChoice:
             raise ValueError(f"unknown decode attention form {form!r} (one of {', '.join(DECODE_ATTENTION_FORMS)})")
         self.decode_attention_form = form
 
-    def use_moe_decode_form(self, form: tuple[str, int, str] | None, fused: bool = False) -> None:
+    def use_moe_decode_form(self, form: tuple[str, int, str] | None) -> None:
         """Pick the BF16 MoE layers' decode form (MOE_DECODE_FORM's tuple; None: the split form at
-        every row count) and whether a one-row step takes the `fused` kernel instead (MOE_FUSED)
-        before any step is bound. Every form computes the same numbers."""
+        every row count) before any step is bound. Every form computes the same numbers."""
         c, lib = self.config, self.library
-        self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = self.moe_fused = None
+        self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
         if form is None:
             return
         if self.expert_format != "bf16":
@@ -346,9 +346,6 @@ class KernelChoice:
         if gate_up not in ("route_up", "up_wide"):
             raise ValueError(f"MoE decode form {form!r}: its gate/up kernel is route_up or up_wide")
         shape = {"H": c.hidden_size, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
-        if fused:
-            self.moe_fused = _need(lib, "moe", "the fused batch-1 MoE MLP", kind="fused", renorm=c.norm_topk_prob,
-                                   **shape)
         self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=c.hidden_size,
                                      E=c.num_experts)
         if gate_up == "up_wide":
@@ -483,7 +480,6 @@ class KernelChoice:
                   ("sampling", self.sample_pick), ("moe", self.moe_logits), ("moe", self.moe_route),
                   ("moe", self.moe_up), ("moe", self.moe_down), ("moe", self.moe_logits_wide),
                   ("moe", self.moe_route_up), ("moe", self.moe_up_wide), ("moe", self.moe_down_wide),
-                  ("moe", self.moe_fused),
                   ("gemm_sm90", self.moe_router_gemm), ("moe", self.moe_up_fp8), ("moe", self.moe_down_fp8),
                   ("moe", self.moe_up_nvfp4), ("moe", self.moe_down_nvfp4)]
         if self.moe_prefill:

@@ -360,15 +360,6 @@ class Forward:
             self.launch(out, "gemm_sm90", k.moe_router_gemm, logits, {"M": m})
         else:
             self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits, logits, {"M": m})
-        if decode and m == 1 and k.moe_fused:
-            # One row: routing, experts and combine in one launch (one CTA an SM; S at launch).
-            self.launch(out, "moe", k.moe_fused, {"logits": buf["moe_logits"], "x": buf["h"],
-                                                  "w_sg": self.w(layer["shared_gate"]), "w": gate_up,
-                                                  "w_down": experts_down, **route, "act": buf["moe_act"],
-                                                  "out": buf["delta"], "sync": buf["moe_sync"]},
-                        {"M": m, "S": self.storage.device.sm_count})
-            self.all_reduce(out, m)
-            return
         if decode and k.moe_route_up:
             self.launch(out, "moe", k.moe_route_up, {"logits": buf["moe_logits"], "x": buf["h"],
                                                      "w_sg": self.w(layer["shared_gate"]), "w": gate_up, **route,

@@ -140,8 +140,6 @@ class CudaRunner(SlotCopies, VerifyRows):
         cos, sin = rope_tables(c, st.rope_positions)
         device.memcpy_htod(st.buf["cos"], cos, self.stream)
         device.memcpy_htod(st.buf["sin"], sin, self.stream)
-        if "moe_sync" in st.buf:  # the fused MoE kernel's grid counters start at zero
-            device.memset_d8(st.buf["moe_sync"], 0, 8, self.stream)
         self.stream.synchronize()
         for n in range(num_slots):
             self.reset_slot(n)

@@ -179,9 +179,6 @@ class Storage:
             p = c.num_experts_per_tok + 1
             sizes.update({"moe_logits": rows * c.num_experts * 4, "moe_ids": rows * p * 4, "moe_wts": rows * p * 4,
                           "moe_act": rows * p * (c.moe_intermediate_size or 0) * 2})
-            # The fused batch-1 kernel's two grid counters (zero between its launches; kept for
-            # every MoE model, so a benchmark may switch the kernel on after the runner is built).
-            sizes["moe_sync"] = 8
             if k.moe_prefill:
                 # Prefill's expert-sorted rows (`gpu.moe_prefill`).
                 sizes.update(k.moe_prefill.buffer_sizes(rows, h, c.moe_intermediate_size))
