@@ -308,14 +308,17 @@ def _route_up(variant: Variant) -> tuple[Any, list[Any]]:
         s_cand_v, s_cand_i, s_top_v, s_top_i = rank_smem(smem, e, k)
         expert = i32_t(e)  # the shared slot s == k
         src = cute.make_tensor(logits + cutlass.Int64(row) * e, cute.make_layout(e))
+        f0 = tile * uf + warp * per_warp
+        if s == k:
+            # The shared expert is routed by nothing: its rows load while the logits kernel drains.
+            _stage_gate_up(w, expert, f0, per_warp, h, inter, s_w.iterator, lane, tid)
         _pdl.wait()  # the logits, x, and the ids / weights / act an earlier step's kernels read
         if s < k:
             rank_top_k(src, e, k, warp, lane, tid, s_cand_v, s_cand_i, s_top_v, s_top_i)
             # Clamped as `up` clamps ids: NaN logits leave the ranks short of a permutation, and an
             # unwritten slot must not send the loads outside the expert stack.
             expert = cutlass.max(cutlass.min(s_top_i[s], e), 0)
-        f0 = tile * uf + warp * per_warp
-        _stage_gate_up(w, expert, f0, per_warp, h, inter, s_w.iterator, lane, tid)
+            _stage_gate_up(w, expert, f0, per_warp, h, inter, s_w.iterator, lane, tid)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
         if tile == 0:
             # The slot's id and routing weight for `down`, as `route` computes them.
@@ -377,6 +380,16 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
         smem = cutlass.utils.SmemAllocator()
         s_act = smem.allocate_tensor(bf16, cute.make_layout(p * inter), byte_alignment=128)
         s_w = smem.allocate_tensor(bf16, cute.make_layout(p * iters * vecs * THREADS * 8), byte_alignment=128)
+        def stage_rows(s: int, expert: Any) -> None:
+            """Slot s's weight rows (expert `expert`) as one commit group."""
+            for it in cutlass.range_constexpr(iters):
+                for c in cutlass.range_constexpr(vecs):
+                    _stage(w, cutlass.Int64(expert) * (h * inter) + cutlass.Int64(first + it * groups) * inter
+                           + (c * lanes + j) * 8, s_w.iterator, (((s * iters + it) * vecs + c) * THREADS + tid) * 8)
+            cute.arch.cp_async_commit_group()
+
+        # The shared slot (the last) is routed by nothing: its rows load while route_up drains.
+        stage_rows(p - 1, e)
         _pdl.wait()  # act, ids and wts are route_up's output; the expert ids pick the weights
         for c in cutlass.range_constexpr(-(-act_vecs // THREADS)):
             if c * THREADS + tid < act_vecs:
@@ -388,23 +401,20 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
         mine = cutlass.min(lane, p - 1)
         lane_expert = _expert(ids, row * p + mine, e)
         lane_weight = _at(wts, row * p + mine)[0]
-        # Every slot's weight rows: one commit group per slot, consumed in slot order.
-        for s in cutlass.range_constexpr(p):
-            expert = cute.arch.shuffle_sync(lane_expert, s)
-            for it in cutlass.range_constexpr(iters):
-                for c in cutlass.range_constexpr(vecs):
-                    _stage(w, cutlass.Int64(expert) * (h * inter) + cutlass.Int64(first + it * groups) * inter
-                           + (c * lanes + j) * 8, s_w.iterator, (((s * iters + it) * vecs + c) * THREADS + tid) * 8)
-            cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(p)
+        # The routed slots' weight rows: one commit group per slot after the shared slot's and the
+        # act's, all consumed in slot order (the shared slot last, as the sum goes).
+        for s in cutlass.range_constexpr(p - 1):
+            stage_rows(s, cute.arch.shuffle_sync(lane_expert, s))
+        cute.arch.cp_async_wait_group(p - 1)  # the shared rows and the act
         cute.arch.sync_threads()  # the act vectors other threads staged
         accs = [f32(0.0) for _ in range(iters)]
         for s in cutlass.range_constexpr(p):
             weight = cute.arch.shuffle_sync(lane_weight, s)
             xs = [cute.make_tensor(s_act.iterator + cute.assume(s * inter + (c * lanes + j) * 8, divby=8),
                                    cute.make_layout((8,))).load().to(f32) for c in range(vecs)]
-            cute.arch.cp_async_wait_group(p - 1 - s)
-            if cutlass.const_expr(s == p - 1):
+            if cutlass.const_expr(s < p - 1):
+                cute.arch.cp_async_wait_group(p - 2 - s)
+            else:
                 _pdl.launch_dependents()  # every load has landed: only the last slot's sums are left
             for it in cutlass.range_constexpr(iters):
                 ws = [_staged(s_w.iterator, (s * iters + it) * vecs + c, tid) for c in range(vecs)]
