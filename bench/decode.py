@@ -164,7 +164,8 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
         kv_dtype: str = "bf16", pdl_modes: tuple[str, ...] = ("default",),
         kv_form: str | None = None, moe_forms: tuple[str | None, ...] = (None,)) -> list[dict[str, Any]]:
     """One result per PDL mode ("on", "off", or "default": runtime/model/gpu/kernels.py's PDL) and
-    MoE decode form (a bench.moe_forms name such as "up_wide_f8_r1"; None: the runner's), all
+    MoE decode form (a bench.moe_forms name such as "up_wide_f8_r1" at every row count, or "default"
+    / None: the runner's MOE_DECODE_FORM and MOE_UP_WIDE_ROWS), all
     timed on one runner: its plans and graphs are bound again for each. kv_form: the decode
     attention's mma form over the KV pages (`KernelChoice.use_decode_mma_form`; None: the runner's)."""
     pairs = [(c, b) for c in contexts for b in batches if max_tokens is None or b * c <= max_tokens]
@@ -188,7 +189,11 @@ def run(batches: list[int], contexts: list[int], steps: int, decode_splits: int 
                     runner.steps.destroy_graphs()  # every plan and graph bound again with these kernels
                 if mode != "default":
                     runner.kernels.pdl = mode == "on"
-                if moe_form is not None:
+                if moe_form == "default":
+                    from runtime.model.gpu.kernels import MOE_DECODE_FORM, MOE_UP_WIDE_ROWS
+
+                    runner.kernels.use_moe_decode_form(MOE_DECODE_FORM, MOE_UP_WIDE_ROWS)
+                elif moe_form is not None:
                     runner.kernels.use_moe_decode_form(moe_form_tuple(moe_form))
                 runs.append({**_timed(runner, pairs, contexts, steps, drafts, mtp_drafts, shape, router, sdpa,
                                       gdn_min_ctas, draft_vocabs, tail, attention_form), "moe_form": moe_form})
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gdn-min-ctas", type=int, help="CTAs the recurrent GDN kernels' column blocks aim for "
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
     ap.add_argument("--moe-form", default="", help="MoE decode forms to time on one runner, comma-separated "
-                    "(bench.moe_forms names: route_up_f8_r1,up_wide_f8_r1; default: the runner's)")
+                    "(bench.moe_forms names, or `default`: the runner's MOE_DECODE_FORM and MOE_UP_WIDE_ROWS)")
     ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
                     "verification graphs: on, off, or both (off,on: timed one after the other on one runner, "
                     "then side by side); runtime/model/gpu/kernels.py's PDL if omitted")
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     moe_forms = tuple(args.moe_form.split(",")) if args.moe_form else (None,)
     try:
         for form in moe_forms:
-            if form is not None:
+            if form not in (None, "default"):
                 moe_form_tuple(form)
     except ValueError as e:
         ap.error(f"--moe-form: {e}")

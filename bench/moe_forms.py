@@ -83,7 +83,7 @@ def _bind(b: Any, key: str, bufs: dict[str, int], weights: dict[str, int], m: in
     return b.lib.kernel("moe", key).bind(launch_args(key, bufs, weights), {"M": m})
 
 
-def bench_moe(b: Any, rows: tuple[int, ...] = (1, 8)) -> None:
+def bench_moe(b: Any, rows: tuple[int, ...] = (1, 2, 4, 8)) -> None:
     from cute_kernels import moe
     from runtime.model.gpu.pdl import chain
 

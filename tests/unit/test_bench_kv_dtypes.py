@@ -41,7 +41,7 @@ def test_moe_forms_parse_and_label_their_runs(capsys):
     assert decode.moe_form_tuple("route_up_f8_r1") == ("route_up", 8, "r1")
     assert decode.moe_form_tuple("up_wide_f16_r2") == ("up_wide", 16, "r2")
     with pytest.raises(SystemExit):
-        decode.main(["--moe-form", "route_up_8_r1", "--out", "/nonexistent/never"])
+        decode.main(["--moe-form", "default,route_up_8_r1", "--out", "/nonexistent/never"])
     assert "--moe-form: MoE decode form 'route_up_8_r1': expected GATEUP_fF_DOWN" in capsys.readouterr().err
     runs = [{**_run("bf16", [(1024, 2.53)]), "pdl": True, "moe_form": "route_up_f8_r1"},
             {**_run("bf16", [(1024, 2.40)]), "pdl": True, "moe_form": "up_wide_f8_r1"}]

@@ -103,14 +103,15 @@ def test_a_moe_layer_is_four_launches_over_all_rows_above_the_decode_rows(runner
 
 @pytest.mark.parametrize("rows, m", [(1, 1), (3, 4)])
 def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
-    """Decode (one sequence; three, in the batch-4 bucket): the decode form of MOE_DECODE_FORM,
-    logits_wide, route_up, down_wide over all m rows, grids (m, E / 8), (m * (k + 1), I / F),
-    (m, H / (8 R)) (tiny: F = 8, R rounded up to 4 rows a warp), and the layer's slots bound."""
-    from runtime.model.gpu.kernels import MOE_DECODE_FORM
+    """Decode (one sequence; three, in the batch-4 bucket: below MOE_UP_WIDE_ROWS): the decode form
+    of MOE_DECODE_FORM, logits_wide, route_up, down_wide over all m rows, grids (m, E / 8),
+    (m * (k + 1), I / F), (m, H / (8 R)) (tiny: F = 8, R rounded up to 4 rows a warp), and the
+    layer's slots bound."""
+    from runtime.model.gpu.kernels import MOE_DECODE_FORM, MOE_UP_WIDE_ROWS
 
     c, st = runner.config, runner.storage
     gate_up, features, form = MOE_DECODE_FORM
-    assert (gate_up, features, form) == ("route_up", 8, "r1")
+    assert (gate_up, features, form) == ("route_up", 8, "r1") and m < MOE_UP_WIDE_ROWS
     moe = _moe_launches(runner, rows)
     assert len(moe) == 3 * c.num_hidden_layers
     p = c.num_experts_per_tok + 1
@@ -127,6 +128,29 @@ def test_a_decode_moe_layer_is_three_launches(runner, rows, m):
         assert _ptr(down.params[4]) == st.buf["delta"]
         assert _ptr(route_up.params[4]) == _ptr(down.params[2]) == st.buf["moe_ids"]
         assert _ptr(route_up.params[5]) == _ptr(down.params[3]) == st.buf["moe_wts"]
+
+
+def test_from_moe_up_wide_rows_the_routing_runs_once_before_up_wide(runner):
+    """A prefill chunk of MOE_UP_WIDE_ROWS rows (as many as a decode step of that many rows):
+    logits_wide, route, up_wide (the route_up form's features), down_wide, the ids from route to
+    both."""
+    from runtime.model.gpu.kernels import MOE_DECODE_ROWS, MOE_UP_WIDE_ROWS
+
+    c, st, m = runner.config, runner.storage, MOE_UP_WIDE_ROWS
+    assert runner.kernels.moe_up_wide_rows == m <= MOE_DECODE_ROWS
+    n = len(runner.device.launches)
+    runner.reset_slot(0)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, m + 1)), start_pos=0, page_table=[0]))
+    moe = [launch for launch in runner.device.launches[n:] if "_moe_" in launch.function]
+    assert len(moe) == 4 * c.num_hidden_layers
+    assert _kinds(moe[:4]) == ["logits_wide", "route", "up_wide", "down_wide"]
+    p = c.num_experts_per_tok + 1
+    assert [launch.grid for launch in moe[:4]] == [(m, 1, 1), (m, 1, 1), (m * p, 8, 1), (m, 8, 1)]
+    logits, route, up, down = moe[:4]
+    assert _ptr(route.params[3]) == _ptr(up.params[2]) == _ptr(down.params[2]) == st.buf["moe_ids"]
+    assert _ptr(up.params[3]) == _ptr(down.params[0]) == st.buf["moe_act"]
+    assert _ptr(up.params[1]) == st.weights_base + runner.layout.layers[0]["experts_gate_up"].offset
+    runner.reset_slot(0)
 
 
 def test_the_staged_decode_form_is_route_then_up_wide(tiny_moe_path, monkeypatch):
@@ -164,7 +188,7 @@ def test_the_35b_a3b_shape_plans():
     from runtime.cuda.kernels import KernelLibrary
     from runtime.cuda.null import NullDevice
     from runtime.model.config import ModelConfig
-    from runtime.model.gpu.kernels import KernelChoice
+    from runtime.model.gpu.kernels import MOE_UP_WIDE_ROWS, KernelChoice
     from runtime.model.gpu.weights import WeightLayout
     from runtime.model.shapes import QWEN36_35B_A3B
 
@@ -184,8 +208,10 @@ def test_the_35b_a3b_shape_plans():
     grids = [tuple(evaluate(g, {"M": 8}) for g in lib.manifest.kernels[("moe", key)].grid)
              for key in (choice.moe_logits, choice.moe_route, choice.moe_up, choice.moe_down,
                          choice.moe_logits_wide, choice.moe_route_up, choice.moe_down_wide)]
-    assert choice.moe_up_wide is None  # route_up carries the routing
     assert grids == [(8, 32, 1), (8, 1, 1), (72, 32, 1), (8, 128, 1), (8, 32, 1), (72, 64, 1), (8, 256, 1)]
+    # From MOE_UP_WIDE_ROWS rows the routing runs once (route) and up_wide reads its ids.
+    assert choice.moe_up_wide == "up_wide_h2048_e256_k8_i512_f8" and choice.moe_up_wide_rows == MOE_UP_WIDE_ROWS
+    assert tuple(evaluate(g, {"M": 8}) for g in lib.manifest.kernels[("moe", choice.moe_up_wide)].grid) == (72, 64, 1)
 
 
 def _moe_config(**overrides):

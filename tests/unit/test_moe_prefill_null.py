@@ -76,15 +76,17 @@ def test_a_prefill_moe_layer_runs_the_grouped_kernels(runner, rows):
 
 def test_a_prefill_chunk_of_few_rows_takes_the_decode_form(runner):
     """A chunk of at most MOE_DECODE_ROWS rows (a short prompt, the tail of a long one) runs the
-    decode form of MOE_DECODE_FORM, as decode rows do, not the grouped GEMMs sized for a chunk."""
-    from runtime.model.gpu.kernels import MOE_DECODE_FORM, MOE_DECODE_ROWS
+    decode form of MOE_DECODE_FORM, as decode rows do (MOE_DECODE_ROWS rows: route + up_wide from
+    MOE_UP_WIDE_ROWS), not the grouped GEMMs sized for a chunk."""
+    from runtime.model.gpu.kernels import MOE_DECODE_FORM, MOE_DECODE_ROWS, MOE_UP_WIDE_ROWS
 
     dev, c = runner.device, runner.config
     n = len(dev.launches)
     runner.reset_slot(0)
     runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, MOE_DECODE_ROWS + 1)), start_pos=0, page_table=[0]))
     moe = [launch.function for launch in dev.launches[n:] if "_moe_" in launch.function]
-    gate_up = "route_up" if MOE_DECODE_FORM[0] == "route_up" else "up_wide"
+    fused = MOE_DECODE_FORM[0] == "route_up" and (MOE_UP_WIDE_ROWS is None or MOE_DECODE_ROWS < MOE_UP_WIDE_ROWS)
+    gate_up = "route_up" if fused else "up_wide"
     assert len(moe) == (3 if gate_up == "route_up" else 4) * c.num_hidden_layers
     assert not any("grouped" in f for f in moe)
     assert any(f"_moe_{gate_up}_" in f for f in moe) and any("_moe_down_wide_" in f for f in moe)

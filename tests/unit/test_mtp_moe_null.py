@@ -73,13 +73,13 @@ def _draft(r, prompt: int, drafts: int):
 
 def test_short_catch_up_and_chained_drafts_run_the_decode_form_on_the_head_weights(runner):
     """A 4-row catch-up and two chained drafts (3 drafts, one graph): each step's MoE MLP is the
-    decode form (logits_wide, route_up, down_wide) over its rows, bound to the head's router and
-    experts, none to a main layer's."""
-    from runtime.model.gpu.kernels import MOE_DECODE_ROWS
+    decode form (logits_wide, route_up, down_wide: fewer rows than MOE_UP_WIDE_ROWS) over its rows,
+    bound to the head's router and experts, none to a main layer's."""
+    from runtime.model.gpu.kernels import MOE_DECODE_ROWS, MOE_UP_WIDE_ROWS
 
     if not runner.samples_on_device:
         pytest.skip("the sampling kernels were not built")
-    assert 4 <= MOE_DECODE_ROWS
+    assert 4 <= MOE_DECODE_ROWS and (MOE_UP_WIDE_ROWS is None or 4 < MOE_UP_WIDE_ROWS)
     launches = _draft(runner, 4, 3)
     moe = family_launches(launches, "moe")
     assert not family_launches(launches, "moe_grouped")

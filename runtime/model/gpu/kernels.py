@@ -54,6 +54,10 @@ GDN_MIN_CTAS = 256
 # `python -m bench.decode --moe-form ...` times forms on one runner.
 MOE_DECODE_FORM: tuple[str, int, str] | None = ("route_up", 8, "r1")
 MOE_DECODE_ROWS = 8  # rows up to which a MoE layer runs the decode form
+# With a route_up form, steps of at least this many rows run `route` then `up_wide` (the form's
+# features) in place of route_up: one launch more, but no ranking in every gate/up CTA, which
+# pays once many CTAs rank (the same numbers; None: route_up at every decode row count).
+MOE_UP_WIDE_ROWS: int | None = 8
 # Tried and removed (tenth session, `git show f033d91:cute_kernels/moe_fused_kernel.py`): one-row
 # steps through a `fused` kernel (routing, gate/up, down + combine in one launch, one CTA an SM
 # meeting once through grid counters; bit for bit these forms): 23.7 us a 35B-A3B layer with PDL
@@ -201,6 +205,7 @@ class KernelChoice:
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
+        self.moe_up_wide_rows: int | None = None
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
         # FP8 experts: `up_fp8` / `down_fp8` in place of `up` / `down` at every row count (no
@@ -223,7 +228,7 @@ class KernelChoice:
                 self.moe_up_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' gate/up", kind="up_nvfp4", **shape)
                 self.moe_down_nvfp4 = _need(lib, "moe", "the nvfp4 MoE experts' down", kind="down_nvfp4", **shape)
             else:
-                self.use_moe_decode_form(MOE_DECODE_FORM)
+                self.use_moe_decode_form(MOE_DECODE_FORM, MOE_UP_WIDE_ROWS)
             self.moe_prefill = MoePrefill.find(lib, _find, c, self.expert_format)
             # fp32 logits, as the logits kernel writes them (cute_kernels/gemm_sm90.py SHAPES_F32).
             self.moe_router_gemm = _find(lib, "gemm_sm90", N=c.num_experts, K=h, out="f32")
@@ -332,11 +337,14 @@ class KernelChoice:
             raise ValueError(f"unknown decode attention form {form!r} (one of {', '.join(DECODE_ATTENTION_FORMS)})")
         self.decode_attention_form = form
 
-    def use_moe_decode_form(self, form: tuple[str, int, str] | None) -> None:
+    def use_moe_decode_form(self, form: tuple[str, int, str] | None, up_wide_rows: int | None = None) -> None:
         """Pick the BF16 MoE layers' decode form (MOE_DECODE_FORM's tuple; None: the split form at
-        every row count) before any step is bound. Every form computes the same numbers."""
+        every row count) and, for a route_up form, the rows from which route + up_wide run instead
+        (MOE_UP_WIDE_ROWS; None: never) before any step is bound. Every form computes the same
+        numbers."""
         c, lib = self.config, self.library
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
+        self.moe_up_wide_rows: int | None = None  # decode steps of at least this many rows take up_wide
         if form is None:
             return
         if self.expert_format != "bf16":
@@ -348,12 +356,13 @@ class KernelChoice:
         shape = {"H": c.hidden_size, "E": c.num_experts, "K": c.num_experts_per_tok, "I": c.moe_intermediate_size}
         self.moe_logits_wide = _need(lib, "moe", "the MoE router (decode)", kind="logits_wide", H=c.hidden_size,
                                      E=c.num_experts)
-        if gate_up == "up_wide":
-            self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
-                                     features=features, **shape)
-        else:
+        if gate_up == "route_up":
             self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up", kind="route_up",
                                       renorm=c.norm_topk_prob, features=features, **shape)
+        if gate_up == "up_wide" or up_wide_rows is not None:
+            self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
+                                     features=features, **shape)
+            self.moe_up_wide_rows = 1 if gate_up == "up_wide" else up_wide_rows
         self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=down, **shape)
 
     def use_decode_mma_form(self, form: str) -> None:

@@ -330,7 +330,8 @@ class Forward:
         device (no host read, so the step captures in a graph) and each row is reduced on its own,
         in a fixed order, so a row's numbers do not depend on the others (prefill included).
         Up to MOE_DECODE_ROWS rows the decode form runs (staged loads; with route_up, the routing
-        fused into gate/up), above it the split form; both compute the same numbers. Rows that need
+        fused into gate/up, up to MOE_UP_WIDE_ROWS rows), above it the split form; all compute the
+        same numbers. Rows that need
         not be exact (a prefill chunk, an MTP catch-up) above MOE_DECODE_ROWS take their router
         logits from the FP32-out GEMM (`moe_router_gemm`, where compiled): the same fp32 products
         summed in another order, so a logit may differ in its last bits from the logits kernel's
@@ -360,7 +361,9 @@ class Forward:
             self.launch(out, "gemm_sm90", k.moe_router_gemm, logits, {"M": m})
         else:
             self.launch(out, "moe", k.moe_logits_wide if decode else k.moe_logits, logits, {"M": m})
-        if decode and k.moe_route_up:
+        # route_up ranks the logits in every gate/up CTA: from `moe_up_wide_rows` rows, `route`
+        # ranks them once and up_wide reads the ids (the same numbers).
+        if decode and k.moe_route_up and (k.moe_up_wide_rows is None or m < k.moe_up_wide_rows):
             self.launch(out, "moe", k.moe_route_up, {"logits": buf["moe_logits"], "x": buf["h"],
                                                      "w_sg": self.w(layer["shared_gate"]), "w": gate_up, **route,
                                                      "act": buf["moe_act"]}, {"M": m})
