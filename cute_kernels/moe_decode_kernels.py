@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .moe import WARPS, lanes_per_row
-from .moe_kernels import _at, _expert, _load_vecs
+from .moe_kernels import _at, _expert, _load_vecs, softmax_denominator
 from .variant import Variant
 
 THREADS = 32 * WARPS
@@ -178,21 +178,15 @@ def slot_weight(src: cute.Tensor, s_top_v: cute.Tensor, s: cutlass.Int32, k: cut
                 e: cutlass.Constexpr, lane: cutlass.Int32, renorm: cutlass.Constexpr) -> cutlass.Float32:
     """The routing weight of routed slot s: exp(l_s - l_max) / sum, the sum over the k selected
     logits in rank order (renorm) or over all E (a butterfly over the warp: every lane calls it)."""
-    from . import _dsl
-
-    f32 = cutlass.Float32
     lead = s_top_v[0]
-    denom = f32(0.0)
-    if cutlass.const_expr(renorm):
-        for r in cutlass.range_constexpr(k):
-            denom = denom + cute.math.exp(s_top_v[r] - lead, fastmath=True)
-    else:
+    rest = []  # this lane's logits c * 32 + lane (-inf past E), for the softmax over all E
+    if cutlass.const_expr(not renorm):
         for c in cutlass.range_constexpr(-(-e // 32)):
-            val = f32(float("-inf"))
+            val = cutlass.Float32(float("-inf"))
             if c * 32 + lane < e:
                 val = src[c * 32 + lane]
-            denom = denom + cute.math.exp(val - lead, fastmath=True)
-        denom = _dsl.warp_sum(denom, 32)
+            rest.append(val)
+    denom = softmax_denominator([s_top_v[r] for r in range(k)], rest, lead, renorm)
     return cute.math.exp(s_top_v[s] - lead, fastmath=True) / denom
 
 

@@ -37,6 +37,22 @@ def _load_vecs(row: Any, count: int, lanes: int, j: Any) -> list:
             for c in range(count)]
 
 
+def softmax_denominator(tops: list, rest: list, lead: Any, renorm: bool) -> Any:
+    """The routing softmax's denominator: exp(l - lead) summed over the k selected logits `tops`
+    in rank order (renorm), or over all E logits: this lane's share `rest`, then a butterfly over
+    the warp (every lane calls it). `route` and the decode form's `slot_weight` share it, so their
+    weights are the same numbers."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from . import _dsl
+
+    denom = cutlass.Float32(0.0)
+    for v in tops if renorm else rest:
+        denom = denom + cute.math.exp(v - lead, fastmath=True)
+    return denom if renorm else _dsl.warp_sum(denom, 32)
+
+
 def _at(ptr: Any, index: Any) -> Any:
     """A one-element view of ptr[index] (read with [0], written with [0] = ...)."""
     import cutlass
@@ -133,14 +149,7 @@ def _route(variant: Variant) -> tuple[Any, list[Any]]:
                 if best_i == s * 32 + lane:
                     vals[s] = f32(neg_inf)
         lead = top_v[0]
-        denom = f32(0.0)
-        if cutlass.const_expr(renorm):
-            for r in cutlass.range_constexpr(k):
-                denom = denom + cute.math.exp(top_v[r] - lead, fastmath=True)
-        else:
-            for s in cutlass.range_constexpr(per):
-                denom = denom + cute.math.exp(orig[s] - lead, fastmath=True)
-            denom = _dsl.warp_sum(denom, 32)
+        denom = softmax_denominator([top_v[r] for r in range(k)], [orig[s] for s in range(per)], lead, renorm)
         xs = _load_vecs(x + cutlass.Int64(row) * h, vecs, 32, lane)
         gate = _dot(xs, w_sg, 32, lane)
         if lane == 0:
