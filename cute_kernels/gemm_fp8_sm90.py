@@ -227,6 +227,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.tensor_utils.layout import LayoutEnum
 
     from . import _dsl
+    from ._tma_ring import operand_ring
 
     n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
     form = FORMS[variant.config["form"]]
@@ -271,25 +272,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
-        @cute.struct
-        class Storage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sa: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(a_layout)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[e4m3, cute.cosize(b_layout)], 1024]
-
-        storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # One arrive per consumer warp into every CTA of the cluster (each producer writes its
-            # half of the weight tile into all of them, so waits for all their consumers).
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8 * cluster),
-            tx_count=stage_bytes,  # x tile + the whole weight tile (its parts from every CTA)
-            cta_layout_vmnk=cute.make_layout((1, cluster, 1, 1)),
-        )
-        s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        # One arrive per consumer warp into every CTA of the cluster (each producer writes its half
+        # of the weight tile into all of them, so waits for all their consumers); stage_bytes: the x
+        # tile + the whole weight tile (its parts from every CTA).
+        ring, s_a, s_b = operand_ring(a_layout, b_layout, e4m3, stages, stage_bytes, 8, cluster)
 
         num_m = (m + BM - 1) // BM
         # Work items: `cluster` consecutive M-tiles of one N tile; CTA `rank` of a cluster takes the

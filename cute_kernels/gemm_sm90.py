@@ -171,6 +171,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.tensor_utils.layout import LayoutEnum
 
     from . import _dsl
+    from ._tma_ring import operand_ring
 
     n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
     out_f32 = variant.config["out"] == "f32"
@@ -209,23 +210,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
-        @cute.struct
-        class Storage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            sa: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(a_layout)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_layout)], 1024]
-
-        storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # one arrive per consumer warp
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        s_a = storage.sa.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        s_b = storage.sb.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        ring, s_a, s_b = operand_ring(a_layout, b_layout, bf16, STAGES, stage_bytes, 8)  # 8 consumer warps
 
         # Persistent: CTA b takes tiles b, b + grid, b + 2 * grid, ... The producer warp runs ahead
         # into the next tile's k-tiles while the consumers store the current tile.
