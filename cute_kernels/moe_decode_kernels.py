@@ -115,9 +115,6 @@ def _logits_wide(variant: Variant) -> tuple[Any, list[Any]]:
 def rank_smem(smem: Any, e: int, k: int) -> tuple[Any, Any, Any, Any]:
     """Shared buffers of `rank_top_k`: candidates (value, index: k per group of 32 logits) and the
     top k (value, index)."""
-    import cutlass
-    import cutlass.cute as cute
-
     n_cand = -(-e // 32) * k
     return (smem.allocate_tensor(cutlass.Float32, cute.make_layout(n_cand), byte_alignment=16),
             smem.allocate_tensor(cutlass.Int32, cute.make_layout(n_cand), byte_alignment=16),
@@ -374,6 +371,7 @@ def _down_wide(variant: Variant) -> tuple[Any, list[Any]]:
         smem = cutlass.utils.SmemAllocator()
         s_act = smem.allocate_tensor(bf16, cute.make_layout(p * inter), byte_alignment=128)
         s_w = smem.allocate_tensor(bf16, cute.make_layout(p * iters * vecs * THREADS * 8), byte_alignment=128)
+
         def stage_rows(s: int, expert: Any) -> None:
             """Slot s's weight rows (expert `expert`) as one commit group."""
             for it in cutlass.range_constexpr(iters):

@@ -205,6 +205,7 @@ class KernelChoice:
         self.moe_logits = self.moe_route = self.moe_up = self.moe_down = None
         # The decode form (MOE_DECODE_FORM): route_up, or route then up_wide.
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
+        # With route_up: decode steps of at least this many rows take route + up_wide (None: never).
         self.moe_up_wide_rows: int | None = None
         self.moe_prefill: MoePrefill | None = None  # None: prefill takes the decode kernels too
         self.moe_router_gemm = None  # the router logits of many rows by the GEMM; None: the logits kernel
@@ -344,7 +345,7 @@ class KernelChoice:
         numbers."""
         c, lib = self.config, self.library
         self.moe_logits_wide = self.moe_route_up = self.moe_up_wide = self.moe_down_wide = None
-        self.moe_up_wide_rows: int | None = None  # decode steps of at least this many rows take up_wide
+        self.moe_up_wide_rows = None
         if form is None:
             return
         if self.expert_format != "bf16":
@@ -359,10 +360,10 @@ class KernelChoice:
         if gate_up == "route_up":
             self.moe_route_up = _need(lib, "moe", "MoE routing fused with the experts' gate/up", kind="route_up",
                                       renorm=c.norm_topk_prob, features=features, **shape)
+            self.moe_up_wide_rows = up_wide_rows
         if gate_up == "up_wide" or up_wide_rows is not None:
             self.moe_up_wide = _need(lib, "moe", "the MoE experts' gate/up (decode)", kind="up_wide",
                                      features=features, **shape)
-            self.moe_up_wide_rows = 1 if gate_up == "up_wide" else up_wide_rows
         self.moe_down_wide = _need(lib, "moe", "the MoE experts' down (decode)", kind="down_wide", form=down, **shape)
 
     def use_decode_mma_form(self, form: str) -> None:
