@@ -121,7 +121,7 @@ def gemm_fp8_forms(name: str, n: int, nt: int, k: int) -> list[tuple[str, str]]:
 def bench_gemm_fp8(b: Any, m: int) -> None:
     """`bench.kernels --only gemm_fp8`: the FP8 prefill linear of each 27B shape at M = m: the
     block-scaled GEMM alone in every tile form (`gemm_fp8_forms`; the runner's is
-    `runtime/model/gpu/kernels.py: GEMM_FP8_FORM`), each against torch._scaled_mm (blockwise where
+    `runtime/model/gpu/kernels.py: gemm_fp8_form`), each against torch._scaled_mm (blockwise where
     this torch supports it, else rowwise; the row names which) in interleaved rounds, then the
     activation quantisation alone in each of its forms. A GEMM row's case names the form, its wave efficiency over 132 SMs
     (`gemm_fp8_sm90.wave_efficiency`) and whether its output equals the first form's bit for bit

@@ -42,16 +42,24 @@ def quad_reduce(v: Any, op: Any) -> Any:
     return op(v, cute.arch.shuffle_sync_bfly(v, offset=1))
 
 
+def tile_page(trow: Any, start: Any, end: Any, it: Any, bn: int) -> Any:
+    """The page (the sequence's page table row `trow`) holding keys start + it * bn .. + bn - 1
+    (bn divides the page); a tile wholly past `end` takes the page of the last key, so the table
+    is never read past the sequence. A pipeline reads it an iteration ahead of the tile's copies:
+    read after the barrier before them, its latency held the copies back (ncu on the H200: the
+    FP8-KV decode kernel's second stall, after the wait for the tile itself)."""
+    return trow[cutlass.min(start + it * bn, end - 1) // PAGE]
+
+
 @cute.jit
-def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, start: Any, end: Any, kvh: Any,
+def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, page: Any, start: Any, end: Any, kvh: Any,
                  it: Any, stage: Any, threads: cutlass.Constexpr, hkv: cutlass.Constexpr, d: cutlass.Constexpr,
                  bn: cutlass.Constexpr, stages: cutlass.Constexpr) -> None:
-    """Keys start + it * bn .. + bn - 1 of KV head kvh (pools [NP * 64, hkv, d], page j of the
-    sequence at trow[j]; bn divides the page) into `stage` of s_kv [bn, d, 2 * stages] (K at slot
-    stage, V at stages + stage), 16 bytes per cp.async, 8 threads per 64 columns. Rows at or past
-    `end` are written as zeros: the page may hold anything there, and 0 * NaN is not 0. A tile
-    wholly past `end` is all zeros (its page looked up at the last key, so the table is never
-    read past the sequence), which lets a pipeline issue its loads without a runtime `if`."""
+    """Keys start + it * bn .. + bn - 1 of KV head kvh (pools [NP * 64, hkv, d]; `page` the tile's
+    page, `tile_page`) into `stage` of s_kv [bn, d, 2 * stages] (K at slot stage, V at stages +
+    stage), 16 bytes per cp.async, 8 threads per 64 columns. Rows at or past `end` are written as
+    zeros: the page may hold anything there, and 0 * NaN is not 0. A tile wholly past `end` is all
+    zeros, which lets a pipeline issue its loads without a runtime `if`."""
     g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
                               num_bits_per_copy=128)
     gcopy = cute.make_tiled_copy_tv(g2s, cute.make_layout((threads // 8, 8), stride=(8, 1)),
@@ -59,7 +67,6 @@ def load_kv_tile(tid: Any, s_kv: Any, k_pages: Any, v_pages: Any, trow: Any, sta
     thr_g = gcopy.get_slice(tid)
     tile_rows = thr_g.partition_S(cute.make_identity_tensor((bn, d)))
     n0 = start + it * bn
-    page = trow[cutlass.min(n0, end - 1) // PAGE]
     row0 = (cutlass.Int64(page) * PAGE + n0 % PAGE) * hkv + kvh
     for pool_index in cutlass.range_constexpr(2):
         pool = k_pages if pool_index == 0 else v_pages

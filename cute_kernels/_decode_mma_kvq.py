@@ -72,17 +72,16 @@ def staging_layout(bn: int, d: int, stages: int) -> Any:
 
 
 @cute.jit
-def load_tile(tid: Any, s_codes: Any, s_scale: Any, k_pages: Any, v_pages: Any, trow: Any, start: Any, end: Any,
+def load_tile(tid: Any, s_codes: Any, s_scale: Any, k_pages: Any, v_pages: Any, page: Any, start: Any, end: Any,
               kvh: Any, it: Any, stage: Any, fmt: cutlass.Constexpr, threads: cutlass.Constexpr,
               hkv: cutlass.Constexpr, d: cutlass.Constexpr, bn: cutlass.Constexpr,
               stages: cutlass.Constexpr) -> None:
-    """Keys start + it * bn .. + bn - 1 of KV head kvh (quantised pools, page j of the sequence at
-    trow[j]; bn divides the page) into `stage`: codes into s_codes (`staging_layout`), the K and
+    """Keys start + it * bn .. + bn - 1 of KV head kvh (quantised pools; `page` the tile's page,
+    `_attention_tiles.tile_page`) into `stage`: codes into s_codes (`staging_layout`), the K and
     V scales into s_scale [bn, 2 * stages] (K at column stage, V at stages + stage). Rows at or
     past `end` copy nothing and get scale 0: whatever their codes are, they convert to finite
-    values, and their weight is exactly 0 (0 * a finite V code; a NaN scale would poison it).
-    A tile wholly past `end` looks its page up at the last key (the table is never read past
-    the sequence), so a pipeline issues its loads without a runtime `if`."""
+    values, and their weight is exactly 0 (0 * a finite V code; a NaN scale would poison it),
+    so a pipeline issues its loads without a runtime `if`."""
     per_row = min(8, d // 16)  # threads per code row, 16 bytes each
     g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16,
                               num_bits_per_copy=128)
@@ -91,7 +90,7 @@ def load_tile(tid: Any, s_codes: Any, s_scale: Any, k_pages: Any, v_pages: Any, 
     thr_g = gcopy.get_slice(tid)
     tile_rows = thr_g.partition_S(cute.make_identity_tensor((bn, d // 2)))
     n0 = start + it * bn
-    page_base = cutlass.Int64(trow[cutlass.min(n0, end - 1) // PAGE]) * page_bytes(fmt, hkv, d)
+    page_base = cutlass.Int64(page) * page_bytes(fmt, hkv, d)
     head_row = (n0 % PAGE) * hkv + kvh  # (slot, head) of the tile's first key; rows hkv apart
     codes = page_base + head_row * d
     for pool_index in cutlass.range_constexpr(2):

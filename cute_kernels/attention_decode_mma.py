@@ -270,14 +270,15 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         _pdl.wait()
         if start < end:
             ntiles = (end - start + bn - 1) // bn
-            pages = (k_pages, v_pages, trow, start, end, kvh)
+            keys = (start, end, kvh)
             shape = (threads, hkv, d, bn, stages)
 
             for s in cutlass.range_constexpr(stages - 1):
+                page = _attention_tiles.tile_page(trow, start, end, s, bn)
                 if cutlass.const_expr(quant):
-                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, *pages, s, s, kv, *shape)
+                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, k_pages, v_pages, page, *keys, s, s, kv, *shape)
                 else:
-                    _attention_tiles.load_kv_tile(tid, sKV, *pages, s, s, *shape)
+                    _attention_tiles.load_kv_tile(tid, sKV, k_pages, v_pages, page, *keys, s, s, *shape)
                 cute.arch.cp_async_commit_group()
 
             # Q rows (token t = i // group, head kvh * group + i % group), zeros past the tokens.
@@ -353,16 +354,20 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 row_sum[r] = f32(0.0)
             busy = mt * 16 < group * tq  # a warp whose m-tile is all padding only copies
 
+            next_page = _attention_tiles.tile_page(trow, start, end, stages - 1, bn)
             for it in cutlass.range(ntiles, unroll=1):
                 stage = it % stages
+                # The page of the tile this iteration loads was read one iteration ahead
+                # (`tile_page`: read here, ptxas issued it after the wait, just before the copies).
+                page = next_page
+                next_page = _attention_tiles.tile_page(trow, start, end, it + stages, bn)
                 cute.arch.cp_async_wait_group(stages - 2)
                 cute.arch.sync_threads()  # tile it landed for all; every warp is done with tile it - 1
+                ahead = (it + stages - 1, (it + stages - 1) % stages)
                 if cutlass.const_expr(quant):
-                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, *pages, it + stages - 1,
-                                              (it + stages - 1) % stages, kv, *shape)
+                    _decode_mma_kvq.load_tile(tid, sKV, s_scale, k_pages, v_pages, page, *keys, *ahead, kv, *shape)
                 else:
-                    _attention_tiles.load_kv_tile(tid, sKV, *pages, it + stages - 1, (it + stages - 1) % stages,
-                                                  *shape)
+                    _attention_tiles.load_kv_tile(tid, sKV, k_pages, v_pages, page, *keys, *ahead, *shape)
                 cute.arch.cp_async_commit_group()
                 if busy:
                     acc_s = cute.make_rmem_tensor(thr.partition_shape_C((16, 16)), f32)

@@ -18,15 +18,16 @@ module's docstring), with what FP8 block scaling changes:
   fresh fp32 fragment, which after `wait_group(0)` is added into the tile's accumulator times
   `x_scale[row, kb] * w_scale[column / 128, kb]` (fp32 FMA): the per-block promotion also bounds
   the FP8 WGMMA's reduced-precision accumulation to 128 products. The scales are loaded from
-  global memory (L1/L2) before the k-tile's barrier wait, so their latency hides behind it. The
-  stage is released as soon as the WGMMAs finished reading it; while one consumer warpgroup
+  global memory (L1/L2) one k-tile ahead (loaded in the same k-tile, their latency stalled the
+  WGMMAs issued beside the scales' products: ncu on the H200). The stage is released as soon as the WGMMAs finished reading it; while one consumer warpgroup
   scales, the other's WGMMAs run;
 - BN = 160 / 192: tile t starts `off = (t * BN) % 128` columns into its first weight-scale block
   (160: 0, 32, 64 or 96; 192: 0 or 64) and so covers exactly two blocks (`off + BN <= 256`; BN
   such as 176 or 208 would reach a third and are refused). A thread's accumulator slots sit in
   8-column groups and every block edge inside a tile is a multiple of 32 columns from the tile's
-  start, so which block a slot belongs to is known at compile time for each `off`: the promotion
-  is one warp-uniform branch per `off` with the slots' scales fixed inside it. The second block
+  start, so which block a slot belongs to is known at compile time for each `off`: each `off` has
+  its own k-loop with the slots' scales fixed inside it, chosen once per tile (a branch per
+  k-tile compiled to a jump table whose latency stalled the promotion). The second block
   of the last tile may lie past N (its columns are TMA zeros, never stored): its scale row is
   clamped to the last;
 - registers: two fp32 fragments of BN / 2 values per thread (accumulator and partial); BN = 192
@@ -52,7 +53,7 @@ in fp32 in k-block order, rounded once to bf16. `reference` models it in fp32. E
 same 4 WGMMAs per k-tile per output and the same promotion (`acc + part * (x_scale * w_scale)`,
 blocks in order), so the forms are expected to agree bit for bit (tests/gpu checks it).
 
-Forms (`FORMS`; the runtime picks one with `runtime/model/gpu/kernels.py: GEMM_FP8_FORM`): wave
+Forms (`FORMS`; the runtime picks one per shape, `runtime/model/gpu/kernels.py: gemm_fp8_form`): wave
 balance over 132 SMs differs by shape (`wave_efficiency`): at M = 2048 the N = 5120 shapes give
 40 / 32 / 27 N tiles at BN = 128 / 160 / 192, i.e. 640 / 512 / 432 tiles = 97 / 97 / 81 % of
 their last wave's slots used.
@@ -217,6 +218,12 @@ def reference(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.nd
     return total if exact else round_bf16(total)
 
 
+def _scales(g_xs: Any, g_ws: Any, row_lo: Any, row_hi: Any, block0: Any, block1: Any, kt: Any) -> tuple:
+    """A consumer thread's scales of k-tile kt: its two rows' activation scales, the weight scales
+    of the tile's two weight-scale blocks (the same block twice where the tile has one)."""
+    return g_xs[row_lo, kt], g_xs[row_hi, kt], g_ws[block0, kt], g_ws[block1, kt]
+
+
 def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
@@ -239,8 +246,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     last_block = -(-n // SCALE_BLOCK) - 1
     # Tiles that start inside a scale block (`off`) and so take two weight scales per k-tile: the
     # promotion has one compile-time slot -> block map per offset.
-    offsets = form.offsets(n)
-    two_blocks = bn > SCALE_BLOCK
+    # The offsets of a tile's first column inside its first weight-scale block: every tile of a
+    # 128-column form starts at 0.
+    tile_offsets = form.offsets(n) if bn > SCALE_BLOCK else [0]
     e4m3, bf16, f32 = cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32
     k_major = LayoutEnum.ROW_MAJOR
     stage_bytes = (BM + bn) * BK
@@ -352,37 +360,39 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 block1 = cutlass.min(block0 + 1, last_block)  # past N: any row (its columns are zeros)
                 off = col0 - block0 * SCALE_BLOCK
                 acc.fill(0.0)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    w_s = g_ws[block0, kt]
-                    x_lo = g_xs[row_lo, kt]
-                    s_lo = x_lo * w_s
-                    x_hi = g_xs[row_hi, kt]
-                    s_hi = x_hi * w_s
-                    if cutlass.const_expr(two_blocks):
-                        w_s1 = g_ws[block1, kt]
-                        s1_lo, s1_hi = x_lo * w_s1, x_hi * w_s1
-                    ring.consumer_wait(read)
-                    warpgroup.fence()
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        cute.gemm(tiled_mma, part, t_ca[(None, None, kb, read.index)],
-                                  t_cb[(None, None, kb, read.index)], part)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    ring.consumer_release(read)
-                    read.advance()
-                    if cutlass.const_expr(not two_blocks):
-                        for j in cutlass.range_constexpr(cute.size(acc)):
-                            acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
-                    else:
-                        for o in cutlass.range_constexpr(len(offsets)):
-                            if off == offsets[o]:
-                                for j in cutlass.range_constexpr(cute.size(acc)):
-                                    if cutlass.const_expr(slot_block(offsets[o], j)):
-                                        acc[j] = acc[j] + part[j] * (s1_hi if (j // 2) % 2 else s1_lo)
-                                    else:
-                                        acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
+                # One k-loop per tile offset, chosen once per tile: the slot -> scale-block map is
+                # a compile-time one inside it (a branch per k-tile, a jump table, stalled the
+                # promotion). Each runs all k_tiles stages on its own copy of the ring state.
+                for o in cutlass.range_constexpr(len(tile_offsets)):
+                    if off == tile_offsets[o]:
+                        k_state = read.clone()
+                        # A k-tile's scales are loaded one k-tile ahead: loaded at the top of the
+                        # same k-tile, their L2 latency stalled the WGMMAs issued beside the
+                        # products of the scales.
+                        x_lo, x_hi, w_s, w_s1 = _scales(g_xs, g_ws, row_lo, row_hi, block0, block1, 0)
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            ahead = cutlass.min(kt + 1, k_tiles - 1)
+                            nx_lo, nx_hi, nw_s, nw_s1 = _scales(g_xs, g_ws, row_lo, row_hi, block0, block1, ahead)
+                            s_lo, s_hi = x_lo * w_s, x_hi * w_s
+                            s1_lo, s1_hi = x_lo * w_s1, x_hi * w_s1
+                            ring.consumer_wait(k_state)
+                            warpgroup.fence()
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                            for kb in cutlass.range_constexpr(k_blocks):
+                                cute.gemm(tiled_mma, part, t_ca[(None, None, kb, k_state.index)],
+                                          t_cb[(None, None, kb, k_state.index)], part)
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+                            ring.consumer_release(k_state)
+                            k_state.advance()
+                            for j in cutlass.range_constexpr(cute.size(acc)):
+                                if cutlass.const_expr(slot_block(tile_offsets[o], j)):
+                                    acc[j] = acc[j] + part[j] * (s1_hi if (j // 2) % 2 else s1_lo)
+                                else:
+                                    acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
+                            x_lo, x_hi, w_s, w_s1 = nx_lo, nx_hi, nw_s, nw_s1
+                read.advance(k_tiles)
 
                 result.store(acc.load().to(bf16))
                 if row0 + BM <= m and col0 + bn <= n:

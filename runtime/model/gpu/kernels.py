@@ -105,8 +105,24 @@ def quantised_row_forms(fmt: str) -> dict[int, str]:
 # 128 x 160 / 192 tiles, "bn160c2" / "bn192c2", the same tiles in clusters of two CTAs sharing each
 # weight tile by TMA multicast. On the H200 at M = 8192 (`python -m bench.kernels --only gemm_fp8`,
 # the five 27B shapes): bn128 8,719 us in all, bn160 8,471 (0.72-0.76x torch._scaled_mm), bn192c2
-# and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes.
+# and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes. With
+# the scales loaded a k-tile ahead and one k-loop per tile offset (eleventh session): bn160 8,005
+# us (0.78-0.89x), the per-shape forms below 7,677.
 GEMM_FP8_FORM = "bn160"
+# Shapes (N, K) whose FP8 GEMM runs in another form than GEMM_FP8_FORM: the fastest form of each
+# 27B shape over M = 8192 and 4 x M = 2048 together (the same tokens in 2K chunks), timed after the
+# scales were loaded a k-tile ahead (eleventh session, `--only gemm_fp8 --rounds 3`, us at 8192 /
+# 2048): gdn_in bn128 1342 / 335 against bn160's 1465 / 366; gate_up bn192c2 2992 / 775 against
+# bn160's 3198 / 811. o_proj, attn_qkv and down keep bn160 (518 / 128, 1319 / 318, 1505 / 350).
+GEMM_FP8_SHAPE_FORMS = {(16384, 5120): "bn128", (34816, 5120): "bn192c2"}
+
+
+def gemm_fp8_form(n: int, k: int) -> str:
+    """The tile form the FP8 GEMM of an N x K weight runs in (read at call time: tests switch
+    the module's values)."""
+    return GEMM_FP8_SHAPE_FORMS.get((n, k), GEMM_FP8_FORM)
+
+
 # The form of the FP8 prefill's activation quantisation (cute_kernels/quantize_act.py FORMS, the same
 # codes and scales bit for bit): "v4" (a warp per 128-column group, 8-byte loads) or "v8" (half a warp
 # per group, 16-byte loads, 4 group pairs in flight per warp). On the H200 at M = 8192 (`python -m
@@ -463,13 +479,13 @@ class KernelChoice:
     def quantised_prefill(self, fmt: str, n: int, nt: int, k: int) -> QuantisedPrefill | None:
         """The prefill kernels of a weight [n, k] of a quantised format with a BF16 tail of nt rows
         (`layers.Forward.quantised_gemm`), written with the row stride n + nt: FP8, the activation
-        quantisation and the block-scaled FP8 GEMM (W8A8, in the `GEMM_FP8_FORM` tile form); NVFP4, the weight decoded to BF16 and
+        quantisation and the block-scaled FP8 GEMM (W8A8, in the shape's `gemm_fp8_form`); NVFP4, the weight decoded to BF16 and
         the BF16 GEMM (W4A16); the tail by the BF16 GEMM. None when one of them was not compiled
         for the shape (the runner then keeps the format's GEMV, 8 rows a launch)."""
         lib = self.library
         if fmt == FP8:
             first = ("quantize_act", _find(lib, "quantize_act", K=k, form=QUANTIZE_ACT_FORM))
-            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k, form=GEMM_FP8_FORM))
+            gemm = ("gemm_fp8_sm90", _find(lib, "gemm_fp8_sm90", N=n, NT=nt, K=k, form=gemm_fp8_form(n, k)))
         else:
             first = ("dequant_nvfp4", _find(lib, "dequant_nvfp4", K=k))
             gemm = ("gemm_sm90", _find(lib, "gemm_sm90", N=n, K=k, ld=n + nt, out="bf16"))
