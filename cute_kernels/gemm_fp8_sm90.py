@@ -85,6 +85,9 @@ class Form:
     stages: int  # shared-memory ring depth: (BM + bn) * BK bytes a stage
     regs: tuple[int, int]  # setmaxnreg of the producer and of the two consumer warpgroups
     cluster: int = 1  # CTAs per cluster along M, sharing each weight tile by TMA multicast
+    # Two partial fragments: a k-tile's WGMMAs are issued before the previous k-tile's are waited
+    # for and promoted, so each consumer warpgroup keeps the tensor cores fed on its own.
+    overlap: bool = False
 
     def offsets(self, n: int) -> list[int]:
         """Where the N tiles of an N-column weight start inside their first weight-scale block."""
@@ -94,13 +97,16 @@ class Form:
 # The tile forms every shape is built in; "bn128" is today's (untagged keys), the others are
 # tagged `_{form}`. Stages: as many as fit in 227 KiB (bn192: 5 x 40 KiB; the others 6 x 32 / 36 KiB).
 # `c2`: clusters of two CTAs on M-tiles 2i and 2i + 1 of the same N tile, each loading half of the
-# weight tile and multicasting it to both (half the weight traffic from L2).
+# weight tile and multicasting it to both (half the weight traffic from L2). `d`: overlapped
+# k-tiles (`Form.overlap`; three fragments of bn / 2 registers: only 128-column tiles fit).
 FORMS = {
     "bn128": Form(128, 6, (PRODUCER_REGS, CONSUMER_REGS)),
     "bn160": Form(160, 6, (24, 240)),
     "bn192": Form(192, 5, (24, 240)),
     "bn160c2": Form(160, 6, (24, 240), cluster=2),
     "bn192c2": Form(192, 5, (24, 240), cluster=2),
+    "bn128d": Form(128, 6, (24, 240), overlap=True),
+    "bn128dc2": Form(128, 6, (24, 240), cluster=2, overlap=True),
 }
 DEFAULT_FORM = "bn128"
 
@@ -164,6 +170,9 @@ def _variant(name: str, n: int, nt: int, k: int, form_name: str) -> Variant:
     if max(form.offsets(n)) + bn > 2 * SCALE_BLOCK or bn % 32:
         raise ValueError(f"gemm_fp8_sm90 form {form_name}: an N tile of {bn} columns must be a multiple of 32 "
                          "that spans at most two 128-row weight-scale blocks")
+    if form.overlap and bn != SCALE_BLOCK:
+        raise ValueError(f"gemm_fp8_sm90 form {form_name}: overlapped k-tiles hold three fragments of bn / 2 "
+                         "registers, which fit only 128-column tiles")
     if form.stages * (BM + bn) * BK + 1024 > SMEM_BYTES:
         raise ValueError(f"gemm_fp8_sm90 form {form_name}: {form.stages} stages of {(BM + bn) * BK} bytes do not "
                          "fit in shared memory")
@@ -218,6 +227,50 @@ def reference(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.nd
     return total if exact else round_bf16(total)
 
 
+def _issue(mmas: tuple, ring: Any, state: Any, part: Any, t_ca: Any, t_cb: Any, k_blocks: int) -> None:
+    """Wait for the ring stage at `state`, issue its k-tile's WGMMAs into the fresh fragment `part`
+    as one commit group (`_promote` releases the stage once the group completed). `mmas`: the
+    tiled MMA with its accumulate flag off, then on, set once outside the loops (a flag set in
+    here would not be carried through the staged loop around the call)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    import cutlass.cute as cute
+
+    ring.consumer_wait(state)
+    warpgroup.fence()
+    for kb in range(k_blocks):
+        cute.gemm(mmas[min(kb, 1)], part, t_ca[(None, None, kb, state.index)], t_cb[(None, None, kb, state.index)],
+                  part)
+    warpgroup.commit_group()
+
+
+def _promote(ring: Any, state: Any, acc: Any, part: Any, scales: Any, buf: int) -> None:
+    """Release the ring stage at `state` (its WGMMAs completed) and add the partial `part` of a
+    128-column tile to `acc` times its scales (`scales[buf]`: x_lo, x_hi, w_s)."""
+    import cutlass.cute as cute
+
+    ring.consumer_release(state)
+    s_lo = scales[buf, 0] * scales[buf, 2]
+    s_hi = scales[buf, 1] * scales[buf, 2]
+    for j in range(cute.size(acc)):  # plain loops: they unroll while tracing
+        acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
+
+
+def _ring_state(stages: int, n: Any) -> Any:
+    """The consumer's ring state after n k-tiles (`pipeline.make_pipeline_state` advanced n times),
+    built where it is used: a state stepped inside a helper is not carried through a staged loop."""
+    import cutlass.pipeline as pipeline
+
+    return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2)
+
+
+def _load_scales(scales: Any, buf: int, g_xs: Any, g_ws: Any, row_lo: Any, row_hi: Any, block0: Any,
+                 kt: Any) -> None:
+    scales[buf, 0] = g_xs[row_lo, kt]
+    scales[buf, 1] = g_xs[row_hi, kt]
+    scales[buf, 2] = g_ws[block0, kt]
+
+
 def _scales(g_xs: Any, g_ws: Any, row_lo: Any, row_hi: Any, block0: Any, block1: Any, kt: Any) -> tuple:
     """A consumer thread's scales of k-tile kt: its two rows' activation scales, the weight scales
     of the tile's two weight-scale blocks (the same block twice where the tile has one)."""
@@ -240,7 +293,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     form = FORMS[variant.config["form"]]
     bn, stages = form.bn, form.stages
     producer_regs, consumer_regs = form.regs
-    cluster = form.cluster
+    cluster, overlap = form.cluster, form.overlap
     num_n = -(-n // bn)
     k_tiles = -(-k // BK)
     last_block = -(-n // SCALE_BLOCK) - 1
@@ -334,6 +387,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             coords = thr_mma.partition_C(cute.make_identity_tensor((BM, bn)))
             acc = cute.make_rmem_tensor(coords.shape, f32)
             part = cute.make_rmem_tensor(coords.shape, f32)
+            parts = (part, cute.make_rmem_tensor(coords.shape, f32) if cutlass.const_expr(overlap) else part)
             result = cute.make_rmem_tensor(coords.shape, bf16)
             packed = cute.recast_tensor(result, cutlass.Int32)
             g_out = cute.make_tensor(cute.recast_ptr(out, dtype=cutlass.Int32),
@@ -349,6 +403,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             r_hi, _ = coords[2]
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            mmas = (make_mma(), make_mma())  # overlapped forms: accumulate off / on (`_issue`)
+            mmas[0].set(warpgroup.Field.ACCUMULATE, False)
+            mmas[1].set(warpgroup.Field.ACCUMULATE, True)
+            scales = cute.make_rmem_tensor((2, 3), f32)  # overlapped forms: each fragment's k-tile scales
             for t in cutlass.range(first, num_items, step, unroll=1):
                 mc, n_tile = tile_coords(t, num_mc, per_band)
                 m_tile = mc * cluster + rank
@@ -360,10 +418,29 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 block1 = cutlass.min(block0 + 1, last_block)  # past N: any row (its columns are zeros)
                 off = col0 - block0 * SCALE_BLOCK
                 acc.fill(0.0)
+                if cutlass.const_expr(overlap):
+                    # k-tiles in pairs: both issued, the first promoted while the second runs
+                    # (128-column tiles: one weight-scale block, offset 0). No WGMMA group stays in
+                    # flight across the loop's back edge: with one, ptxas serialised every WGMMA
+                    # of the kernel (its warning C7514).
+                    c0 = read.count
+                    for pair in cutlass.range(k_tiles // 2, unroll=1):
+                        for h in cutlass.range_constexpr(2):
+                            _load_scales(scales, h, g_xs, g_ws, row_lo, row_hi, block0, 2 * pair + h)
+                            _issue(mmas, ring, _ring_state(stages, c0 + 2 * pair + h), parts[h], t_ca, t_cb,
+                                   k_blocks)
+                        for h in cutlass.range_constexpr(2):
+                            warpgroup.wait_group(1 - h)
+                            _promote(ring, _ring_state(stages, c0 + 2 * pair + h), acc, parts[h], scales, h)
+                    if cutlass.const_expr(k_tiles % 2):
+                        _load_scales(scales, 0, g_xs, g_ws, row_lo, row_hi, block0, k_tiles - 1)
+                        _issue(mmas, ring, _ring_state(stages, c0 + k_tiles - 1), parts[0], t_ca, t_cb, k_blocks)
+                        warpgroup.wait_group(0)
+                        _promote(ring, _ring_state(stages, c0 + k_tiles - 1), acc, parts[0], scales, 0)
                 # One k-loop per tile offset, chosen once per tile: the slot -> scale-block map is
                 # a compile-time one inside it (a branch per k-tile, a jump table, stalled the
                 # promotion). Each runs all k_tiles stages on its own copy of the ring state.
-                for o in cutlass.range_constexpr(len(tile_offsets)):
+                for o in cutlass.range_constexpr(0 if overlap else len(tile_offsets)):
                     if off == tile_offsets[o]:
                         k_state = read.clone()
                         # A k-tile's scales are loaded one k-tile ahead: loaded at the top of the

@@ -31,7 +31,7 @@ def test_todays_keys_keep_their_tile_and_every_shape_has_every_form():
     assert len(by_key) == len(gemm_fp8_sm90.SHAPES) * len(FORMS)
     for name, n, nt, k in gemm_fp8_sm90.SHAPES:
         for form, tile, stages, c in (("bn160", 160, 6, 1), ("bn192", 192, 5, 1), ("bn160c2", 160, 6, 2),
-                                      ("bn192c2", 192, 5, 2)):
+                                      ("bn192c2", 192, 5, 2), ("bn128d", 128, 6, 1), ("bn128dc2", 128, 6, 2)):
             v = by_key[f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_{form}"]
             assert v.config["tile"] == [128, tile, 128] and v.config["stages"] == stages
             assert v.config["regs"] == [24, 240] and v.cluster == (c, 1, 1)
@@ -59,6 +59,11 @@ def test_wide_tiles_start_at_the_offsets_the_kernel_branches_on(monkeypatch):
     monkeypatch.setitem(FORMS, "bn176", gemm_fp8_sm90.Form(176, 5, (24, 240)))
     with pytest.raises(ValueError, match="at most two"):
         gemm_fp8_sm90._variant("x", 5120, 0, 5120, "bn176")
+    # Overlapped k-tiles hold three fragments of bn / 2 registers: 128-column tiles only.
+    assert FORMS["bn128d"].overlap and FORMS["bn128dc2"].overlap and not FORMS["bn160"].overlap
+    monkeypatch.setitem(FORMS, "bn160d", gemm_fp8_sm90.Form(160, 6, (24, 240), overlap=True))
+    with pytest.raises(ValueError, match="only 128-column tiles"):
+        gemm_fp8_sm90._variant("x", 5120, 0, 5120, "bn160d")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -153,7 +158,7 @@ def test_the_bench_binds_every_form_of_every_27b_shape():
     lib = built_or_skip(lambda: KernelLibrary.open(NullDevice(), required=[]))
     for name, n, nt, k in gemm_fp8_sm90.SHAPES[:5]:
         forms = gemm_fp8_forms(name, n, nt, k)
-        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192", "bn160c2", "bn192c2"]
+        assert [form for form, _ in forms] == ["bn128", "bn160", "bn192", "bn160c2", "bn192c2", "bn128d", "bn128dc2"]
         assert forms[0][1] == TODAY[[s[0] for s in gemm_fp8_sm90.SHAPES].index(name)]
         for _, key in forms:
             kern = built_or_skip(lambda key=key: lib.kernel("gemm_fp8_sm90", key))
