@@ -19,8 +19,10 @@ module's docstring), with what FP8 block scaling changes:
   `x_scale[row, kb] * w_scale[column / 128, kb]` (fp32 FMA): the per-block promotion also bounds
   the FP8 WGMMA's reduced-precision accumulation to 128 products. The scales are loaded from
   global memory (L1/L2) one k-tile ahead (loaded in the same k-tile, their latency stalled the
-  WGMMAs issued beside the scales' products: ncu on the H200). The stage is released as soon as the WGMMAs finished reading it; while one consumer warpgroup
-  scales, the other's WGMMAs run;
+  WGMMAs issued beside the scales' products: ncu on the H200). The stage is released as soon as
+  the WGMMAs finished reading it; while one consumer warpgroup scales, the other's WGMMAs run.
+  The `d` forms (BN = 128) issue k-tiles in pairs into two fragments and promote the first while
+  the second runs (`_fp8_pairs`), so a warpgroup also keeps the tensor cores fed on its own;
 - BN = 160 / 192: tile t starts `off = (t * BN) % 128` columns into its first weight-scale block
   (160: 0, 32, 64 or 96; 192: 0 or 64) and so covers exactly two blocks (`off + BN <= 256`; BN
   such as 176 or 208 would reach a third and are refused). A thread's accumulator slots sit in
@@ -227,50 +229,6 @@ def reference(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.nd
     return total if exact else round_bf16(total)
 
 
-def _issue(mmas: tuple, ring: Any, state: Any, part: Any, t_ca: Any, t_cb: Any, k_blocks: int) -> None:
-    """Wait for the ring stage at `state`, issue its k-tile's WGMMAs into the fresh fragment `part`
-    as one commit group (`_promote` releases the stage once the group completed). `mmas`: the
-    tiled MMA with its accumulate flag off, then on, set once outside the loops (a flag set in
-    here would not be carried through the staged loop around the call)."""
-    from cutlass.cute.nvgpu import warpgroup
-
-    import cutlass.cute as cute
-
-    ring.consumer_wait(state)
-    warpgroup.fence()
-    for kb in range(k_blocks):
-        cute.gemm(mmas[min(kb, 1)], part, t_ca[(None, None, kb, state.index)], t_cb[(None, None, kb, state.index)],
-                  part)
-    warpgroup.commit_group()
-
-
-def _promote(ring: Any, state: Any, acc: Any, part: Any, scales: Any, buf: int) -> None:
-    """Release the ring stage at `state` (its WGMMAs completed) and add the partial `part` of a
-    128-column tile to `acc` times its scales (`scales[buf]`: x_lo, x_hi, w_s)."""
-    import cutlass.cute as cute
-
-    ring.consumer_release(state)
-    s_lo = scales[buf, 0] * scales[buf, 2]
-    s_hi = scales[buf, 1] * scales[buf, 2]
-    for j in range(cute.size(acc)):  # plain loops: they unroll while tracing
-        acc[j] = acc[j] + part[j] * (s_hi if (j // 2) % 2 else s_lo)
-
-
-def _ring_state(stages: int, n: Any) -> Any:
-    """The consumer's ring state after n k-tiles (`pipeline.make_pipeline_state` advanced n times),
-    built where it is used: a state stepped inside a helper is not carried through a staged loop."""
-    import cutlass.pipeline as pipeline
-
-    return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2)
-
-
-def _load_scales(scales: Any, buf: int, g_xs: Any, g_ws: Any, row_lo: Any, row_hi: Any, block0: Any,
-                 kt: Any) -> None:
-    scales[buf, 0] = g_xs[row_lo, kt]
-    scales[buf, 1] = g_xs[row_hi, kt]
-    scales[buf, 2] = g_ws[block0, kt]
-
-
 def _scales(g_xs: Any, g_ws: Any, row_lo: Any, row_hi: Any, block0: Any, block1: Any, kt: Any) -> tuple:
     """A consumer thread's scales of k-tile kt: its two rows' activation scales, the weight scales
     of the tile's two weight-scale blocks (the same block twice where the tile has one)."""
@@ -287,6 +245,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     from cutlass.tensor_utils.layout import LayoutEnum
 
     from . import _dsl
+    from ._fp8_pairs import issue, load_scales, promote, ring_state
     from ._tma_ring import operand_ring
 
     n, k, ld = variant.config["N"], variant.config["K"], variant.config["ld"]
@@ -426,17 +385,17 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     c0 = read.count
                     for pair in cutlass.range(k_tiles // 2, unroll=1):
                         for h in cutlass.range_constexpr(2):
-                            _load_scales(scales, h, g_xs, g_ws, row_lo, row_hi, block0, 2 * pair + h)
-                            _issue(mmas, ring, _ring_state(stages, c0 + 2 * pair + h), parts[h], t_ca, t_cb,
+                            load_scales(scales, h, g_xs, g_ws, row_lo, row_hi, block0, 2 * pair + h)
+                            issue(mmas, ring, ring_state(stages, c0 + 2 * pair + h), parts[h], t_ca, t_cb,
                                    k_blocks)
                         for h in cutlass.range_constexpr(2):
                             warpgroup.wait_group(1 - h)
-                            _promote(ring, _ring_state(stages, c0 + 2 * pair + h), acc, parts[h], scales, h)
+                            promote(ring, ring_state(stages, c0 + 2 * pair + h), acc, parts[h], scales, h)
                     if cutlass.const_expr(k_tiles % 2):
-                        _load_scales(scales, 0, g_xs, g_ws, row_lo, row_hi, block0, k_tiles - 1)
-                        _issue(mmas, ring, _ring_state(stages, c0 + k_tiles - 1), parts[0], t_ca, t_cb, k_blocks)
+                        load_scales(scales, 0, g_xs, g_ws, row_lo, row_hi, block0, k_tiles - 1)
+                        issue(mmas, ring, ring_state(stages, c0 + k_tiles - 1), parts[0], t_ca, t_cb, k_blocks)
                         warpgroup.wait_group(0)
-                        _promote(ring, _ring_state(stages, c0 + k_tiles - 1), acc, parts[0], scales, 0)
+                        promote(ring, ring_state(stages, c0 + k_tiles - 1), acc, parts[0], scales, 0)
                 # One k-loop per tile offset, chosen once per tile: the slot -> scale-block map is
                 # a compile-time one inside it (a branch per k-tile, a jump table, stalled the
                 # promotion). Each runs all k_tiles stages on its own copy of the ring state.
