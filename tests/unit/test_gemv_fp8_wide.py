@@ -26,8 +26,7 @@ def test_the_m8_and_nvfp4_keys_are_unchanged_and_the_wide_ones_added():
     m8 = {key for key, v in fp8.items() if v.config["MB"] == 8}
     # Every shape in every decode form, keyed as before the wide variants.
     assert m8 == {f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8" + ("" if form == "cvt" else f"_{form}")
-                  for name, n, nt, k in gemv_fp8.SHAPES
-                  for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4", "cvt_l2")}
+                  for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4")}
     assert all("groups" not in fp8[key].config and fp8[key].requires == ("M >= 1", "M <= 8") for key in m8)
     nvfp4 = [v for v in gemv_nvfp4.variants() if v.config["MB"] == 8]
     assert len(nvfp4) == len(gemv_nvfp4.SHAPES) * len(gemv_nvfp4.FORMS)
