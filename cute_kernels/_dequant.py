@@ -65,26 +65,6 @@ def _scale_pairs(scale: Any, bias: int | None) -> list[Any]:
     return [prmt(word, 0, sel) for sel in d.SCALE_PAIRS]
 
 
-def load_16b(ptr: Any, count: int, l2_256: bool = False) -> Any:
-    """`count` elements at `ptr` (16-byte aligned, a multiple of 16 bytes) in registers by 16-byte
-    loads (an rmem tensor), with l2_256 each asking L2 for the 256-byte span around it."""
-    per = 128 // ptr.dtype.width
-    hint = cute.nvgpu.L2PrefetchSize.SIZE_256B if l2_256 else cute.nvgpu.L2PrefetchSize.NONE
-    atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), ptr.dtype, num_bits_per_copy=128, l2_prefetch_size=hint)
-    raw = cute.make_rmem_tensor(((per,), count // per), ptr.dtype)
-    # The row and column offsets keep 16-byte alignment, which the copy wants stated on the pointer.
-    src = cute.make_ptr(ptr.dtype, ptr.toint(), cute.AddressSpace.gmem, assumed_align=16)
-    cute.copy(atom, cute.make_tensor(src, cute.make_layout(((per,), count // per), stride=((1,), per))), raw)
-    return cute.make_tensor(raw.iterator, cute.make_layout((count,)))
-
-
-def _codes_l2_256(codes: Any) -> Any:
-    """The 32 code bytes at `codes` in registers, by two 16-byte loads that ask L2 for the
-    256-byte span around each: a row's next 128-column block of the same warp is in that span, so
-    its DRAM read starts a block early without a register or an instruction."""
-    return load_16b(codes, 32, l2_256=True)
-
-
 def _code_words(codes: Any, count: int) -> Any:
     raw = cute.make_rmem_tensor((count,), codes.dtype)  # the bytes as they are (u8 or e4m3)
     raw.store(cute.make_tensor(codes, cute.make_layout((count,))).load())
@@ -150,12 +130,9 @@ def activations(form: str, x: Any) -> Any:
 
 
 def e4m3_row(form: str, codes: Any) -> Any:
-    """32 FP8 columns (32 e4m3 bytes at `codes`) as exact bf16 values. `cvt_l2`: `cvt` with the
-    loads hinted to fetch the whole 256-byte L2 span around them (`ld.global.L2::256B`)."""
+    """32 FP8 columns (32 e4m3 bytes at `codes`) as exact bf16 values."""
     if form == "cvt":
         return cute.make_tensor(codes, cute.make_layout((32,))).load().to(cutlass.BFloat16)
-    if form == "cvt_l2":
-        return _codes_l2_256(codes).load().to(cutlass.BFloat16)
     if form != "shift":
         raise ValueError(f"unknown FP8 decode form {form!r}")
     words = _code_words(codes, 32)

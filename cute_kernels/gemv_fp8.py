@@ -90,12 +90,9 @@ SHAPES = [
 # order: bit for bit `cvt`'s numbers) plus, at each block, an L2 prefetch of the codes D blocks
 # ahead (`gemv_nvfp4.py` says why: ptxas keeps the loads about one block ahead, too few bytes in
 # flight per SM for the copy bandwidth). With `cvt`'s unroll of 4 the prefetches took ptxas from
-# 50 to 76-80 registers (one CTA an SM fewer); unrolled by 8 they keep 50. `cvt_l2`: `cvt` with its
-# code loads asking L2 for the 256-byte span around them (`ld.global.L2::256B`: a warp's next block
-# of the same rows, for even blocks) and the activations by explicit 16-byte loads; ncu on the H200
-# found `cvt` waiting on its code loads (long scoreboard) at 74 % of the DRAM bandwidth.
+# 50 to 76-80 registers (one CTA an SM fewer); unrolled by 8 they keep 50.
 FORMS = {"cvt": ("cvt", 4, ROWS), "shift": ("shift", 4, ROWS), "shift_u8": ("shift", 8, ROWS),
-         "cvt_u8_pf2": ("cvt", 8, ROWS), "cvt_u8_pf4": ("cvt", 8, ROWS), "cvt_l2": ("cvt_l2", 4, ROWS)}
+         "cvt_u8_pf2": ("cvt", 8, ROWS), "cvt_u8_pf4": ("cvt", 8, ROWS)}
 PREFETCH = {"cvt_u8_pf2": 2, "cvt_u8_pf4": 4}  # form -> blocks prefetched ahead
 
 
@@ -239,10 +236,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         """A 128-column block into accumulators [row group][token group]: token groups outermost
         (one activation fragment live at a time), each accumulator sees k16 steps 0..7 in order."""
         for g in range(groups):  # plain Python loops: they unroll while tracing
-            if form == "cvt_l2":  # 16-byte copies, as the codes' (the vectoriser left them 2-byte loads)
-                b = _dequant.load_16b(x_at[g] + col, 32).load()
-            else:
-                b = cute.make_tensor(x_at[g] + col, cute.make_layout(vec)).load()
+            b = cute.make_tensor(x_at[g] + col, cute.make_layout(vec)).load()
             for j in range(8):
                 for h in range(row_groups):
                     _dsl.fill_k_slots(frag_a, frag_b, a_lo[h], a_hi[h], b, j)

@@ -5,7 +5,7 @@ The reference is float64 of the dequantised weights; the same-precision baseline
 Inputs: random e4m3 codes over the whole finite range, block scales of both signs with one zero
 block, NaN-poisoned outputs with an extra row that must stay untouched, odd M, the tiny model's
 shapes (K = 128 leaves 7 of 8 warps idle; tails of 8 rows, fewer than a CTA's 16) and the 27B's.
-Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`, `cvt_u8_pf2`, `cvt_u8_pf4`, `cvt_l2`) runs
+Every form of the family (`gemv_fp8.FORMS`: `cvt`, `shift`, `shift_u8`, `cvt_u8_pf2`, `cvt_u8_pf4`) runs
 each case against the same reference (on every output of shapes up to 2048 rows; on the first, a
 middle and the last 256 rows of wider ones, every other output checked finite) and must equal the
 first form's output bit for bit on every output (all
