@@ -128,7 +128,7 @@ def test_the_form_switch_picks_that_forms_gemm(monkeypatch, tiny_fp8_path):
     from runtime.model.gpu.weights import FP8
     from runtime.model.runner import PrefillChunk
 
-    assert kernels.GEMM_FP8_FORM == "bn160"  # the H200's fastest over the 27B shapes
+    assert kernels.GEMM_FP8_FORM == "bn128d"  # the H200's fastest over most 27B and every A3B shape
     for form in FORMS:
         monkeypatch.setattr(kernels, "GEMM_FP8_FORM", form)
         runner = null_runner(tiny_fp8_path)
@@ -215,22 +215,20 @@ def test_the_quantize_act_switch_picks_that_form(monkeypatch, tiny_fp8_path):
 
 
 def test_the_27b_shapes_take_their_own_forms(monkeypatch, tiny_fp8_path):
-    """gemm_fp8_form: gdn_in and gate_up of the 27B run the forms GEMM_FP8_SHAPE_FORMS names for
+    """gemm_fp8_form: gdn_in and o_proj of the 27B run the form GEMM_FP8_SHAPE_FORMS names for
     them, every other shape GEMM_FP8_FORM; the runner's prefill kernels follow it."""
     from runtime.model.gpu import kernels
     from runtime.model.gpu.weights import FP8
 
-    assert kernels.gemm_fp8_form(16384, 5120) == "bn128"
-    assert kernels.gemm_fp8_form(34816, 5120) == "bn192c2"
-    assert [kernels.gemm_fp8_form(n, k) for n, k in ((5120, 6144), (14336, 5120), (5120, 17408), (384, 256))] == \
+    assert kernels.gemm_fp8_form(16384, 5120) == "bn160" and kernels.gemm_fp8_form(5120, 6144) == "bn160"
+    assert [kernels.gemm_fp8_form(n, k) for n, k in ((34816, 5120), (14336, 5120), (5120, 17408), (384, 256))] == \
         [kernels.GEMM_FP8_FORM] * 4
     runner = null_runner(tiny_fp8_path)
     try:
         choice = runner.kernels
-        assert choice.quantised_prefill(FP8, 16384, 96, 5120).gemm == ("gemm_fp8_sm90", "gdn_in_n16384_t96_k5120")
-        assert choice.quantised_prefill(FP8, 34816, 0, 5120).gemm == ("gemm_fp8_sm90",
-                                                                     "gate_up_n34816_k5120_bn192c2")
-        assert choice.quantised_prefill(FP8, 5120, 0, 17408).gemm == ("gemm_fp8_sm90", "down_n5120_k17408_bn160")
+        assert choice.quantised_prefill(FP8, 16384, 96, 5120).gemm == ("gemm_fp8_sm90", "gdn_in_n16384_t96_k5120_bn160")
+        assert choice.quantised_prefill(FP8, 34816, 0, 5120).gemm == ("gemm_fp8_sm90", "gate_up_n34816_k5120_bn128d")
+        assert choice.quantised_prefill(FP8, 5120, 0, 6144).gemm == ("gemm_fp8_sm90", "o_proj_n5120_k6144_bn160")
         monkeypatch.setitem(kernels.GEMM_FP8_SHAPE_FORMS, (5120, 17408), "bn192")
         assert choice.quantised_prefill(FP8, 5120, 0, 17408).gemm == ("gemm_fp8_sm90", "down_n5120_k17408_bn192")
     finally:

@@ -76,6 +76,10 @@ MOE_UP_WIDE_ROWS: int | None = 8
 # shapes summed): the codes staged through a per-warp cp.async ring in shared memory, 3-6 blocks
 # in flight without registers (FP8 at M = 1: 160 us against `cvt`'s 136, at M = 8: 253 against
 # 153; NVFP4 127 against `shift_u8`'s 106), with 3-4 CTAs an SM.
+# Also tried (eleventh session): `cvt` with its code loads asking L2 for the 256-byte span around
+# them (`ld.global.L2::256B`, a warp's next block of the same rows) and the activations by explicit
+# 16-byte loads, after ncu showed `cvt` waiting on its code loads (long scoreboard) at 74 % of the
+# DRAM bandwidth: the five 27B shapes summed 135.1 us at M = 1 (cvt 135.1), 151.9 at M = 8 (153.3).
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # The row counts (MB) of the quantised GEMVs: 8 for every format, and the wide widths
 # (cute_kernels/gemv_fp8.py WIDE; FP8 builds them in the `cvt` decode only, NVFP4 in its
@@ -107,14 +111,18 @@ def quantised_row_forms(fmt: str) -> dict[int, str]:
 # the five 27B shapes): bn128 8,719 us in all, bn160 8,471 (0.72-0.76x torch._scaled_mm), bn192c2
 # and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes. With
 # the scales loaded a k-tile ahead and one k-loop per tile offset (eleventh session): bn160 8,005
-# us (0.78-0.89x), the per-shape forms below 7,677.
-GEMM_FP8_FORM = "bn160"
-# Shapes (N, K) whose FP8 GEMM runs in another form than GEMM_FP8_FORM: the fastest form of each
-# 27B shape over M = 8192 and 4 x M = 2048 together (the same tokens in 2K chunks), timed after the
-# scales were loaded a k-tile ahead (eleventh session, `--only gemm_fp8 --rounds 3`, us at 8192 /
-# 2048): gdn_in bn128 1342 / 335 against bn160's 1465 / 366; gate_up bn192c2 2992 / 775 against
-# bn160's 3198 / 811. o_proj, attn_qkv and down keep bn160 (518 / 128, 1319 / 318, 1505 / 350).
-GEMM_FP8_SHAPE_FORMS = {(16384, 5120): "bn128", (34816, 5120): "bn192c2"}
+# us (0.78-0.89x). "bn128d" / "bn128dc2" overlap a warpgroup's k-tiles in pairs (the first
+# promoted while the second's WGMMAs run): bn128d took bn128 from 3,410 to 3,056 us on gate_up and
+# leads on the three A3B shapes at M = 2048 and 8192 (eleventh session, call 4).
+GEMM_FP8_FORM = "bn128d"
+# Shapes (N, K) whose FP8 GEMM runs in another form than GEMM_FP8_FORM: the fastest form of a
+# shape over M = 8192 and 4 x M = 2048 together (the same tokens in 2K chunks; eleventh session,
+# call 4, `python -m bench.kernels --only gemm_fp8 --rounds 3`, us at 8192 / 2048): gdn_in bn160
+# 1415 / 348 against bn128d's 1464 / 351; o_proj bn160 519 / 126 against 542 / 123. attn_qkv takes
+# bn128d (1256 / 301; bn192c2 1237 / 325, bn160 1332 / 300), gate_up bn128d (3056 / 756; bn192c2
+# 2997 / 776), down bn128d (1471 / 358; bn160 1499 / 350). Single runs: the same form moved up to
+# 10 % between calls (gdn_in bn128 1342 in call 3, 1486 in call 4), so near ties may flip.
+GEMM_FP8_SHAPE_FORMS = {(16384, 5120): "bn160", (5120, 6144): "bn160"}
 
 
 def gemm_fp8_form(n: int, k: int) -> str:
