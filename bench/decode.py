@@ -9,6 +9,7 @@ the 80B fits an H200 with `--format fp8` only: its experts are 155 GB in bf16).
         [--synthetic-shape qwen3.6-35b-a3b|qwen3-next-80b [--router balanced|skewed]] [--format bf16|fp8|nvfp4]
         [--attention-form mma|split]
         [--kv-dtype bf16,fp8,int8,fp8:cvt] [--pdl on|off|off,on] [--moe-form route_up_f8_r1,up_wide_f8_r1]
+        [--gate-up-silu on|off]
 
 For each (batch, context) it times decode steps replayed from the CUDA graph of that batch bucket:
 GPU time per step (CUDA events around back-to-back replays) and wall time per step until the
@@ -369,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(runtime/model/gpu/kernels.py; 0: one block per head, the kernels before column blocks)")
     ap.add_argument("--moe-form", default="", help="MoE decode forms to time on one runner, comma-separated "
                     "(bench.moe_forms names, or `default`: the runner's MOE_DECODE_FORM and MOE_UP_WIDE_ROWS)")
+    ap.add_argument("--gate-up-silu", choices=("on", "off"), default="on",
+                    help="off: decode steps run the dense MLP's gate/up GEMV and silu_mul as two launches "
+                         "(runtime/model/gpu/kernels.py GATE_UP_SILU), to time the fused epilogue against them")
     ap.add_argument("--pdl", default="default", help="programmatic dependent launch in the decode and "
                     "verification graphs: on, off, or both (off,on: timed one after the other on one runner, "
                     "then side by side); runtime/model/gpu/kernels.py's PDL if omitted")
@@ -411,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--moe-form: {e}")
     command = "python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
+    from runtime.model.gpu import kernels as kernel_choice
+
+    kernel_choice.GATE_UP_SILU = args.gate_up_silu == "on"  # read when the runners bind their steps
     runs = []
     for entry in formats:
         fmt, _, form = entry.partition(":")

@@ -34,6 +34,10 @@ warps' K ranges), its row sits in the same MMA row (row % 16) and the epilogue a
 partials of one row group at a time in warp order, so every form gives the m8 numbers bit for
 bit. `runtime/model/gpu/kernels.py` picks a form per width (`GEMV_ROW_FORMS`); `python -m
 bench.kernels --only gemv` times them all.
+
+`..._m8_silu` (the shapes of `SILU`, config form "silu"): the m8 GEMV of a fused [gate | up]
+weight with SiLU(gate) * up as its epilogue (`_gemv_silu.py`): out is [M, N / 2], the decode
+step's `silu_mul` launch folded in, the same numbers bit for bit.
 """
 
 from typing import Any
@@ -73,6 +77,10 @@ ROW_FORMS = {16: ((2, 2), (4, 1)), 32: ((2, 2), (2, 1), (4, 1)), 64: ((2, 1), (3
 PLAIN = "r1"  # the form tag of the 16-row variants (keys without a tag)
 
 
+# The shapes whose m8 GEMV is also built with the gate/up + SiLU epilogue (key `..._m8_silu`).
+SILU = ("gate_up",)
+
+
 def form_tag(groups: int, unroll: int) -> str:
     return PLAIN if groups == 1 else f"r{groups}u{unroll}"
 
@@ -100,8 +108,11 @@ SHAPES = [
 ]
 
 
-def _variant(name: str, n: int, k: int, mb: int, groups: int = 1, group_unroll: int = 1) -> Variant:
+def _variant(name: str, n: int, k: int, mb: int, groups: int = 1, group_unroll: int = 1, silu: bool = False) -> Variant:
     spread = SPREAD.get((name, mb))
+    if silu and (spread or groups > 1 or mb != 8 or n % (2 * ROWS)):
+        raise ValueError(f"gemv {name}: the SiLU epilogue is built for m8 over 16 rows a CTA and an even count "
+                         "of 8-row gate blocks")
     if spread and groups > 1:
         raise ValueError(f"gemv {name} m{mb}: a spread grid owns under 16 rows per CTA, it has no row groups")
     chunks = k // WARPS // CHUNK
@@ -114,18 +125,22 @@ def _variant(name: str, n: int, k: int, mb: int, groups: int = 1, group_unroll: 
         raise ValueError(f"gemv {name} m{mb}: {ctas} CTAs give {rows} rows per CTA, more than {ROWS // 2}")
     return Variant(
         family=FAMILY,
-        key=f"{name}_n{n}_k{k}_m{mb}" + (f"_{form_tag(groups, group_unroll)}" if groups > 1 else ""),
-        config={"N": n, "K": k, "MB": mb, "form": form_tag(groups, group_unroll), "groups": groups, "warps": WARPS,
-                "rows": rows, "ctas": ctas, "chunk": CHUNK, "unroll": unroll, "pdl": True},
+        key=f"{name}_n{n}_k{k}_m{mb}" + (f"_{form_tag(groups, group_unroll)}" if groups > 1 else "")
+            + ("_silu" if silu else ""),
+        config={"N": n, "K": k, "MB": mb, "form": "silu" if silu else form_tag(groups, group_unroll),
+                "groups": groups, "warps": WARPS, "rows": rows, "ctas": ctas, "chunk": CHUNK, "unroll": unroll,
+                "pdl": True, "silu": silu},
         params=[ptr("x"), ptr("w"), ptr("out"), i32("M")],
-        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k), "out": tensor("bf16", "M", n, role="out")},
+        tensors={"x": tensor("bf16", "M", k), "w": tensor("bf16", n, k),
+                 "out": tensor("bf16", "M", n // 2 if silu else n, role="out")},
         sizes=("M",),
         block=(32 * WARPS, 1, 1),
         grid=(ctas, 1, 1),
         requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
         note=f"decode x[M<={mb},{k}] @ W[{n},{k}]^T, weights streamed once"
-             + (f", {groups} row groups of 16 per CTA" if groups > 1 else ""),
+             + (f", {groups} row groups of 16 per CTA" if groups > 1 else "")
+             + (", SiLU(gate) * up epilogue" if silu else ""),
         example_sizes={"M": 1 if mb == 8 else mb},
     )
 
@@ -138,6 +153,8 @@ def variants() -> list[Variant]:
         for mb in MBS:
             out.append(_variant(name, n, k, mb))
             out += [_variant(name, n, k, mb, groups, unroll) for groups, unroll in ROW_FORMS.get(mb, ())]
+        if name in SILU:
+            out.append(_variant(name, n, k, 8, silu=True))
     return out
 
 
@@ -152,7 +169,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dsl, _pdl
+    from . import _dsl, _gemv_silu, _pdl
 
     n, k, mb = variant.config["N"], variant.config["K"], variant.config["MB"]
     ctas, row_groups = variant.config["ctas"], variant.config["groups"]
@@ -162,6 +179,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     per_warp = k // WARPS
     chunks = per_warp // CHUNK
     unroll = variant.config["unroll"]
+    silu = variant.config["silu"]
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
 
     @cute.kernel
@@ -183,7 +201,11 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         col0 = warp * per_warp + q * 16
         vec = cute.make_layout((16,))
         w_lo, w_hi = [], []
-        if cutlass.const_expr(row_groups == 1):
+        if cutlass.const_expr(silu):
+            gate_row, up_row = _gemv_silu.gate_up_rows(bid, r, n)
+            w_lo.append(w + cutlass.Int64(gate_row) * k + col0)
+            w_hi.append(w + cutlass.Int64(up_row) * k + col0)
+        elif cutlass.const_expr(row_groups == 1):
             # Lanes past the CTA's last row read that row again (same addresses, no extra traffic).
             w_lo.append(w + cutlass.Int64(row0 + cutlass.min(r, count - 1)) * k + col0)
             w_hi.append(w + cutlass.Int64(row0 + r + 8) * k + col0)
@@ -247,7 +269,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                 if cutlass.const_expr(not half):
                     partial[r + 8, g * 8 + 2 * q, warp] = acc[2]
                     partial[r + 8, g * 8 + 2 * q + 1, warp] = acc[3]
-            for p in cutlass.range_constexpr(mb // per):
+            if cutlass.const_expr(silu):
+                _gemv_silu.silu_pairs(partial, tid, out, n // 2, bid * _gemv_silu.PAIRS, m, mb, WARPS)
+            for p in cutlass.range_constexpr(0 if silu else mb // per):
                 if cutlass.const_expr(p == 0):
                     _dsl.sum_warp_partials(partial, tid, out, n, group0, m, group_count, rows, per, WARPS)
                 else:

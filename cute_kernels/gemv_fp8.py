@@ -104,6 +104,8 @@ PREFETCH = {"cvt_u8_pf2": 2, "cvt_u8_pf4": 4}  # form -> blocks prefetched ahead
 # r1u1 104, r2u1 178 (one CTA of 8 warps per SM). Tested on the H200, not timed one against another:
 # `runtime/model/gpu/kernels.py` GEMV_FP8_ROW_FORMS names the form the runner takes per width.
 WIDE = {16: ((1, 2), (2, 1)), 32: ((1, 1), (2, 1))}
+# The fused [gate | up] shapes whose m8 GEMV is also built with the SiLU epilogue (`_m8_silu`).
+SILU_SHAPES = ("gate_up", "tiny_gate_up")
 WIDE_SHAPES = ("gdn_in", "o_proj", "attn_qkv", "gate_up", "down", "tiny_gdn_in", "tiny_gdn_out", "tiny_attn_qkv",
                "tiny_o_proj", "tiny_gate_up", "tiny_down")
 
@@ -114,7 +116,7 @@ def row_form(groups: int, unroll: int) -> str:
 
 
 def _variant(name: str, n: int, nt: int, k: int, form: str, mb: int = MB, groups: int = 1,
-             group_unroll: int = 0) -> Variant:
+             group_unroll: int = 0, silu: bool = False) -> Variant:
     if n % (ROWS * groups) or k % BLOCK or BLOCK % (ROWS * groups):
         raise ValueError(f"gemv_fp8 shape {name}: N = {n} must be a multiple of {ROWS * groups} (rows per CTA, "
                          f"which must divide {BLOCK}) and K = {k} of {BLOCK}")
@@ -122,40 +124,49 @@ def _variant(name: str, n: int, nt: int, k: int, form: str, mb: int = MB, groups
     return weight_only_variant(FAMILY, name, n, nt, k, blocks,
                                {"w": tensor("e4m3", n, k), "scale": tensor("f32", -(-n // BLOCK), blocks)},
                                {"block": BLOCK}, f"fp8 W[{n},{k}]^T (128x128 fp32 block scales)", FORMS, form,
-                               mb, groups, group_unroll)
+                               mb, groups, group_unroll, silu)
 
 
 def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: int, weights: dict[str, Any],
                         config: dict[str, Any], what: str, forms: dict[str, tuple[str, int, int]],
-                        form: str, mb: int = MB, groups: int = 1, group_unroll: int = 0) -> Variant:
+                        form: str, mb: int = MB, groups: int = 1, group_unroll: int = 0,
+                        silu: bool = False) -> Variant:
     """A decode GEMV variant for weights of a quantised format (this family and `gemv_nvfp4`):
     parameters x, the format's `weights` (name -> tensor, in order), the BF16 tail when nt > 0,
     out, M; 16 rows a CTA (8 where the form says so and there is no tail: the MMA's rows 8..15
     are zeros), 8 warps over the K `steps`, M <= 8; `config` adds the format's keys, `form` (a
     tag of `forms`) the decode, unroll and rows. A wide variant (mb > 8: M <= mb) owns `groups`
     row groups of 16 per CTA (the tail's CTAs as many) and keeps `group_unroll` steps in flight;
-    its config adds `groups` and `rform`, its key `_m{mb}_rRuU`."""
+    its config adds `groups` and `rform`, its key `_m{mb}_rRuU`. silu: the m8 GEMV of a fused
+    [gate | up] weight with SiLU(gate) * up as its epilogue (`_gemv_silu.py`; key `_m8_silu`,
+    config form "silu", out [M, N / 2]), in `form`'s decode over 16 rows a CTA."""
     decode, most, rows = forms[form]
-    rows = rows if nt == 0 else ROWS
+    rows = rows if nt == 0 and not silu else ROWS
     wide = mb > MB
+    if silu and (nt or wide or n % (2 * ROWS)):
+        raise ValueError(f"{family} {name}: the SiLU epilogue is built for m8 without a tail over an even count "
+                         "of 8-row gate blocks")
     if wide:
         rows, most = ROWS * groups, group_unroll
     # Steps each warp's loop keeps in flight (unroll); every warp has steps // WARPS or one more.
     unroll = max(1, min(steps // WARPS, most))
     ctas = n // rows + -(-nt // (rows if wide else ROWS))
     params = [ptr("x")] + [ptr(w) for w in weights] + ([ptr("tail")] if nt else []) + [ptr("out"), i32("M")]
-    tensors = {"x": tensor("bf16", "M", k), **weights, "out": tensor("bf16", "M", n + nt, role="out")}
+    tensors = {"x": tensor("bf16", "M", k), **weights,
+               "out": tensor("bf16", "M", n // 2 if silu else n + nt, role="out")}
     if nt:
         tensors["tail"] = tensor("bf16", nt, k)
     tag = "" if form == next(iter(forms)) else f"_{form}"
     if wide:
         tag = f"_{row_form(groups, group_unroll)}{tag}"
         config = {**config, "groups": groups, "rform": row_form(groups, group_unroll)}
+    if silu:
+        tag = "_silu"
     return Variant(
         family=family,
         key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{mb}{tag}",
-        config={"N": n, "NT": nt, "K": k, "MB": mb, "warps": WARPS, **config, "unroll": unroll, "form": form,
-                "decode": decode, "rows": rows},
+        config={"N": n, "NT": nt, "K": k, "MB": mb, "warps": WARPS, **config, "unroll": unroll,
+                "form": "silu" if silu else form, "decode": decode, "rows": rows, "silu": silu},
         params=params,
         tensors=tensors,
         sizes=("M",),
@@ -164,7 +175,8 @@ def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: 
         requires=("M >= 1", f"M <= {mb}"),
         arches=HOPPER,
         note=f"decode x[M<={mb},{k}] @ {what}" + (f" + bf16 tail [{nt},{k}]" if nt else "") + f", {form}"
-             + (f", {groups} row groups of 16 per CTA" if groups > 1 else ""),
+             + (f", {groups} row groups of 16 per CTA" if groups > 1 else "")
+             + (", SiLU(gate) * up epilogue" if silu else ""),
         example_sizes={"M": mb if wide else 1},
     )
 
@@ -175,6 +187,8 @@ def variants() -> list[Variant]:
     for shape in SHAPES:
         if shape[0] in WIDE_SHAPES:
             out += [_variant(*shape, cvt, mb, groups, unroll) for mb, forms in WIDE.items() for groups, unroll in forms]
+        if shape[0] in SILU_SHAPES:
+            out.append(_variant(*shape, cvt, silu=True))
     return out
 
 
@@ -217,9 +231,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
 
-    from . import _dequant, _dsl
+    from . import _dequant, _dsl, _gemv_silu
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
+    silu = variant.config["silu"]
     unroll, form = variant.config["unroll"], variant.config["decode"]
     ahead = PREFETCH.get(variant.config["form"], 0)  # blocks prefetched to L2 ahead of the loads
     mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
@@ -248,18 +263,20 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             cute.arch.prefetch((p + c * BLOCK).llvm_ptr, cache_level="L2")
 
     def fp8_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, block_accs: list, w_lo: list, w_hi: list,
-                  x_at: list, s_row: Any, c: Any) -> None:
-        """One 128-column block of the CTA's FP8 rows: unscaled partials, then acc += partial * scale."""
+                  x_at: list, s_rows: tuple, c: Any) -> None:
+        """One 128-column block of the CTA's FP8 rows: unscaled partials, then acc += partial * scale
+        (s_rows: the scale row of the MMA's rows 0..7 and of rows 8..15, None where it is the same)."""
         col = c * BLOCK
         a_lo = [_dequant.e4m3_row(form, p + col) for p in w_lo]
         a_hi = [_dequant.e4m3_row(form, p + col) for p in w_hi]
         for part in block_accs:
             part.fill(0.0)
         mma_block(mma, frag_a, frag_b, a_lo, a_hi, x_at, col, block_accs)
-        s = cute.make_tensor(s_row + c, cute.make_layout(1))[0]
+        s = cute.make_tensor(s_rows[0] + c, cute.make_layout(1))[0]
+        s_hi = s if s_rows[1] is None else cute.make_tensor(s_rows[1] + c, cute.make_layout(1))[0]
         for acc, part in zip(accs, block_accs):
-            for i in range(4):
-                acc[i] = acc[i] + part[i] * s
+            for i in range(4):  # slots 0, 1: row r; 2, 3: row r + 8
+                acc[i] = acc[i] + part[i] * (s if i < 2 else s_hi)
 
     def bf16_block(mma: Any, frag_a: Any, frag_b: Any, accs: list, t_lo: list, t_hi: list, x_at: list,
                    c: Any) -> None:
@@ -291,11 +308,18 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         count = span
         if bid < fp8_ctas:
             w_lo, w_hi = [], []
-            for h in cutlass.range_constexpr(row_groups):
-                w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * k + q * 32)
-                w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * k + q * 32)
-            # The CTA's rows lie in one 128-row scale block (128 % span == 0, `_variant`).
-            s_row = scale + (row0 // BLOCK) * blocks
+            if cutlass.const_expr(silu):
+                # 8 gate rows and their 8 up rows, each half inside one 128-row scale block.
+                gate_row, up_row = _gemv_silu.gate_up_rows(bid, r, n)
+                w_lo.append(w + cutlass.Int64(gate_row) * k + q * 32)
+                w_hi.append(w + cutlass.Int64(up_row) * k + q * 32)
+                s_row = (scale + (gate_row - r) // BLOCK * blocks, scale + (up_row - r) // BLOCK * blocks)
+            else:
+                for h in cutlass.range_constexpr(row_groups):
+                    w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * k + q * 32)
+                    w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * k + q * 32)
+                # The CTA's rows lie in one 128-row scale block (128 % span == 0, `_variant`).
+                s_row = (scale + (row0 // BLOCK) * blocks, None)
             last = first + per_warp - 1  # the warp's last block (for the prefetch's clamp)
             if cutlass.const_expr(ahead > 0 and per_warp > 0):
                 for c in cutlass.range_constexpr(1, ahead):  # blocks first + 1 .. first + ahead - 1
@@ -322,7 +346,12 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_block(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        _dsl.sum_row_group_partials(accs, tid, r, q, warp, out, ldo, row0, m, count, ROWS, mb, WARPS, row_groups)
+        if cutlass.const_expr(silu):
+            partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, mb, WARPS)
+            _gemv_silu.silu_pairs(partial, tid, out, n // 2, bid * _gemv_silu.PAIRS, m, mb, WARPS)
+        else:
+            _dsl.sum_row_group_partials(accs, tid, r, q, warp, out, ldo, row0, m, count, ROWS, mb, WARPS,
+                                        row_groups)
 
     kernel.set_name_prefix(f"{_dsl.NAME_PREFIX}_gemv_fp8_{variant.key}")
 

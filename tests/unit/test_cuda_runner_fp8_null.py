@@ -69,9 +69,35 @@ def test_decode_binds_the_fp8_gemv_with_scales_and_tail(runner):
     key, ptrs, _ = launches[1]
     assert key == "tiny_gdn_out_n256_k128_m8"
     assert ptrs == [buf["gdn_out"], base + gdn["out_proj"].offset, base + gdn["out_proj"].scale_offset, buf["delta"]]
+    # A decode step's gate/up runs with SiLU(gate) * up as its epilogue (kernels.gate_up_silu):
+    # straight into the MLP's activation buffer, no silu_mul launch.
     assert {k for k, _, _ in launches} == {"tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8",
                                            "tiny_attn_qkv_n768_k256_m8", "tiny_o_proj_n256_k256_m8",
-                                           "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8"}
+                                           "tiny_gate_up_n1024_k256_m8_silu", "tiny_down_n256_k512_m8"}
+    gate_up = runner.layout.layers[0]["w_gate_up"]
+    assert [ptrs for key, ptrs, _ in launches if key.endswith("_silu")][0] == [
+        buf["h"], base + gate_up.offset, base + gate_up.scale_offset, buf["act"]]
+    assert family_launches(dev.launches[n:], "silu_mul") == []
+
+
+def test_gate_up_silu_off_or_past_8_rows_runs_the_gemv_and_silu_mul(monkeypatch, runner, tiny_fp8_path):
+    """With GATE_UP_SILU off a decode step runs the plain gate/up GEMV and silu_mul; so does a
+    prefill piece of more than 8 rows with it on (the fused variant takes up to 8)."""
+    dev = runner.device
+    n = len(dev.launches)
+    runner.prefill(PrefillChunk(slot=0, token_ids=list(range(1, 13)), start_pos=0, page_table=[0]))
+    assert [m for _, _, m in family_launches(dev.launches[n:], "silu_mul")] == [12] * 4
+    monkeypatch.setattr(kernels, "GATE_UP_SILU", False)
+    off = null_runner(tiny_fp8_path)
+    try:
+        assert off.kernels.gate_up_silu(FP8, 1024, 256) is None
+        n = len(off.device.launches)
+        off.decode([DecodeItem(slot=0, token_id=5, pos=0, page_table=[0])])
+        new = off.device.launches[n:]
+        assert [k for k, _, _ in _fp8_launches(new) if k.startswith("tiny_gate_up")] == ["tiny_gate_up_n1024_k256_m8"] * 4
+        assert [m for _, _, m in family_launches(new, "silu_mul")] == [1] * 4
+    finally:
+        off.close()
 
 
 def test_prefill_of_more_than_16_rows_runs_the_fp8_gemm(runner):

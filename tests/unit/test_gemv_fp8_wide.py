@@ -26,7 +26,8 @@ def test_the_m8_and_nvfp4_keys_are_unchanged_and_the_wide_ones_added():
     m8 = {key for key, v in fp8.items() if v.config["MB"] == 8}
     # Every shape in every decode form, keyed as before the wide variants.
     assert m8 == {f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m8" + ("" if form == "cvt" else f"_{form}")
-                  for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4")}
+                  for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4")} | {
+        "gate_up_n34816_k5120_m8_silu", "tiny_gate_up_n1024_k256_m8_silu"}
     assert all("groups" not in fp8[key].config and fp8[key].requires == ("M >= 1", "M <= 8") for key in m8)
     nvfp4 = [v for v in gemv_nvfp4.variants() if v.config["MB"] == 8]
     assert len(nvfp4) == len(gemv_nvfp4.SHAPES) * len(gemv_nvfp4.FORMS)
@@ -254,4 +255,28 @@ def test_a_verification_step_of_an_fp8_model_runs_one_wide_launch_per_weight(run
     n = len(dev.launches)
     r.decode([DecodeItem(slot=slot, token_id=5, pos=2, page_table=[slot]) for slot in range(4)])
     launches = _fp8(dev.launches[n:])
-    assert len(launches) == 16 and all(key.endswith("_m8") and m == 4 for key, _, m in launches)
+    # The gate/up GEMV runs with its SiLU epilogue at up to 8 rows (kernels.gate_up_silu).
+    assert len(launches) == 16 and all(key.endswith(("_m8", "_m8_silu")) and m == 4 for key, _, m in launches)
+    assert sum(key.endswith("_m8_silu") for key, _, _ in launches) == 4
+
+
+def test_the_gate_up_silu_variants():
+    """`_m8_silu`: the m8 GEMV of a fused [gate | up] weight with SiLU(gate) * up as its epilogue,
+    for the 27B's gate_up (BF16 and FP8) and the tiny model's (FP8): out is [M, N / 2], one CTA a
+    16 rows as the plain m8 variant; every other variant says silu False, and the runner's lookups
+    of the plain GEMVs (form r1 / cvt) never match a fused one."""
+    from cute_kernels import gemv
+
+    bf = {v.key: v for v in gemv.variants() if v.config["silu"]}
+    q8 = {v.key: v for v in gemv_fp8.variants() if v.config["silu"]}
+    assert set(bf) == {"gate_up_n34816_k5120_m8_silu"}
+    assert set(q8) == {"gate_up_n34816_k5120_m8_silu", "tiny_gate_up_n1024_k256_m8_silu"}
+    for v in [*bf.values(), *q8.values()]:
+        n = v.config["N"]
+        assert v.config["MB"] == 8 and v.config["form"] == "silu" and v.requires == ("M >= 1", "M <= 8")
+        assert v.tensors["out"].shape == ("M", n // 2) and v.grid == (n // 16, 1, 1)
+    assert q8["gate_up_n34816_k5120_m8_silu"].config["decode"] == "cvt"
+    assert all(not v.config["silu"] for v in [*gemv.variants(), *gemv_fp8.variants(), *gemv_nvfp4.variants()]
+               if not v.key.endswith("_silu"))
+    with pytest.raises(ValueError, match="SiLU epilogue"):
+        gemv_fp8._variant("gdn_in", 16384, 96, 5120, "cvt", silu=True)  # a BF16 tail

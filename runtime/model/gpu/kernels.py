@@ -64,34 +64,29 @@ MOE_UP_WIDE_ROWS: int | None = 8
 # against route_up_f8_r1's 20.1, a step 2.66 ms against 2.53. Also `route_up` with the shared
 # expert's loads before the PDL wait and the slots' down rows prefetched to L2: 22.2 against 20.0.
 
+# Steps of up to 8 rows run a dense MLP's gate/up GEMV with SiLU(gate) * up as its epilogue (the
+# `_m8_silu` variants, cute_kernels/_gemv_silu.py: the same numbers) where compiled, in place of the
+# GEMV and `silu_mul`; False: always the two launches.
+GATE_UP_SILU = True
+
 # The decode form each quantised GEMV runs in: a tag of its family's FORMS (cute_kernels/gemv_fp8.py,
-# gemv_nvfp4.py; every shape is built in every form). `python -m bench.kernels --only gemv_q` times
-# the forms side by side; switch here to the fastest (each form passes the same numerics tests).
-# The L2-prefetch forms (FP8 `cvt_u8_pf2` / `cvt_u8_pf4`, NVFP4 `pf2` / `pf4` / `pf8` / `pf4_h`: the
-# kept forms' instructions, bit for bit their numbers, plus prefetches of the codes a few steps ahead)
-# are slower on the H200 on every 27B and A3B shape (NVFP4 gate_up M=1: shift_u8 0.53 of the copy
-# bandwidth, pf2 0.39, pf8 0.26; FP8 gdn_in: cvt 0.80, cvt_u8_pf2 0.64): the hardware prefetcher
-# already streams these reads. The FP8 wide variants exist in `cvt` only: an FP8 choice other than
-# `cvt` runs exact rows 8 at a time. Also tried and dropped (H200, `--only gemv_q`, the five 27B
-# shapes summed): the codes staged through a per-warp cp.async ring in shared memory, 3-6 blocks
-# in flight without registers (FP8 at M = 1: 160 us against `cvt`'s 136, at M = 8: 253 against
-# 153; NVFP4 127 against `shift_u8`'s 106), with 3-4 CTAs an SM.
-# Also tried (eleventh session): `cvt` with its code loads asking L2 for the 256-byte span around
-# them (`ld.global.L2::256B`, a warp's next block of the same rows) and the activations by explicit
-# 16-byte loads, after ncu showed `cvt` waiting on its code loads (long scoreboard) at 74 % of the
-# DRAM bandwidth: the five 27B shapes summed 135.1 us at M = 1 (cvt 135.1), 151.9 at M = 8 (153.3).
+# gemv_nvfp4.py; every shape is built in every form, each passing the same numerics tests);
+# `python -m bench.kernels --only gemv_q` times them side by side. Slower on the H200 on every 27B
+# and A3B shape, so not taken: the L2-prefetch forms (FP8 `cvt_u8_pf2` / `pf4`, NVFP4 `pf2` / `pf4` /
+# `pf8` / `pf4_h`: NVFP4 gate_up M=1 shift_u8 0.53 of the copy bandwidth, pf2 0.39; FP8 gdn_in cvt
+# 0.80, cvt_u8_pf2 0.64); codes staged through a per-warp cp.async ring (removed: FP8 M = 1 160 us
+# against cvt's 136, NVFP4 127 against shift_u8's 106); `cvt` with `ld.global.L2::256B` code loads
+# (removed, eleventh session: 135.1 us at M = 1, 151.9 at M = 8 against 135.1 and 153.3). The FP8
+# wide variants exist in `cvt` only: another FP8 choice runs exact rows 8 at a time.
 GEMV_FORMS = {FP8: "cvt", NVFP4: "shift_u8"}
 # The row counts (MB) of the quantised GEMVs: 8 for every format, and the wide widths
 # (cute_kernels/gemv_fp8.py WIDE; FP8 builds them in the `cvt` decode only, NVFP4 in its
 # WIDE_FORMS `shift_u8` and `pf4`: another GEMV_FORMS choice runs exact rows 8 at a time).
 QUANTISED_GEMV_ROWS = (8, 16, 32)
 # The row-group form each wide FP8 width runs in (a `rRuU` tag of gemv_fp8.WIDE[MB]: R row groups of
-# 16 per CTA, U blocks in flight per warp). Their tests pass on the H200; the forms are not yet
-# timed one against another. A row's numbers are those of the m8 variant in every form. ptxas (no
-# spills): m16 r1u2 80 registers (three CTAs per SM), r2u1 155; m32 r1u1 104-128, r2u1 178 (one CTA per
-# SM) but half the L2 reads of the activations. Timed on the H200 (`python -m bench.kernels --only
-# gemv_q`, the five 27B shapes summed): m16 r1u2 is the faster m16, m32 r2u1 the faster m32 (at 32
-# rows 298 us against r1u1's 396).
+# 16 per CTA, U blocks in flight per warp; a row's numbers are the m8 variant's in every form). On
+# the H200 (`--only gemv_q`, the five 27B shapes summed) m16 r1u2 and m32 r2u1 are the faster (32
+# rows: r2u1 298 us, r1u1 396); ptxas: m16 r1u2 80 registers, r2u1 155; m32 r1u1 104-128, r2u1 178.
 GEMV_FP8_ROW_FORMS = {16: "r1u2", 32: "r2u1"}
 # The same choice for the wide NVFP4 widths (gemv_nvfp4.py, gemv_fp8.WIDE's forms), timed the same
 # way: the same picks win (`shift_u8` at 32 rows: r2u1 303 us, r1u1 389). ptxas on the 27B shapes:
@@ -109,19 +104,13 @@ def quantised_row_forms(fmt: str) -> dict[int, str]:
 # 128 x 160 / 192 tiles, "bn160c2" / "bn192c2", the same tiles in clusters of two CTAs sharing each
 # weight tile by TMA multicast. On the H200 at M = 8192 (`python -m bench.kernels --only gemm_fp8`,
 # the five 27B shapes): bn128 8,719 us in all, bn160 8,471 (0.72-0.76x torch._scaled_mm), bn192c2
-# and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes. With
-# the scales loaded a k-tile ahead and one k-loop per tile offset (eleventh session): bn160 8,005
-# us (0.78-0.89x). "bn128d" / "bn128dc2" overlap a warpgroup's k-tiles in pairs (the first
-# promoted while the second's WGMMAs run): bn128d took bn128 from 3,410 to 3,056 us on gate_up and
-# leads on the three A3B shapes at M = 2048 and 8192 (eleventh session, call 4).
+# and bn160c2 faster on one shape each but slower in sum; bn160 also leads on the A3B shapes. Since
+# the eleventh session (scales a k-tile ahead, overlapped `d` forms; docs/performance.md has the
+# table): bn128d leads on attn_qkv, gate_up, down and every A3B shape, 0.82-0.85x the peer.
 GEMM_FP8_FORM = "bn128d"
-# Shapes (N, K) whose FP8 GEMM runs in another form than GEMM_FP8_FORM: the fastest form of a
-# shape over M = 8192 and 4 x M = 2048 together (the same tokens in 2K chunks; eleventh session,
-# call 4, `python -m bench.kernels --only gemm_fp8 --rounds 3`, us at 8192 / 2048): gdn_in bn160
-# 1415 / 348 against bn128d's 1464 / 351; o_proj bn160 519 / 126 against 542 / 123. attn_qkv takes
-# bn128d (1256 / 301; bn192c2 1237 / 325, bn160 1332 / 300), gate_up bn128d (3056 / 756; bn192c2
-# 2997 / 776), down bn128d (1471 / 358; bn160 1499 / 350). Single runs: the same form moved up to
-# 10 % between calls (gdn_in bn128 1342 in call 3, 1486 in call 4), so near ties may flip.
+# Shapes (N, K) whose FP8 GEMM runs in another form: the 27B's gdn_in and o_proj, where bn160 was the
+# fastest over M = 8192 and 4 x M = 2048 together (1415 / 348 and 519 / 126 us against bn128d's
+# 1464 / 351 and 542 / 123; single runs, which moved up to 10 % between calls).
 GEMM_FP8_SHAPE_FORMS = {(16384, 5120): "bn160", (5120, 6144): "bn160"}
 
 
@@ -438,6 +427,17 @@ class KernelChoice:
         raise KernelMissing(
             f"no gemv or gemm_sm90 kernel for a {n}x{k} weight at M={m}; add the shape to "
             f"cute_kernels/gemm_sm90.py (and gemv.py) and run `python build_kernels.py`")
+
+    def gate_up_silu(self, fmt: str, n: int, k: int) -> tuple[str, str] | None:
+        """(family, key) of the decode GEMV of a fused [gate | up] weight [n, k] of format `fmt`
+        with SiLU(gate) * up as its epilogue (up to 8 rows, out [M, n / 2]), or None where it
+        was not compiled for the format and shape or GATE_UP_SILU is off (then the GEMV and
+        `silu_mul`)."""
+        family = {"bf16": "gemv", FP8: "gemv_fp8"}.get(fmt)
+        if not GATE_UP_SILU or family is None:
+            return None
+        key = _find(self.library, family, N=n, K=k, MB=8, silu=True)
+        return None if key is None else (family, key)
 
     def exact_block(self, n: int, k: int, fmt: str = "bf16", nt: int = 0) -> int:
         """The most rows one launch takes for rows that must get a decode step's numbers

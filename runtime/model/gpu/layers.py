@@ -315,11 +315,22 @@ class Forward:
         self.all_reduce(out, m)
 
     def dense_mlp(self, out: list, shape: StepShape, layer: dict[str, Slot]) -> None:
-        """h -> delta through gate/up, SiLU(gate) * up, down."""
+        """h -> delta through gate/up, SiLU(gate) * up, down: a step of up to 8 rows, which runs the
+        m8 GEMV for gate/up whatever its kind, in one launch for the first two where compiled
+        (`KernelChoice.gate_up_silu`: the same numbers)."""
         buf = self.storage.buf
         exact = shape.exact_rows
-        self.linear(out, buf["h"], layer["w_gate_up"], buf["proj"], shape.m, exact_rows=exact)
-        self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]}, {"M": shape.m})
+        gate_up = layer["w_gate_up"]
+        fused = None if shape.m > 8 else self.kernels.gate_up_silu(gate_up.format, *gate_up.shape)
+        if fused is not None:
+            bufs = {"x": buf["h"], "w": self.w(gate_up), "out": buf["act"]}
+            if gate_up.format == FP8:
+                bufs["scale"] = self.storage.weights_base + gate_up.scale_offset
+            self.launch(out, *fused, bufs, {"M": shape.m})
+        else:
+            self.linear(out, buf["h"], gate_up, buf["proj"], shape.m, exact_rows=exact)
+            self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]},
+                        {"M": shape.m})
         self.linear(out, buf["act"], layer["down"], buf["delta"], shape.m, exact_rows=exact)
         self.all_reduce(out, shape.m)
 
