@@ -1,4 +1,5 @@
-"""The fused gate/up + SiLU epilogue of the decode GEMVs' `_silu` variants (`gemv`, `gemv_fp8`;
+"""The fused gate/up + SiLU epilogue of the decode GEMVs' `_silu` variants (`gemv`, `gemv_fp8`,
+`gemv_nvfp4`;
 imports the CuTe DSL: only `build()` functions import this module).
 
 A `_silu` variant computes `act[M, I] = silu(x @ gate^T) * (x @ up^T)` for the fused weight
@@ -25,11 +26,13 @@ PAIRS = 8  # outputs a CTA computes: its 8 gate rows with the 8 up rows of the s
 
 @cute.jit
 def silu_pairs(partial: Any, tid: Any, out: Any, ld: Any, col0: Any, m: Any, mb: cutlass.Constexpr,
-               warps: cutlass.Constexpr) -> None:
+               warps: cutlass.Constexpr, row_scale: Any = None, up0: Any = 0) -> None:
     """Once every warp wrote its partials to `partial` (shared memory [16, mb, warps]: rows 0..7
     gate, 8..15 up), thread tid < 8 mb sums gate row tid % 8 and its up row for token tid // 8
     over the warps in warp order and stores silu(gate) * up as bf16 at out[token * ld + col0 +
-    tid % 8], for tokens < m."""
+    tid % 8], for tokens < m. row_scale (fp32 per weight row, NVFP4's global scale): each sum is
+    multiplied by its row's once before the rounding (gate row col0 + j, up row up0 + col0 + j), as
+    the plain epilogue does."""
     f32, bf16 = cutlass.Float32, cutlass.BFloat16
     cute.arch.sync_threads()
     if tid < PAIRS * mb:
@@ -42,6 +45,9 @@ def silu_pairs(partial: Any, tid: Any, out: Any, ld: Any, col0: Any, m: Any, mb:
                 gate = gate + partial[j, token, i]
             for i in cutlass.range_constexpr(warps):
                 up = up + partial[j + PAIRS, token, i]
+            if cutlass.const_expr(row_scale is not None):
+                gate = gate * cute.make_tensor(row_scale + col0 + j, cute.make_layout(1))[0]
+                up = up * cute.make_tensor(row_scale + up0 + col0 + j, cute.make_layout(1))[0]
             # The GEMV's bf16 outputs, then silu_mul's arithmetic on them.
             silu = _dsl.silu_f32(gate.to(bf16).to(f32)).to(bf16).to(f32)
             dst = cute.make_tensor(out + cutlass.Int64(token) * ld + col0 + j, cute.make_layout(1))

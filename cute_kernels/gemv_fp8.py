@@ -162,6 +162,7 @@ def weight_only_variant(family: str, name: str, n: int, nt: int, k: int, steps: 
         config = {**config, "groups": groups, "rform": row_form(groups, group_unroll)}
     if silu:
         tag = "_silu"
+        config = {**config, "base": form}  # the form whose decode it runs (the runner's must be it)
     return Variant(
         family=family,
         key=f"{name}_n{n}" + (f"_t{nt}" if nt else "") + f"_k{k}_m{mb}{tag}",

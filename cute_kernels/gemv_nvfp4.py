@@ -49,7 +49,7 @@ import numpy as np
 
 from .bf16 import round_bf16
 from .dequant import E2M1_UNDO
-from .gemv_fp8 import MB, ROWS, SHAPES, WARPS, WIDE, WIDE_SHAPES, e4m3_values, weight_only_variant
+from .gemv_fp8 import MB, ROWS, SHAPES, SILU_SHAPES, WARPS, WIDE, WIDE_SHAPES, e4m3_values, weight_only_variant
 from .variant import Variant, tensor
 
 FAMILY = "gemv_nvfp4"
@@ -87,17 +87,19 @@ PREFETCH = {"pf2": 2, "pf4": 4, "pf8": 8, "pf4_h": 4}  # form -> steps prefetche
 # runner's `shift_u8` and the prefetching `pf4`. Every form but `shift_x` gives the same sums, so
 # the wide rows equal the m8 rows of any of them.
 WIDE_FORMS = ("shift_u8", "pf4")
+# The gate/up + SiLU variants (`gemv_fp8.SILU_SHAPES`, `_gemv_silu.py`) are built in the runner's form.
+SILU_FORM = "shift_u8"
 
 
 def _variant(name: str, n: int, nt: int, k: int, form: str, mb: int = MB, groups: int = 1,
-             group_unroll: int = 0) -> Variant:
+             group_unroll: int = 0, silu: bool = False) -> Variant:
     if n % (ROWS * groups) or k % STEP:
         raise ValueError(f"gemv_nvfp4 shape {name}: N = {n} must be a multiple of {ROWS * groups} (rows per CTA) "
                          f"and K = {k} of {STEP}")
     weights = {"w": tensor("u8", n, k // 2), "scale": tensor("e4m3", n, k // GROUP), "gscale": tensor("f32", n)}
     return weight_only_variant(FAMILY, name, n, nt, k, k // STEP, weights, {"step": STEP},
                                f"nvfp4 W[{n},{k}]^T (e4m3 scale per 16, fp32 per row)", FORMS, form,
-                               mb, groups, group_unroll)
+                               mb, groups, group_unroll, silu)
 
 
 def variants() -> list[Variant]:
@@ -106,6 +108,8 @@ def variants() -> list[Variant]:
         if shape[0] in WIDE_SHAPES:
             out += [_variant(*shape, form, mb, groups, unroll)
                     for form in WIDE_FORMS for mb, forms in WIDE.items() for groups, unroll in forms]
+        if shape[0] in SILU_SHAPES:
+            out.append(_variant(*shape, SILU_FORM, silu=True))
     return out
 
 
@@ -152,10 +156,11 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, gscale: np.n
 def build(variant: Variant) -> tuple[Any, list[Any]]:
     import cutlass
     import cutlass.cute as cute
-    from . import _dequant, _dsl
+    from . import _dequant, _dsl, _gemv_silu
 
     n, nt, k = variant.config["N"], variant.config["NT"], variant.config["K"]
     unroll = variant.config["unroll"]
+    silu = variant.config["silu"]
     mb, row_groups = variant.config["MB"], variant.config.get("groups", 1)
     groups = mb // 8  # 8-token MMA column groups
     ldo = n + nt
@@ -229,10 +234,13 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
         if bid < fp4_ctas:
             w_lo, w_hi, s_lo, s_hi = [], [], [], []
             for h in cutlass.range_constexpr(row_groups):
-                w_lo.append(w + cutlass.Int64(row0 + h * ROWS + r) * (k // 2) + q * 16)
-                w_hi.append(w + cutlass.Int64(row0 + h * ROWS + r + 8) * (k // 2) + q * 16)
-                s_lo.append(scale + cutlass.Int64(row0 + h * ROWS + r) * (k // GROUP) + q * 2)
-                s_hi.append(scale + cutlass.Int64(row0 + h * ROWS + r + 8) * (k // GROUP) + q * 2)
+                lo_row, hi_row = row0 + h * ROWS + r, row0 + h * ROWS + r + 8
+                if cutlass.const_expr(silu):
+                    lo_row, hi_row = _gemv_silu.gate_up_rows(bid, r, n)
+                w_lo.append(w + cutlass.Int64(lo_row) * (k // 2) + q * 16)
+                w_hi.append(w + cutlass.Int64(hi_row) * (k // 2) + q * 16)
+                s_lo.append(scale + cutlass.Int64(lo_row) * (k // GROUP) + q * 2)
+                s_hi.append(scale + cutlass.Int64(hi_row) * (k // GROUP) + q * 2)
             last = first + per_warp - 1  # the warp's last step (for the prefetch's clamp)
             if cutlass.const_expr(ahead > 0 and per_warp > 0):
                 for c in cutlass.range_constexpr(1, ahead):  # steps first + 1 .. first + ahead - 1
@@ -263,7 +271,10 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                     if warp < extra:
                         bf16_step(mma, frag_a, frag_b, accs, t_lo, t_hi, x_at, first + per_warp)
                 row0 = n + t0
-        if cutlass.const_expr(mb == MB):
+        if cutlass.const_expr(silu):
+            partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS)
+            _gemv_silu.silu_pairs(partial, tid, out, n // 2, bid * _gemv_silu.PAIRS, m, MB, WARPS, gscale, n // 2)
+        elif cutlass.const_expr(mb == MB):
             partial = _dsl.acc_partials(accs[0], r, q, warp, ROWS, MB, WARPS)
             # The global scale once per NVFP4 row after the warps' fixed-order sum, one bf16 rounding.
             _dsl.sum_warp_partials(partial, tid, out, ldo, row0, m, count, ROWS, MB, WARPS, gscale, n)

@@ -24,6 +24,9 @@ _TAG = "" if _FORM == next(iter(gemv_nvfp4.FORMS)) else f"_{_FORM}"
 TINY_KEYS = {key + _TAG for key in ("tiny_gdn_in_n384_t8_k256_m8", "tiny_gdn_out_n256_k128_m8",
                                     "tiny_attn_qkv_n768_k256_m8", "tiny_o_proj_n256_k256_m8",
                                     "tiny_gate_up_n1024_k256_m8", "tiny_down_n256_k512_m8")}
+# A step of up to 8 rows runs gate/up with its SiLU epilogue (`kernels.gate_up_silu`, built in the
+# runner's form) in place of the plain GEMV and silu_mul.
+DECODE_KEYS = TINY_KEYS - {"tiny_gate_up_n1024_k256_m8" + _TAG} | {"tiny_gate_up_n1024_k256_m8_silu"}
 
 @pytest.fixture(scope="module")
 def runner(tiny_nvfp4_path):
@@ -115,7 +118,11 @@ def test_decode_binds_the_nvfp4_gemv_with_scales_globals_and_tail(runner):
     assert key == "tiny_gdn_out_n256_k128_m8" + _TAG
     assert ptrs == [buf["gdn_out"], base + out_proj.offset, base + out_proj.scale_offset,
                     base + out_proj.gscale_offset, buf["delta"]]
-    assert {k for k, _, _ in launches} == TINY_KEYS
+    assert {k for k, _, _ in launches} == DECODE_KEYS
+    gate_up = runner.layout.layers[0]["w_gate_up"]
+    assert [ptrs for k, ptrs, _ in launches if k.endswith("_silu")][0] == [
+        buf["h"], base + gate_up.offset, base + gate_up.scale_offset, base + gate_up.gscale_offset, buf["act"]]
+    assert family_launches(dev.launches[n:], "silu_mul") == []
 
 
 def test_prefill_of_more_than_16_rows_decodes_each_weight_then_runs_the_bf16_gemm(runner):
@@ -212,7 +219,7 @@ def test_synthetic_nvfp4_weights_fill_codes_scales_and_globals(runner):
         assert np.all(gscale >= 0.5 * unit * (1 - 1e-6)) and np.all(gscale <= 1.5 * unit * (1 + 1e-6))
         n = len(dev.launches)
         syn.decode([DecodeItem(slot=0, token_id=1, pos=0, page_table=[0])])
-        assert {k for k, _, _ in _nvfp4_launches(dev.launches[n:])} == TINY_KEYS
+        assert {k for k, _, _ in _nvfp4_launches(dev.launches[n:])} == DECODE_KEYS
     finally:
         syn.close()
 
@@ -265,7 +272,20 @@ def test_a_verification_step_of_an_nvfp4_model_runs_one_wide_launch_per_weight(t
         n = len(dev.launches)
         r.decode([DecodeItem(slot=slot, token_id=5, pos=2, page_table=[slot]) for slot in range(4)])
         launches = _nvfp4_launches(dev.launches[n:])
-        assert len(launches) == 16 and {key for key, _, _ in launches} == TINY_KEYS
+        assert len(launches) == 16 and {key for key, _, _ in launches} == DECODE_KEYS
         assert all(m == 4 for _, _, m in launches)
     finally:
         r.close()
+
+
+def test_the_gate_up_silu_variant_serves_only_the_form_it_was_built_in(runner, monkeypatch):
+    """The NVFP4 gate/up + SiLU GEMV runs `shift_u8`'s decode: with another runner's form (whose
+    numbers may differ: `shift_x`) the step keeps the plain GEMV and silu_mul."""
+    from runtime.model.gpu import kernels
+
+    assert runner.kernels.gate_up_silu(NVFP4, 1024, 256) == ("gemv_nvfp4", "tiny_gate_up_n1024_k256_m8_silu")
+    monkeypatch.setitem(kernels.GEMV_FORMS, NVFP4, "shift_x")
+    assert runner.kernels.gate_up_silu(NVFP4, 1024, 256) is None
+    monkeypatch.setitem(kernels.GEMV_FORMS, NVFP4, "shift_u8")
+    monkeypatch.setattr(kernels, "GATE_UP_SILU", False)
+    assert runner.kernels.gate_up_silu(NVFP4, 1024, 256) is None

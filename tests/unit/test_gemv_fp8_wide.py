@@ -29,7 +29,7 @@ def test_the_m8_and_nvfp4_keys_are_unchanged_and_the_wide_ones_added():
                   for name, n, nt, k in gemv_fp8.SHAPES for form in ("cvt", "shift", "shift_u8", "cvt_u8_pf2", "cvt_u8_pf4")} | {
         "gate_up_n34816_k5120_m8_silu", "tiny_gate_up_n1024_k256_m8_silu"}
     assert all("groups" not in fp8[key].config and fp8[key].requires == ("M >= 1", "M <= 8") for key in m8)
-    nvfp4 = [v for v in gemv_nvfp4.variants() if v.config["MB"] == 8]
+    nvfp4 = [v for v in gemv_nvfp4.variants() if v.config["MB"] == 8 and not v.config["silu"]]
     assert len(nvfp4) == len(gemv_nvfp4.SHAPES) * len(gemv_nvfp4.FORMS)
     assert all(v.key.split("_m")[-1].split("_")[0] == "8" and "groups" not in v.config
                and v.requires == ("M >= 1", "M <= 8") for v in nvfp4)
@@ -262,16 +262,19 @@ def test_a_verification_step_of_an_fp8_model_runs_one_wide_launch_per_weight(run
 
 def test_the_gate_up_silu_variants():
     """`_m8_silu`: the m8 GEMV of a fused [gate | up] weight with SiLU(gate) * up as its epilogue,
-    for the 27B's gate_up (BF16 and FP8) and the tiny model's (FP8): out is [M, N / 2], one CTA a
+    for the 27B's gate_up (BF16, FP8, NVFP4) and the tiny model's (FP8, NVFP4): out is [M, N / 2], one CTA a
     16 rows as the plain m8 variant; every other variant says silu False, and the runner's lookups
     of the plain GEMVs (form r1 / cvt) never match a fused one."""
     from cute_kernels import gemv
 
     bf = {v.key: v for v in gemv.variants() if v.config["silu"]}
     q8 = {v.key: v for v in gemv_fp8.variants() if v.config["silu"]}
+    q4 = {v.key: v for v in gemv_nvfp4.variants() if v.config["silu"]}
     assert set(bf) == {"gate_up_n34816_k5120_m8_silu"}
-    assert set(q8) == {"gate_up_n34816_k5120_m8_silu", "tiny_gate_up_n1024_k256_m8_silu"}
-    for v in [*bf.values(), *q8.values()]:
+    assert set(q8) == set(q4) == {"gate_up_n34816_k5120_m8_silu", "tiny_gate_up_n1024_k256_m8_silu"}
+    # A quantised one is built in the runner's form (kernels.gate_up_silu matches it).
+    assert {v.config["base"] for v in q8.values()} == {"cvt"} and {v.config["base"] for v in q4.values()} == {"shift_u8"}
+    for v in [*bf.values(), *q8.values(), *q4.values()]:
         n = v.config["N"]
         assert v.config["MB"] == 8 and v.config["form"] == "silu" and v.requires == ("M >= 1", "M <= 8")
         assert v.tensors["out"].shape == ("M", n // 2) and v.grid == (n // 16, 1, 1)

@@ -433,10 +433,12 @@ class KernelChoice:
         with SiLU(gate) * up as its epilogue (up to 8 rows, out [M, n / 2]), or None where it
         was not compiled for the format and shape or GATE_UP_SILU is off (then the GEMV and
         `silu_mul`)."""
-        family = {"bf16": "gemv", FP8: "gemv_fp8"}.get(fmt)
+        family = {"bf16": "gemv", FP8: "gemv_fp8", NVFP4: "gemv_nvfp4"}.get(fmt)
         if not GATE_UP_SILU or family is None:
             return None
-        key = _find(self.library, family, N=n, K=k, MB=8, silu=True)
+        # A quantised one runs the decode of the form it was built from: only that form's numbers.
+        base = {} if fmt == "bf16" else {"base": GEMV_FORMS[fmt]}
+        key = _find(self.library, family, N=n, K=k, MB=8, silu=True, **base)
         return None if key is None else (family, key)
 
     def exact_block(self, n: int, k: int, fmt: str = "bf16", nt: int = 0) -> int:

@@ -324,8 +324,10 @@ class Forward:
         fused = None if shape.m > 8 else self.kernels.gate_up_silu(gate_up.format, *gate_up.shape)
         if fused is not None:
             bufs = {"x": buf["h"], "w": self.w(gate_up), "out": buf["act"]}
-            if gate_up.format == FP8:
+            if gate_up.format in (FP8, NVFP4):
                 bufs["scale"] = self.storage.weights_base + gate_up.scale_offset
+            if gate_up.format == NVFP4:
+                bufs["gscale"] = self.storage.weights_base + gate_up.gscale_offset
             self.launch(out, *fused, bufs, {"M": shape.m})
         else:
             self.linear(out, buf["h"], gate_up, buf["proj"], shape.m, exact_rows=exact)
