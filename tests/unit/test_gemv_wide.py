@@ -16,7 +16,8 @@ from null_cuda import built_or_skip
 def test_every_shape_has_the_four_widths_and_the_narrow_ones_are_unchanged():
     by_shape: dict[tuple[int, int], dict[tuple[int, str], object]] = {}
     for v in gemv.variants():
-        by_shape.setdefault((v.config["N"], v.config["K"]), {})[v.config["MB"], v.config["form"]] = v
+        if not v.config["silu"]:  # the gate/up + SiLU epilogue variants: test_gemv_fp8_wide
+            by_shape.setdefault((v.config["N"], v.config["K"]), {})[v.config["MB"], v.config["form"]] = v
     assert len(by_shape) == len(gemv.SHAPES)
     for (n, k), widths in by_shape.items():
         assert sorted(widths) == [(8, "r1"), (16, "r1"), (16, "r2u2"), (16, "r4u1"), (32, "r1"), (32, "r2u1"),
