@@ -433,9 +433,9 @@ class KernelChoice:
         with SiLU(gate) * up as its epilogue (up to 8 rows, out [M, n / 2]), or None where it
         was not compiled for the format and shape or GATE_UP_SILU is off (then the GEMV and
         `silu_mul`)."""
-        family = {"bf16": "gemv", FP8: "gemv_fp8", NVFP4: "gemv_nvfp4"}.get(fmt)
-        if not GATE_UP_SILU or family is None:
+        if not GATE_UP_SILU or (fmt != "bf16" and fmt not in QUANTISED):
             return None
+        family = "gemv" if fmt == "bf16" else QUANTISED[fmt][0]
         # A quantised one runs the decode of the form it was built from: only that form's numbers.
         base = {} if fmt == "bf16" else {"base": GEMV_FORMS[fmt]}
         key = _find(self.library, family, N=n, K=k, MB=8, silu=True, **base)

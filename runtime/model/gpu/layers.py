@@ -125,6 +125,16 @@ class Forward:
     def w(self, slot: Slot) -> int:
         return self.storage.weights_base + slot.offset
 
+    def scales(self, slot: Slot) -> dict[str, int]:
+        """The scale buffers a kernel of the slot's format takes beside its codes: FP8 the block
+        scales, NVFP4 those and the per-row globals, BF16 none."""
+        base = self.storage.weights_base
+        if slot.format == FP8:
+            return {"scale": base + slot.scale_offset}
+        if slot.format == NVFP4:
+            return {"scale": base + slot.scale_offset, "gscale": base + slot.gscale_offset}
+        return {}
+
     def linear(self, out: list, x: int, weight: Slot, y: int, rows: int, tail: Slot | None = None,
                exact_rows: bool = False) -> None:
         """y[rows, N] = x[rows, K] @ weight[N, K]^T with the kernel for the weight's format and
@@ -146,10 +156,7 @@ class Forward:
         if weight.format in (FP8, NVFP4):
             n, k = weight.shape
             nt = tail.shape[0] if tail else 0
-            base = self.storage.weights_base
-            bufs = {"w": self.w(weight), "scale": base + weight.scale_offset}
-            if weight.format == NVFP4:
-                bufs["gscale"] = base + weight.gscale_offset
+            bufs = {"w": self.w(weight), **self.scales(weight)}
             if tail:
                 bufs["tail"] = self.w(tail)
             block = self.kernels.exact_block(n, k, weight.format, nt) if exact_rows else QUANTISED_ROWS
@@ -193,8 +200,7 @@ class Forward:
             self.launch(out, *prefill.gemm, {"x": buf["fp8_x"], "w": self.w(weight), "x_scale": buf["fp8_scale"],
                                              "w_scale": base + weight.scale_offset, "out": y}, {"M": rows})
         else:
-            self.launch(out, *prefill.first, {"w": self.w(weight), "scale": base + weight.scale_offset,
-                                              "gscale": base + weight.gscale_offset, "out": buf["nvfp4_w"]},
+            self.launch(out, *prefill.first, {"w": self.w(weight), **self.scales(weight), "out": buf["nvfp4_w"]},
                         {"N": n})
             self.launch(out, *prefill.gemm, {"x": x, "w": buf["nvfp4_w"], "out": y}, {"M": rows})
         if tail:
@@ -323,12 +329,8 @@ class Forward:
         gate_up = layer["w_gate_up"]
         fused = None if shape.m > 8 else self.kernels.gate_up_silu(gate_up.format, *gate_up.shape)
         if fused is not None:
-            bufs = {"x": buf["h"], "w": self.w(gate_up), "out": buf["act"]}
-            if gate_up.format in (FP8, NVFP4):
-                bufs["scale"] = self.storage.weights_base + gate_up.scale_offset
-            if gate_up.format == NVFP4:
-                bufs["gscale"] = self.storage.weights_base + gate_up.gscale_offset
-            self.launch(out, *fused, bufs, {"M": shape.m})
+            self.launch(out, *fused, {"x": buf["h"], "w": self.w(gate_up), **self.scales(gate_up), "out": buf["act"]},
+                        {"M": shape.m})
         else:
             self.linear(out, buf["h"], gate_up, buf["proj"], shape.m, exact_rows=exact)
             self.launch(out, "silu_mul", self.kernels.silu_mul, {"x": buf["proj"], "out": buf["act"]},
@@ -362,11 +364,8 @@ class Forward:
         quantised = fmt in (FP8, NVFP4)
         up_key, down_key, scales = k.moe_up, k.moe_down, ({}, {})
         if quantised:
-            base = self.storage.weights_base
             up_key, down_key = (k.moe_up_fp8, k.moe_down_fp8) if fmt == FP8 else (k.moe_up_nvfp4, k.moe_down_nvfp4)
-            scales = tuple({"scale": base + slot.scale_offset,
-                            **({"gscale": base + slot.gscale_offset} if fmt == NVFP4 else {})}
-                           for slot in (layer["experts_gate_up"], layer["experts_down"]))
+            scales = (self.scales(layer["experts_gate_up"]), self.scales(layer["experts_down"]))
         logits = {"x": buf["h"], "w": self.w(layer["router"]), "out": buf["moe_logits"]}
         if not decode and not shape.exact_rows and k.moe_router_gemm:
             # Many rows of a prefill chunk or MTP catch-up: the logits by the GEMM (fp32, the same

@@ -98,16 +98,13 @@ class MoePrefill:
         rows = {"M": m, "C": c}
         gate_up, down = forward.w(layer["experts_gate_up"]), forward.w(layer["experts_down"])
         if self.dequant_gate_up:
-            base = forward.storage.weights_base
             gate_up_slot, down_slot = layer["experts_gate_up"], layer["experts_down"]
             gate_up, down = buf["moe_dequant"], buf["moe_dequant"] + gate_up_slot.shape[0] * gate_up_slot.shape[1] * 2
             for key, slot, dst in ((self.dequant_gate_up, gate_up_slot, gate_up), (self.dequant_down, down_slot, down)):
-                args = {"w": forward.w(slot), "scale": base + slot.scale_offset, "out": dst}
-                if self.dequant_family == "dequant_nvfp4":  # the per-row globals; rows are its size N
-                    forward.launch(out, self.dequant_family, key, {**args, "gscale": base + slot.gscale_offset},
-                                   {"N": slot.shape[0]})
-                else:
-                    forward.launch(out, self.dequant_family, key, args, {"R": slot.shape[0]})
+                # The format's scales (NVFP4: the per-row globals too); dequant_nvfp4's rows are its size N.
+                args = {"w": forward.w(slot), **forward.scales(slot), "out": dst}
+                rows_size = "N" if self.dequant_family == "dequant_nvfp4" else "R"
+                forward.launch(out, self.dequant_family, key, args, {rows_size: slot.shape[0]})
         forward.launch(out, "moe_grouped", self.perm, {"ids": route["ids"], "pos": buf["moe_pos"],
                                                        "src": buf["moe_src"], "tiles": buf["moe_tiles"]}, rows)
         forward.launch(out, "moe_grouped", self.gather, {"x": buf["h"], "src": buf["moe_src"],
