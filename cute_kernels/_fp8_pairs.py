@@ -1,7 +1,8 @@
-"""The overlapped k-tile pairs of the FP8 prefill GEMM's `d` forms (`gemm_fp8_sm90`, 128-column
-tiles): a consumer warpgroup issues two k-tiles' WGMMAs into two fp32 fragments, waits for the
-first group (`wait_group(1)`), promotes it while the second runs, then the second. Imports the
-CuTe DSL inside the functions: only `build()` calls them.
+"""The FP8 prefill GEMM's (`gemm_fp8_sm90`) issue of a k-tile's WGMMAs, for every form, and the
+overlapped k-tile pairs of its `d` forms (128-column tiles): a consumer warpgroup issues two
+k-tiles' WGMMAs into two fp32 fragments, waits for the first group (`wait_group(1)`), promotes it
+while the second runs, then the second. Imports the CuTe DSL inside the functions: only
+`build()` calls them.
 
 These are plain functions called while the kernel is traced, so everything they touch comes in as
 an argument, and nothing they change must outlive the call inside a staged loop: a ring state or

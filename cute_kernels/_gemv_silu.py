@@ -1,6 +1,5 @@
 """The fused gate/up + SiLU epilogue of the decode GEMVs' `_silu` variants (`gemv`, `gemv_fp8`,
-`gemv_nvfp4`;
-imports the CuTe DSL: only `build()` functions import this module).
+`gemv_nvfp4`; imports the CuTe DSL: only `build()` functions import this module).
 
 A `_silu` variant computes `act[M, I] = silu(x @ gate^T) * (x @ up^T)` for the fused weight
 `[gate | up]` of 2I rows (the dense MLP's `w_gate_up`): CTA b owns gate rows 8b .. 8b + 7 as the

@@ -256,10 +256,9 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
     num_n = -(-n // bn)
     k_tiles = -(-k // BK)
     last_block = -(-n // SCALE_BLOCK) - 1
-    # Tiles that start inside a scale block (`off`) and so take two weight scales per k-tile: the
-    # promotion has one compile-time slot -> block map per offset.
-    # The offsets of a tile's first column inside its first weight-scale block: every tile of a
-    # 128-column form starts at 0.
+    # Where tiles start inside their first weight-scale block (`off`); those past 0 take two weight
+    # scales per k-tile, the promotion one compile-time slot -> block map per offset. Every tile of
+    # a 128-column form starts at 0.
     tile_offsets = form.offsets(n) if bn > SCALE_BLOCK else [0]
     e4m3, bf16, f32 = cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32
     k_major = LayoutEnum.ROW_MAJOR
@@ -362,7 +361,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
             r_hi, _ = coords[2]
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            mmas = (make_mma(), make_mma())  # overlapped forms: accumulate off / on (`_issue`)
+            mmas = (make_mma(), make_mma())  # accumulate off / on (`_fp8_pairs.issue`)
             mmas[0].set(warpgroup.Field.ACCUMULATE, False)
             mmas[1].set(warpgroup.Field.ACCUMULATE, True)
             scales = cute.make_rmem_tensor((2, 3), f32)  # overlapped forms: each fragment's k-tile scales
@@ -411,14 +410,7 @@ def build(variant: Variant) -> tuple[Any, list[Any]]:
                             nx_lo, nx_hi, nw_s, nw_s1 = _scales(g_xs, g_ws, row_lo, row_hi, block0, block1, ahead)
                             s_lo, s_hi = x_lo * w_s, x_hi * w_s
                             s1_lo, s1_hi = x_lo * w_s1, x_hi * w_s1
-                            ring.consumer_wait(k_state)
-                            warpgroup.fence()
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                            for kb in cutlass.range_constexpr(k_blocks):
-                                cute.gemm(tiled_mma, part, t_ca[(None, None, kb, k_state.index)],
-                                          t_cb[(None, None, kb, k_state.index)], part)
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                            warpgroup.commit_group()
+                            issue(mmas, ring, k_state, part, t_ca, t_cb, k_blocks)
                             warpgroup.wait_group(0)
                             ring.consumer_release(k_state)
                             k_state.advance()
